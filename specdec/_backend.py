@@ -1,0 +1,133 @@
+"""Backend selection: which implementation of an op runs for given tensors.
+
+Rules (design.md, "Dispatch"):
+  * CUDA tensors run the Triton kernel (the PyTorch reference if Triton is missing);
+  * CPU tensors run the PyTorch reference, or the C++ op where one exists;
+  * with ``TRITON_INTERPRET=1`` CPU tensors run the Triton kernels through Triton's
+    interpreter, which is how kernels are tested on machines without a GPU.
+
+``SPECDEC_BACKEND=triton|torch`` (or the ``use_backend`` context manager, which
+wins over the variable) forces one path; ``auto`` or unset applies the rules.
+Nothing here compiles code or touches a GPU at import time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import os
+import threading
+
+import torch
+
+BACKEND_ENV = "SPECDEC_BACKEND"
+BACKENDS = ("auto", "triton", "torch")
+
+_forced = threading.local()
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton kernels run on the CPU through Triton's interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def triton_status() -> tuple[bool, str]:
+    """(importable, version or the reason it is not)."""
+    try:
+        triton = importlib.import_module("triton")
+    except Exception as exc:  # ImportError, or a broken install raising anything
+        return False, f"triton does not import: {exc}"
+    return True, triton.__version__
+
+
+@functools.cache
+def extension_status() -> tuple[object | None, str]:
+    """(the loaded ``specdec._C`` module or None, a description or the reason)."""
+    if os.environ.get("SPECDEC_DISABLE_EXTENSION", "0") not in ("", "0"):
+        return None, "disabled by SPECDEC_DISABLE_EXTENSION"
+    try:
+        module = importlib.import_module("specdec._C")
+    except ImportError as exc:
+        return None, f"specdec._C is not built ({exc}); run `pip install --no-build-isolation -e .`"
+    has_cuda = torch._C._dispatch_has_kernel_for_dispatch_key("specdec::tree_metadata", "CUDA")
+    return module, "CPU and CUDA" if has_cuda else "CPU only"
+
+
+def extension_has_cuda() -> bool:
+    module, _ = extension_status()
+    return module is not None and torch._C._dispatch_has_kernel_for_dispatch_key("specdec::tree_metadata", "CUDA")
+
+
+def forced_backend() -> str:
+    """The backend forced by ``use_backend`` or ``SPECDEC_BACKEND`` ('auto' if none)."""
+    name = getattr(_forced, "name", None) or os.environ.get(BACKEND_ENV, "auto") or "auto"
+    if name not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV} must be one of {BACKENDS}, got {name!r}")
+    return name
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Force ``name`` ('triton', 'torch' or 'auto') for ops called inside the block."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    previous = getattr(_forced, "name", None)
+    _forced.name = name
+    try:
+        yield
+    finally:
+        _forced.name = previous
+
+
+def select_backend(*tensors: torch.Tensor) -> str:
+    """'triton' or 'torch' for an op whose inputs are ``tensors``."""
+    on_cuda = any(t is not None and t.is_cuda for t in tensors)
+    triton_ok, why = triton_status()
+    forced = forced_backend()
+    if forced == "torch":
+        return "torch"
+    if forced == "triton":
+        if not triton_ok:
+            raise RuntimeError(f"the triton backend was forced but {why}")
+        if not on_cuda and not interpreter_enabled():
+            raise RuntimeError(
+                "the triton backend was forced for CPU tensors; set TRITON_INTERPRET=1 "
+                "before importing specdec to run Triton kernels on the CPU"
+            )
+        return "triton"
+    if on_cuda:
+        return "triton" if triton_ok else "torch"
+    return "triton" if (triton_ok and interpreter_enabled()) else "torch"
+
+
+def backend_report() -> list[tuple[str, bool, str]]:
+    """(backend, available, detail) for every backend, for ``python -m specdec info``."""
+    triton_ok, triton_detail = triton_status()
+    cuda_ok = torch.cuda.is_available()
+    module, ext_detail = extension_status()
+    rows = []
+    if not triton_ok:
+        rows.append(("triton (GPU)", False, triton_detail))
+    elif not cuda_ok:
+        rows.append(("triton (GPU)", False, "no CUDA device visible to torch"))
+    else:
+        rows.append(("triton (GPU)", True, f"triton {triton_detail} on {torch.cuda.get_device_name()}"))
+    if not triton_ok:
+        rows.append(("triton interpreter (CPU)", False, triton_detail))
+    elif interpreter_enabled():
+        rows.append(("triton interpreter (CPU)", True, "TRITON_INTERPRET=1 is set"))
+    else:
+        rows.append(("triton interpreter (CPU)", False, "available; set TRITON_INTERPRET=1 to use it"))
+    rows.append(("extension specdec._C (CPU)", module is not None, ext_detail))
+    if module is None:
+        rows.append(("extension specdec._C (CUDA)", False, ext_detail))
+    elif extension_has_cuda():
+        rows.append(("extension specdec._C (CUDA)", True, "built with CUDA sources"))
+    else:
+        rows.append(
+            ("extension specdec._C (CUDA)", False, "built without CUDA (no CUDA torch or no nvcc at build time)")
+        )
+    rows.append(("pytorch reference", True, f"torch {torch.__version__}"))
+    return rows

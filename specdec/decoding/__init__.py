@@ -1,0 +1,1 @@
+"""Speculative decoding strategies and the engine loop (propose, verify, compact, emit)."""

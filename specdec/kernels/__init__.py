@@ -1,0 +1,16 @@
+"""The fused ops: tensors in, tensors out, no knowledge of models.
+
+Each module holds one op in a fixed order: Triton kernel(s), launcher, public
+function, readable PyTorch reference. CUDA tensors run the Triton kernels, CPU
+tensors the reference (or the C++ op), and TRITON_INTERPRET=1 runs the Triton
+kernels on the CPU (see ``specdec._backend``).
+"""
+
+from specdec.kernels.tree_metadata import TreeMetadata, build_tree_metadata, pack_mask_rows, unpack_mask_rows
+
+__all__ = [
+    "TreeMetadata",
+    "build_tree_metadata",
+    "pack_mask_rows",
+    "unpack_mask_rows",
+]

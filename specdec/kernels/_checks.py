@@ -1,0 +1,81 @@
+"""Argument validation shared by the public ops.
+
+Every message names the argument, so a caller deep inside a serving stack sees
+which tensor was wrong. Dtype problems raise TypeError, everything else ValueError.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def check_tensor(
+    name: str,
+    value,
+    *,
+    dtype: torch.dtype | Sequence[torch.dtype] | None = None,
+    ndim: int | None = None,
+    shape: Sequence[int | None] | None = None,
+    device: torch.device | None = None,
+    contiguous: bool = False,
+) -> torch.Tensor:
+    """Check one tensor argument; ``None`` entries of ``shape`` match any size."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if dtype is not None:
+        allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
+        if value.dtype not in allowed:
+            names = " or ".join(str(d).replace("torch.", "") for d in allowed)
+            raise TypeError(f"{name} must have dtype {names}, got {str(value.dtype).replace('torch.', '')}")
+    if shape is not None:
+        ndim = len(shape)
+    if ndim is not None and value.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(value.shape)}")
+    if shape is not None:
+        for axis, (want, got) in enumerate(zip(shape, value.shape)):
+            if want is not None and want != got:
+                expected = tuple("*" if s is None else s for s in shape)
+                raise ValueError(f"{name} must have shape {expected}, got {tuple(value.shape)} (dimension {axis})")
+    if device is not None and value.device != torch.device(device):
+        raise ValueError(f"{name} is on {value.device} but the other inputs are on {device}")
+    if contiguous and not value.is_contiguous():
+        raise ValueError(f"{name} must be contiguous; call .contiguous() first")
+    return value
+
+
+def check_offsets(name: str, offsets: torch.Tensor, total: int | None = None) -> list[int]:
+    """Validate int32 ``[B+1]`` cu_seqlens-style offsets; returns them as a host list.
+
+    Reading the offsets to the host is a synchronisation: call this only where the
+    op needs host-side sizes anyway, or on CPU tensors.
+    """
+    check_tensor(name, offsets, dtype=torch.int32, ndim=1)
+    if offsets.numel() < 1:
+        raise ValueError(f"{name} must hold B+1 >= 1 entries, got none")
+    values = offsets.tolist()
+    if values[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {values[0]}")
+    for i in range(1, len(values)):
+        if values[i] < values[i - 1]:
+            raise ValueError(
+                f"{name} must be non-decreasing, but {name}[{i}]={values[i]} < {name}[{i - 1}]={values[i - 1]}"
+            )
+    if total is not None and values[-1] != total:
+        raise ValueError(f"{name}[-1] must equal the number of rows ({total}), got {values[-1]}")
+    return values
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
+    """All non-None tensors on one device; returns it."""
+    device = None
+    first = None
+    for name, value in tensors.items():
+        if value is None:
+            continue
+        if device is None:
+            device, first = value.device, name
+        elif value.device != device:
+            raise ValueError(f"{name} is on {value.device} but {first} is on {device}")
+    return device

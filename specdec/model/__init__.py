@@ -1,0 +1,1 @@
+"""LLaMA-style model, its config, the HuggingFace checkpoint loader and the KV cache."""

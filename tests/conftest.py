@@ -1,0 +1,54 @@
+"""Shared test harness.
+
+* Without CUDA, TRITON_INTERPRET=1 is set before specdec is imported, so the
+  Triton kernels are decorated for the interpreter and run on the CPU.
+* ``backend`` runs a kernel test once per implementation: the PyTorch reference
+  path ('torch') and the Triton path ('triton': compiled on a GPU, interpreted
+  elsewhere). ``device`` is where that backend's tensors live.
+* ``gpu``-marked tests skip cleanly without CUDA.
+* Every test starts from a seed derived from its own name, so tests are
+  reproducible alone or in any order.
+"""
+
+import os
+import zlib
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from specdec import _backend  # noqa: E402  (after TRITON_INTERPRET is decided)
+
+HAS_CUDA = torch.cuda.is_available()
+HAS_TRITON = _backend.triton_status()[0]
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _seed_per_test(request):
+    seed = zlib.crc32(request.node.nodeid.encode())
+    torch.manual_seed(seed)
+    yield
+
+
+@pytest.fixture(params=["torch", "triton"])
+def backend(request):
+    """Run the test body with one backend forced; yields its name."""
+    if request.param == "triton" and not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    with _backend.use_backend(request.param):
+        yield request.param
+
+
+@pytest.fixture
+def device(backend):
+    """Device of the tensors for the current backend (CUDA when there is one)."""
+    return torch.device("cuda" if HAS_CUDA else "cpu")

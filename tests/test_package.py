@@ -1,0 +1,87 @@
+"""Package-level behaviour: imports without the extension, backend dispatch, the CLI."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from specdec import _backend, use_backend
+
+HIDE_EXTENSION = textwrap.dedent(
+    """
+    import importlib.abc, sys
+
+    class HideExtension(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "specdec._C":
+                raise ImportError("specdec._C hidden by the test")
+            return None
+
+    sys.meta_path.insert(0, HideExtension())
+    """
+)
+
+
+def run_python(code: str, **env) -> subprocess.CompletedProcess:
+    import os
+
+    full_env = {**os.environ, **env}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=300)
+
+
+def test_import_and_ops_work_with_the_extension_hidden():
+    code = HIDE_EXTENSION + textwrap.dedent(
+        """
+        import torch, specdec
+        from specdec import _backend
+        from specdec.kernels import build_tree_metadata
+        assert _backend.extension_status()[0] is None, "extension should be hidden"
+        meta = build_tree_metadata(torch.tensor([-1, 0, 0, 1], dtype=torch.int32),
+                                   torch.tensor([0, 4], dtype=torch.int32))
+        assert meta.depth.tolist() == [0, 1, 1, 2]
+        from specdec.cli import main
+        main(["info"])
+        """
+    )
+    result = run_python(code, TRITON_INTERPRET="0")
+    assert result.returncode == 0, result.stderr
+    assert "specdec._C hidden by the test" in result.stdout
+
+
+def test_info_lists_every_backend():
+    result = run_python("from specdec.cli import main; main(['info'])")
+    assert result.returncode == 0, result.stderr
+    for name in ("triton (GPU)", "triton interpreter (CPU)", "extension specdec._C (CPU)", "pytorch reference"):
+        assert name in result.stdout
+
+
+def test_dispatch_rules(monkeypatch):
+    cpu = torch.zeros(1)
+    with use_backend("torch"):
+        assert _backend.select_backend(cpu) == "torch"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with use_backend("auto"):
+        assert _backend.select_backend(cpu) == "torch"
+    if _backend.triton_status()[0]:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        with use_backend("auto"):
+            assert _backend.select_backend(cpu) == "triton"
+
+
+def test_forcing_triton_on_cpu_without_interpreter_is_explained(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    if not _backend.triton_status()[0]:
+        pytest.skip("triton is not installed")
+    with use_backend("triton"), pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        _backend.select_backend(torch.zeros(1))
+
+
+def test_bad_backend_name_is_refused(monkeypatch):
+    with pytest.raises(ValueError, match="backend must be one of"):
+        with use_backend("cuda"):
+            pass
+    monkeypatch.setenv("SPECDEC_BACKEND", "fast")
+    with pytest.raises(ValueError, match="SPECDEC_BACKEND must be one of"):
+        _backend.forced_backend()
