@@ -1,0 +1,267 @@
+"""Tree attention against a float64 oracle (testing.md items 12-16), both backends.
+
+The oracle walks each node's parent pointers to build its root-to-node path and
+runs a plain softmax over the prefix keys plus the path keys: it never looks at a
+bit mask or a causal flag, so it checks the op's mask handling independently.
+"""
+
+import math
+
+import pytest
+import torch
+from helpers import assert_close
+
+from specdec.kernels import build_tree_metadata, tree_attention
+
+TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (3e-3, 3e-3), torch.bfloat16: (2e-2, 2e-2)}
+
+
+def random_tree(n: int) -> list[int]:
+    return [-1] + [int(torch.randint(0, i, (1,))) for i in range(1, n)]
+
+
+def chain(n: int) -> list[int]:
+    return list(range(-1, n - 1))
+
+
+class Batch:
+    """Random queries, a random KV cache (contiguous or paged) and the trees' masks."""
+
+    def __init__(self, prefixes, trees, hq, hkv, d, dtype, device, paged=False, block_size=16, spare=7):
+        self.prefixes, self.trees, self.hq, self.hkv, self.d = prefixes, trees, hq, hkv, d
+        self.paged, self.block_size = paged, block_size
+        sizes = [len(t) for t in trees]
+        self.offsets = torch.tensor([0] + sizes, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+        self.prefix_lens = torch.tensor(prefixes, dtype=torch.int32, device=device)
+        tokens = sum(sizes)
+        self.q = torch.randn(tokens, hq, d, dtype=torch.float32).to(dtype).to(device)
+        lengths = [p + n for p, n in zip(prefixes, sizes)]
+        if paged:
+            blocks = [max(1, -(-length // block_size)) for length in lengths]
+            max_blocks = max(blocks) + 2
+            num_blocks = sum(blocks) + spare
+            order = torch.randperm(num_blocks).tolist()  # shuffled: a contiguous reading cannot pass
+            table = torch.randint(0, num_blocks, (len(trees), max_blocks), dtype=torch.int32)
+            for b, count in enumerate(blocks):
+                table[b, :count] = torch.tensor([order.pop() for _ in range(count)], dtype=torch.int32)
+            self.block_table = table.to(device)
+            shape = (num_blocks, block_size, hkv, d)
+        else:
+            self.block_table = None
+            shape = (len(trees), max(lengths) + spare, hkv, d)
+        self.k = torch.randn(shape, dtype=torch.float32).to(dtype).to(device)
+        self.v = torch.randn(shape, dtype=torch.float32).to(dtype).to(device)
+        masks = []
+        for tree in trees:
+            if tree:
+                parents = torch.tensor(tree, dtype=torch.int32)
+                offs = torch.tensor([0, len(tree)], dtype=torch.int32)
+                masks.append(build_tree_metadata(parents, offs, max(max(sizes), 1)).ancestor_mask)
+        self.tree_mask = torch.cat(masks).to(device)
+
+    def kv_at(self, b: int, pos: int):
+        if self.block_table is None:
+            return self.k[b, pos], self.v[b, pos]
+        block = int(self.block_table[b, pos // self.block_size])
+        return self.k[block, pos % self.block_size], self.v[block, pos % self.block_size]
+
+    def oracle(self, scale=None):
+        """float64 (out [Tq, Hq, D], lse [Tq, Hq]) node by node."""
+        scale = self.d**-0.5 if scale is None else scale
+        group = self.hq // self.hkv
+        outs, lses = [], []
+        q = self.q.double().cpu()
+        row = 0
+        for b, tree in enumerate(self.trees):
+            p = self.prefixes[b]
+            for i in range(len(tree)):
+                path, node = [], i
+                while node >= 0:
+                    path.append(node)
+                    node = tree[node]
+                positions = list(range(p)) + [p + j for j in sorted(path)]
+                kv = [self.kv_at(b, pos) for pos in positions]
+                k = torch.stack([a for a, _ in kv]).double().cpu().repeat_interleave(group, dim=1)  # [m, Hq, D]
+                v = torch.stack([c for _, c in kv]).double().cpu().repeat_interleave(group, dim=1)
+                s = torch.einsum("hd,mhd->hm", q[row], k) * scale
+                lses.append(torch.logsumexp(s, -1))
+                outs.append(torch.einsum("hm,mhd->hd", torch.softmax(s, -1), v))
+                row += 1
+        return torch.stack(outs), torch.stack(lses)
+
+    def run(self, causal=False, **kwargs):
+        out = torch.full_like(self.q, math.nan)  # poisoned: an unwritten row fails
+        mask = None if causal else self.tree_mask
+        return tree_attention(
+            self.q, self.k, self.v, self.offsets, self.prefix_lens, tree_mask=mask, causal=causal,
+            block_table=self.block_table, out=out, return_lse=True, **kwargs,
+        )  # fmt: skip
+
+
+def check(batch: Batch, causal=False, what="", **kwargs):
+    out, lse = batch.run(causal=causal, **kwargs)
+    ref_out, ref_lse = batch.oracle(kwargs.get("softmax_scale"))
+    atol, rtol = TOL[batch.q.dtype]
+    assert out.dtype == batch.q.dtype and lse.dtype == torch.float32
+    assert_close(out, ref_out, atol, rtol, f"{what} out")
+    assert_close(lse, ref_lse, atol, rtol, f"{what} lse")
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_trees_match_oracle(backend, device, paged, dtype):
+    # ragged prefixes (0, crossing blocks of 16) and ragged trees, one request with no queries
+    trees = [random_tree(13), [-1], [], [-1] + [0] * 8, random_tree(20)]
+    batch = Batch([0, 37, 5, 16, 70], trees, hq=4, hkv=2, d=64, dtype=dtype, device=device, paged=paged)
+    check(batch, what=f"{backend} {dtype}")
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_chain_mask_and_causal_flag_equal_causal_attention(backend, device, paged):
+    trees = [chain(9), chain(1), chain(24)]
+    batch = Batch([3, 0, 41], trees, hq=4, hkv=1, d=64, dtype=torch.float32, device=device, paged=paged)
+    check(batch, what="chain mask")
+    check(batch, causal=True, what="causal flag")
+
+
+def test_single_node_is_decode(backend, device):
+    batch = Batch([1, 50, 0, 17], [[-1]] * 4, hq=8, hkv=2, d=64, dtype=torch.float32, device=device, paged=True)
+    check(batch, what="decode via mask")
+    check(batch, causal=True, what="decode via causal")
+
+
+@pytest.mark.parametrize(
+    "d,hq,hkv", [(80, 6, 2), (96, 8, 1), (112, 5, 1), (128, 3, 3), (64, 14, 2)], ids=lambda x: str(x)
+)
+def test_head_dims_and_gqa_ratios(backend, device, d, hq, hkv):
+    trees = [random_tree(6), chain(3)]
+    batch = Batch([9, 20], trees, hq=hq, hkv=hkv, d=d, dtype=torch.float16, device=device, paged=True, block_size=8)
+    check(batch, what=f"d={d} hq={hq} hkv={hkv}")
+
+
+def test_tree_over_256_nodes(backend, device):
+    # five 64-bit words per mask row
+    batch = Batch([11], [random_tree(300)], hq=2, hkv=1, d=64, dtype=torch.float32, device=device)
+    check(batch, what="300-node tree")
+
+
+def test_long_prefill_chunk_causal(backend, device):
+    batch = Batch([30, 0], [chain(150), chain(70)], hq=2, hkv=1, d=64, dtype=torch.float32, device=device, paged=True)
+    check(batch, causal=True, what="prefill chunk")
+
+
+@pytest.mark.parametrize("splits", [2, 5])
+def test_split_context(backend, device, splits):
+    # on the Triton path the context is split over programs and merged by log-sum-exp
+    trees = [random_tree(5), [-1], chain(4)]
+    batch = Batch([200, 0, 129], trees, hq=4, hkv=2, d=64, dtype=torch.float32, device=device, paged=True)
+    check(batch, what=f"{splits} splits", num_splits=splits)
+
+
+def test_softmax_scale(backend, device):
+    batch = Batch([20], [random_tree(7)], hq=2, hkv=2, d=64, dtype=torch.float32, device=device)
+    check(batch, what="scale", softmax_scale=0.3)
+
+
+def test_strided_views_of_a_stacked_cache(backend, device):
+    batch = Batch([25, 4], [random_tree(6), chain(2)], hq=4, hkv=2, d=64, dtype=torch.float32, device=device)
+    # K and V interleaved per token ([B, max_len, 2, Hkv, D]) inside one layer of a stacked all-layer cache
+    stacked = torch.randn(3, batch.k.shape[0], batch.k.shape[1], 2, batch.hkv, batch.d, device=device)
+    stacked[1, :, :, 0], stacked[1, :, :, 1] = batch.k, batch.v
+    batch.k, batch.v = stacked[1, :, :, 0], stacked[1, :, :, 1]
+    wide = torch.randn(batch.q.shape[0], batch.hq * 2, batch.d, device=device)
+    wide[:, 1::2] = batch.q
+    batch.q = wide[:, 1::2]
+    assert not batch.k.is_contiguous() and not batch.q.is_contiguous()
+    check(batch, what="stacked views")
+
+
+def test_out_and_default_allocation_agree(backend, device):
+    batch = Batch([8, 3], [random_tree(5), random_tree(4)], hq=2, hkv=1, d=64, dtype=torch.float32, device=device)
+    out, lse = batch.run()
+    plain = tree_attention(batch.q, batch.k, batch.v, batch.offsets, batch.prefix_lens, tree_mask=batch.tree_mask)
+    assert torch.equal(out, plain)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def small(**over):
+    args = dict(
+        q=torch.randn(3, 4, 64),
+        k_cache=torch.randn(2, 16, 2, 64),
+        v_cache=torch.randn(2, 16, 2, 64),
+        q_offsets=torch.tensor([0, 2, 3], dtype=torch.int32),
+        prefix_lens=torch.tensor([4, 0], dtype=torch.int32),
+        tree_mask=torch.tensor([[1], [3], [1]], dtype=torch.int64),
+    )
+    args.update(over)
+    pos = [args.pop(n) for n in ("q", "k_cache", "v_cache", "q_offsets", "prefix_lens")]
+    return tree_attention(*pos, **args)
+
+
+@pytest.mark.parametrize(
+    "over,exc,match",
+    [
+        (dict(q=torch.randn(3, 3, 64)), ValueError, "q has 3 heads, not a multiple"),
+        (dict(q=torch.randn(3, 4, 72)), ValueError, "k_cache head dim"),
+        (
+            dict(q=torch.randn(3, 4, 40), k_cache=torch.randn(2, 16, 2, 40), v_cache=torch.randn(2, 16, 2, 40)),
+            ValueError,
+            "q head dim must be a multiple of 16",
+        ),
+        (dict(q=torch.randn(3, 4, 64, dtype=torch.float16)), TypeError, "k_cache must have dtype float16"),
+        (dict(v_cache=torch.randn(2, 16, 2, 64, dtype=torch.float16)), TypeError, "v_cache must have dtype"),
+        (dict(q=torch.randn(3, 4, 64).long()), TypeError, "q must have dtype"),
+        (dict(v_cache=torch.randn(2, 15, 2, 64)), ValueError, "v_cache must have shape"),
+        (dict(q_offsets=torch.tensor([0, 2, 3])), TypeError, "q_offsets must have dtype int32"),
+        (dict(q_offsets=torch.tensor([0, 3, 2], dtype=torch.int32)), ValueError, "q_offsets must be non-decreasing"),
+        (dict(q_offsets=torch.tensor([0, 1, 2], dtype=torch.int32)), ValueError, r"q_offsets\[-1\] must equal"),
+        (dict(prefix_lens=torch.tensor([4], dtype=torch.int32)), ValueError, "prefix_lens must have shape"),
+        (dict(prefix_lens=torch.tensor([4, -1], dtype=torch.int32)), ValueError, r"prefix_lens\[1\] must be >= 0"),
+        (dict(prefix_lens=torch.tensor([15, 0], dtype=torch.int32)), ValueError, "k_cache holds max_len=16"),
+        (dict(tree_mask=None), ValueError, "exactly one of tree_mask"),
+        (dict(causal=True), ValueError, "exactly one of tree_mask"),
+        (dict(tree_mask=torch.ones(3, 1, dtype=torch.int32)), TypeError, "tree_mask must have dtype int64"),
+        (dict(tree_mask=torch.ones(2, 1, dtype=torch.int64)), ValueError, "tree_mask must have shape"),
+        (dict(k_cache=torch.randn(1, 16, 2, 64), v_cache=torch.randn(1, 16, 2, 64)), ValueError, "k_cache has 1 rows"),
+        (dict(k_cache=torch.randn(2, 16, 2, 128)[..., ::2]), ValueError, "k_cache must be contiguous in its last"),
+        (dict(out=torch.empty(3, 4, 64, dtype=torch.float16)), TypeError, "out must have dtype float32"),
+        (dict(out=torch.empty(3, 4, 32)), ValueError, "out must have shape"),
+        (dict(softmax_scale=-1.0), ValueError, "softmax_scale must be a positive"),
+        (dict(num_splits=0), ValueError, "num_splits must be a positive int"),
+    ],
+)
+def test_bad_input(over, exc, match):
+    with pytest.raises(exc, match=match):
+        small(**over)
+
+
+def test_mask_too_short_for_tree():
+    q = torch.randn(70, 2, 64)
+    kv = torch.randn(1, 80, 1, 64)
+    with pytest.raises(ValueError, match="tree_mask has 1 words per row .* too short for request 0's tree of 70"):
+        tree_attention(
+            q, kv, kv, torch.tensor([0, 70], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
+            tree_mask=torch.ones(70, 1, dtype=torch.int64),
+        )  # fmt: skip
+
+
+def test_block_table_errors():
+    paged = dict(k_cache=torch.randn(6, 4, 2, 64), v_cache=torch.randn(6, 4, 2, 64))
+    with pytest.raises(ValueError, match="block_table is too small: request 0 needs 2 blocks"):
+        small(**paged, block_table=torch.tensor([[0], [1]], dtype=torch.int32))
+    with pytest.raises(ValueError, match="block_table row 1 holds block ids outside"):
+        small(**paged, block_table=torch.tensor([[0, 1], [6, 2]], dtype=torch.int32))
+    with pytest.raises(ValueError, match="block_table must have 2 rows"):
+        small(**paged, block_table=torch.tensor([[0, 1]], dtype=torch.int32))
+    with pytest.raises(TypeError, match="block_table must have dtype int32"):
+        small(**paged, block_table=torch.tensor([[0, 1], [2, 3]]))
+
+
+def test_device_mix():
+    # a meta tensor stands in for a second device on machines without one
+    with pytest.raises(ValueError, match="k_cache is on cpu but q is on meta"):
+        small(q=torch.randn(3, 4, 64, device="meta"))
+    with pytest.raises(ValueError, match="tree_mask is on meta but q is on cpu"):
+        small(tree_mask=torch.ones(3, 1, dtype=torch.int64, device="meta"))
