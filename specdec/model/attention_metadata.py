@@ -1,0 +1,70 @@
+"""What one model forward needs to know about its query tokens besides their ids.
+
+The same forward serves a ragged prefill chunk, one decode token per request and a
+token tree per request (verification); only the metadata differs:
+
+    q_offsets  [B+1]  int32  request b owns query rows q_offsets[b] .. q_offsets[b+1]-1
+                             (possibly none: a finished request simply sends no rows)
+    tree_mask  [Tq, W] int64 bit-packed ancestor-or-self rows (``build_tree_metadata``),
+                             or None for causal attention among each request's rows
+
+Query row i of request b is written to the KV cache at ``seq_lens[b] + i`` and sees
+the whole committed prefix. RoPE positions are given separately: ``seq_lens[b] + i``
+for causal rows, ``seq_lens[b] + depth`` for tree nodes; the helpers below build
+them on the device without a host synchronisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.kernels._checks import check_tensor
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Query layout of one forward: ``q_offsets [B+1]`` int32 and an optional ``tree_mask [Tq, W]`` int64."""
+
+    q_offsets: torch.Tensor
+    tree_mask: torch.Tensor | None = None
+
+    def __post_init__(self):
+        check_tensor("q_offsets", self.q_offsets, dtype=torch.int32, ndim=1)
+        if self.q_offsets.numel() < 2:
+            raise ValueError(f"q_offsets must hold B+1 >= 2 entries, got {self.q_offsets.numel()}")
+        if self.tree_mask is not None:
+            check_tensor("tree_mask", self.tree_mask, dtype=torch.int64, ndim=2)
+
+    @property
+    def causal(self) -> bool:
+        return self.tree_mask is None
+
+    @property
+    def batch_size(self) -> int:
+        return self.q_offsets.numel() - 1
+
+
+def offsets_from_counts(counts: torch.Tensor) -> torch.Tensor:
+    """int32 ``[B+1]`` offsets ``[0, c0, c0+c1, ...]`` from per-request row counts ``[B]``."""
+    return torch.nn.functional.pad(counts.to(torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+
+
+def request_index(q_offsets: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """int64 ``[Tq]``: the request each flattened query row belongs to (empty requests skipped)."""
+    rows = torch.arange(num_tokens, device=q_offsets.device, dtype=q_offsets.dtype)
+    return torch.searchsorted(q_offsets[1:], rows, right=True)
+
+
+def causal_positions(q_offsets: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """int64 ``[Tq]`` RoPE positions ``seq_lens[b] + i`` of the i-th row of request b."""
+    req = request_index(q_offsets, num_tokens)
+    rows = torch.arange(num_tokens, device=q_offsets.device)
+    return rows - q_offsets.long()[req] + seq_lens.long()[req]
+
+
+def tree_positions(q_offsets: torch.Tensor, seq_lens: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """int64 ``[Tq]`` RoPE positions ``seq_lens[b] + depth`` of each tree node."""
+    req = request_index(q_offsets, depth.numel())
+    return seq_lens.long()[req] + depth.long()
