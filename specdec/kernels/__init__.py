@@ -6,12 +6,15 @@ tensors the reference (or the C++ op), and TRITON_INTERPRET=1 runs the Triton
 kernels on the CPU (see ``specdec._backend``).
 """
 
+from specdec.kernels.kv_cache_ops import kv_append, kv_compact
 from specdec.kernels.tree_attention import tree_attention
 from specdec.kernels.tree_metadata import TreeMetadata, build_tree_metadata, pack_mask_rows, unpack_mask_rows
 
 __all__ = [
     "TreeMetadata",
     "build_tree_metadata",
+    "kv_append",
+    "kv_compact",
     "pack_mask_rows",
     "tree_attention",
     "unpack_mask_rows",

@@ -1,0 +1,381 @@
+"""The KV cache: one stacked tensor for all layers, contiguous or paged, with in-place rollback.
+
+Layouts (K and V of every layer in one tensor, so one launch can touch all layers):
+
+    contiguous  data [L, 2, B, max_len, Hkv, D]
+    paged       data [L, 2, num_blocks, block_size, Hkv, D],  block_tables [B, max_blocks] int32
+
+``seq_lens [B]`` (int32, on the device) counts each request's committed tokens. A step
+writes the K/V of its query tokens at ``seq_lens[b] + i`` (``write``, once per layer),
+then commits them: ``advance`` for prefill chunks and plain decode tokens, ``compact``
+for a verified token tree (moves the accepted path's nodes next to the prefix in every
+layer in one launch, then adds the accepted count). ``truncate`` / ``rollback`` shorten
+requests, ``release`` ends them.
+
+Capacity without device syncs. The host keeps, per request, an upper bound on
+``seq_lens[b]`` built only from sizes it already knows: ``reserve(counts)`` (called by
+``write`` if the caller did not) records how many tokens the step writes; committing
+adds that count (``advance`` with device counts), the exact count (host counts), or at
+most the path width (``compact``). A write is admitted when ``bound + count <= max_len``.
+Bounds drift upwards when trees are only partly accepted; only when a bound says a
+request *might* overflow (or the paged pool runs dry) does the cache read ``seq_lens``
+back once (``sync_lengths``) and decide on exact lengths. A write that still does not
+fit is refused with a ValueError naming the request and the excess, before anything is
+written. ``room()`` gives each request's guaranteed free slots so a strategy can shorten
+its draft instead.
+
+Paged allocation. Blocks come from a free list on the host. ``reserve`` gives each
+request the blocks its bound plus the new tokens need; committing tightens the bound and
+immediately returns the blocks past it to the free list (no device round trip: block ids
+are host data, and later kernels run after the compaction in stream order).
+``sync_lengths`` returns the blocks between the exact length and the old bound; ``release``
+returns all of a request's blocks at its end. Block-table entries past a request's blocks
+are stale but always valid ids (0 at first), so an over-read in a masked lane stays inside
+the pool; the table is copied to the device (asynchronously) only when a request grows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from specdec.kernels._checks import check_offsets, check_tensor
+from specdec.kernels.kv_cache_ops import DTYPES, check_accepted_path, kv_append, kv_compact
+
+LAYOUTS = ("contiguous", "paged")
+
+
+class BlockAllocator:
+    """Free list of physical block ids (host side); detects double frees and foreign ids."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: low ids are handed out first
+        self._in_use = [False] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise ValueError(f"cannot allocate {n} blocks: only {len(self._free)} of {self.num_blocks} are free")
+        ids = [self._free.pop() for _ in range(n)]
+        for i in ids:
+            self._in_use[i] = True
+        return ids
+
+    def free(self, ids: Sequence[int]) -> None:
+        for i in ids:
+            if not 0 <= i < self.num_blocks or not self._in_use[i]:
+                raise ValueError(f"block {i} is not allocated")
+            self._in_use[i] = False
+            self._free.append(i)
+
+
+class KVCache:
+    """KV cache of ``batch_size`` requests for ``num_layers`` layers (see the module docstring).
+
+    Parameters
+    ----------
+    num_layers, batch_size, num_kv_heads, head_dim : cache geometry.
+    max_len : capacity of each request in tokens.
+    dtype : float16, bfloat16 or float32.
+    device : where ``data``, ``seq_lens`` and ``block_tables`` live.
+    layout : "contiguous" or "paged".
+    block_size : tokens per block (paged).
+    num_blocks : blocks in the paged pool; default ``batch_size * ceil(max_len / block_size)``
+        (every request can reach ``max_len``). A smaller pool is shared on demand.
+
+    Attributes
+    ----------
+    data : contiguous ``[L, 2, B, max_len, Hkv, D]``; paged ``[L, 2, num_blocks, block_size, Hkv, D]``.
+    seq_lens : ``[B]`` int32 on ``device``; committed tokens per request (the next RoPE position).
+    block_tables : ``[B, max_blocks]`` int32 (paged) or None.
+
+    Example
+    -------
+    >>> cache = KVCache(2, 1, 1, 4, max_len=16, dtype=torch.float32, device="cpu")
+    >>> offsets = torch.tensor([0, 3], dtype=torch.int32)
+    >>> for layer in range(2):                                    # a 3-node tree: root, two children
+    ...     cache.write(layer, torch.randn(3, 1, 4), torch.randn(3, 1, 4), offsets)
+    >>> cache.compact(torch.tensor([[0, 2]], dtype=torch.int32))  # accept root and node 2
+    >>> cache.seq_lens.tolist()
+    [2]
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        layout: str = "contiguous",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+    ):
+        for name, value in (
+            ("num_layers", num_layers),
+            ("batch_size", batch_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("max_len", max_len),
+            ("block_size", block_size),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if dtype not in DTYPES:
+            raise TypeError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        self.num_layers, self.batch_size = num_layers, batch_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.max_len, self.dtype, self.device, self.layout = max_len, dtype, torch.device(device), layout
+        self.seq_lens = torch.zeros(batch_size, dtype=torch.int32, device=self.device)
+        self._tickets = torch.zeros(batch_size, dtype=torch.int32, device=self.device)  # kv_compact scratch
+        self._bound = [0] * batch_size  # host upper bound of seq_lens[b]
+        self._pending: list[int] | None = None  # tokens per request written (or reserved) but not committed
+        if layout == "contiguous":
+            self.block_size = None
+            self.block_tables = None
+            self.allocator = None
+            shape = (num_layers, 2, batch_size, max_len, num_kv_heads, head_dim)
+        else:
+            self.block_size = block_size
+            max_blocks = math.ceil(max_len / block_size)
+            if num_blocks is None:
+                num_blocks = batch_size * max_blocks
+            if not isinstance(num_blocks, int) or num_blocks < 1:
+                raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+            self.allocator = BlockAllocator(num_blocks)
+            self._blocks: list[list[int]] = [[] for _ in range(batch_size)]  # block ids per request, in order
+            self._host_tables = torch.zeros(batch_size, max_blocks, dtype=torch.int32)
+            self.block_tables = self._host_tables.to(self.device)
+            shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        self.data = torch.zeros(shape, dtype=dtype, device=self.device)
+
+    # ---- views for attention ------------------------------------------------------------------
+
+    def layer(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) of layer ``l``: contiguous ``[B, max_len, Hkv, D]`` or paged ``[num_blocks, block_size, Hkv, D]``."""
+        if not isinstance(l, int) or not 0 <= l < self.num_layers:
+            raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {l!r}")
+        return self.data[l, 0], self.data[l, 1]
+
+    @property
+    def capacity(self) -> int:
+        return self.max_len
+
+    def room(self) -> list[int]:
+        """Free slots each request is guaranteed (from the host bounds; no device sync)."""
+        return [self.max_len - bound for bound in self._bound]
+
+    def length_bounds(self) -> list[int]:
+        """Host upper bounds of ``seq_lens`` (exact after ``sync_lengths``, prefills and decodes)."""
+        return list(self._bound)
+
+    # ---- writing ------------------------------------------------------------------------------
+
+    def reserve(self, counts: Sequence[int] | torch.Tensor) -> None:
+        """Admit a step that writes ``counts[b]`` tokens after request b's prefix, or refuse it.
+
+        ``counts`` are host ints (or a CPU tensor). Raises ValueError naming the request and the
+        excess when a request would pass ``max_len`` (or the paged pool cannot hold the step);
+        nothing is written or allocated then. Allocates the blocks the step needs (paged).
+        """
+        counts = self._host_ints("counts", counts)
+        if any(c < 0 for c in counts):
+            raise ValueError(f"counts must be >= 0, got {counts}")
+        if any(bound + c > self.max_len for bound, c in zip(self._bound, counts)):
+            self.sync_lengths()  # the bounds may be loose: decide on exact lengths (one sync, rare)
+            for b, (length, c) in enumerate(zip(self._bound, counts)):
+                if length + c > self.max_len:
+                    raise ValueError(
+                        f"request {b} would pass its capacity of {self.max_len} tokens by {length + c - self.max_len} "
+                        f"({length} cached + {c} new)"
+                    )
+        if self.layout == "paged":
+            targets = [bound + c for bound, c in zip(self._bound, counts)]
+            if self._blocks_short(targets) > self.allocator.num_free:
+                self._pending = None
+                self.sync_lengths()  # give back blocks held past the exact lengths, then retry
+                targets = [bound + c for bound, c in zip(self._bound, counts)]
+            short = self._blocks_short(targets)
+            if short > self.allocator.num_free:
+                worst = max(
+                    range(self.batch_size), key=lambda b: self._blocks_needed(targets[b]) - len(self._blocks[b])
+                )
+                raise ValueError(
+                    f"the paged cache is out of blocks: this step needs {short} more but only "
+                    f"{self.allocator.num_free} are free (request {worst} alone needs "
+                    f"{self._blocks_needed(targets[worst]) - len(self._blocks[worst])})"
+                )
+            self._grow_pages(targets)
+        self._pending = counts
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor) -> None:
+        """Write ``k, v [Tq, Hkv, D]`` of one layer: token i of request b to position ``seq_lens[b] + i``.
+
+        ``q_offsets [B+1]`` int32 splits the tokens by request. ``seq_lens`` is unchanged. Without a
+        ``reserve`` for this step the counts are read from ``q_offsets`` (free on the CPU, one sync on a
+        GPU: call ``reserve`` with the sizes you know to avoid it).
+        """
+        check_tensor("k", k, ndim=3)
+        check_tensor("q_offsets", q_offsets, dtype=torch.int32, shape=(self.batch_size + 1,), device=self.device)
+        if self._pending is None:
+            bounds = check_offsets("q_offsets", q_offsets, total=k.shape[0])
+            self.reserve([bounds[b + 1] - bounds[b] for b in range(self.batch_size)])
+        if k.shape[0] != sum(self._pending):
+            raise ValueError(
+                f"k has {k.shape[0]} tokens but this step reserved {sum(self._pending)} ({self._pending} per request)"
+            )
+        kv_append(self.data, layer, k, v, self.seq_lens, q_offsets, self.block_tables)
+
+    # ---- committing and shortening ------------------------------------------------------------
+
+    def advance(self, counts: Sequence[int] | torch.Tensor) -> None:
+        """``seq_lens += counts`` (``[B]`` int32 on the device, or host ints) after a prefill chunk or decode.
+
+        Device counts must not exceed the tokens written this step (their bound grows by that number).
+        """
+        if isinstance(counts, torch.Tensor) and not counts.is_cpu:
+            check_tensor("counts", counts, dtype=torch.int32, shape=(self.batch_size,), device=self.device)
+            if self._pending is None:
+                raise ValueError("advance() with device counts needs a write or reserve this step; pass host counts")
+            added = self._pending
+            self.seq_lens += counts
+        else:
+            added = self._host_ints("counts", counts)
+            for b, (bound, c) in enumerate(zip(self._bound, added)):
+                if c < 0 or bound + c > self.max_len:
+                    raise ValueError(f"counts[{b}] = {c} must be in [0, {self.max_len - bound}] (capacity)")
+            if self.layout == "paged":
+                self._grow_pages([bound + c for bound, c in zip(self._bound, added)])
+            self.seq_lens += torch.tensor(added, dtype=torch.int32).to(self.device)
+        self._commit([bound + c for bound, c in zip(self._bound, added)])
+
+    def compact(self, accepted_path: torch.Tensor) -> None:
+        """Commit verified trees: move accepted nodes next to the prefix in every layer, in one launch.
+
+        ``accepted_path [B, P]`` int32 holds local node indices, root first, strictly increasing,
+        padded with -1: the K/V of node ``path[b, j]`` moves from ``seq_lens[b] + path[b, j]`` to
+        ``seq_lens[b] + j``, then ``seq_lens[b]`` grows by the number of valid entries.
+        """
+        check_tensor("accepted_path", accepted_path, dtype=torch.int32, shape=(self.batch_size, None))
+        pending = self._pending or [0] * self.batch_size
+        if accepted_path.is_cpu:
+            counts = check_accepted_path(accepted_path, self.seq_lens.cpu(), self.max_len)
+            for b, (row, written) in enumerate(zip(accepted_path.tolist(), pending)):
+                if counts[b] and row[counts[b] - 1] >= written:
+                    raise ValueError(
+                        f"accepted_path[{b}] = {row} names node {row[counts[b] - 1]} but only "
+                        f"{written} nodes were written for request {b} this step"
+                    )
+        kv_compact(self.data, self.seq_lens, accepted_path.to(self.device), self.block_tables, tickets=self._tickets)
+        width = accepted_path.shape[1]
+        self._commit([bound + min(width, written) for bound, written in zip(self._bound, pending)])
+
+    def truncate(self, lengths: Sequence[int] | torch.Tensor) -> None:
+        """Shorten requests: ``seq_lens = min(seq_lens, lengths)`` (host ints, or a ``[B]`` int32 device tensor)."""
+        if isinstance(lengths, torch.Tensor) and not lengths.is_cpu:
+            check_tensor("lengths", lengths, dtype=torch.int32, shape=(self.batch_size,), device=self.device)
+            torch.minimum(self.seq_lens, lengths, out=self.seq_lens)
+            self._commit(list(self._bound))
+            return
+        lengths = self._host_ints("lengths", lengths)
+        if any(n < 0 for n in lengths):
+            raise ValueError(f"lengths must be >= 0, got {lengths}")
+        torch.minimum(self.seq_lens, torch.tensor(lengths, dtype=torch.int32).to(self.device), out=self.seq_lens)
+        self._commit([min(bound, n) for bound, n in zip(self._bound, lengths)])
+
+    def rollback(self, n: int | Sequence[int] | torch.Tensor) -> None:
+        """Drop the last ``n`` committed tokens of every request (an int, or per request), stopping at 0."""
+        if isinstance(n, torch.Tensor) and not n.is_cpu:
+            check_tensor("n", n, dtype=torch.int32, shape=(self.batch_size,), device=self.device)
+            torch.clamp(self.seq_lens - n, min=0, out=self.seq_lens)
+            self._commit(list(self._bound))
+            return
+        drop = [n] * self.batch_size if isinstance(n, int) else self._host_ints("n", n)
+        if any(d < 0 for d in drop):
+            raise ValueError(f"n must be >= 0, got {n}")
+        shift = torch.tensor(drop, dtype=torch.int32).to(self.device)
+        torch.clamp(self.seq_lens - shift, min=0, out=self.seq_lens)
+        self._commit([max(bound - d, 0) for bound, d in zip(self._bound, drop)])
+
+    def release(self, requests: int | Sequence[int] | None = None) -> None:
+        """End requests (all by default): length 0 and, paged, every block back to the free list."""
+        if requests is None:
+            requests = range(self.batch_size)
+        elif isinstance(requests, int):
+            requests = [requests]
+        requests = list(requests)
+        for b in requests:
+            if not isinstance(b, int) or not 0 <= b < self.batch_size:
+                raise ValueError(f"requests must hold ints in [0, {self.batch_size}), got {b!r}")
+        if not requests:
+            return
+        self.seq_lens[torch.tensor(requests, device=self.device)] = 0
+        bounds = list(self._bound)
+        for b in requests:
+            bounds[b] = 0
+        self._commit(bounds)
+
+    def sync_lengths(self) -> list[int]:
+        """Read ``seq_lens`` to the host (one sync), make the bounds exact and free blocks past them."""
+        lengths = self.seq_lens.tolist()
+        self._bound = lengths
+        if self.layout == "paged":
+            self._trim_pages()
+        return list(lengths)
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _commit(self, bounds: list[int]) -> None:
+        self._bound = bounds
+        self._pending = None
+        if self.layout == "paged":
+            self._trim_pages()
+
+    def _host_ints(self, name: str, values) -> list[int]:
+        if isinstance(values, torch.Tensor):
+            check_tensor(name, values, dtype=(torch.int32, torch.int64), shape=(self.batch_size,))
+            return values.tolist()
+        values = list(values)
+        if len(values) != self.batch_size or not all(isinstance(x, int) for x in values):
+            raise ValueError(f"{name} must hold {self.batch_size} ints (one per request), got {values!r}")
+        return values
+
+    def _blocks_needed(self, length: int) -> int:
+        return -(-length // self.block_size)
+
+    def _blocks_short(self, targets: list[int]) -> int:
+        return sum(max(self._blocks_needed(t) - len(self._blocks[b]), 0) for b, t in enumerate(targets))
+
+    def _grow_pages(self, targets: list[int]) -> None:
+        changed = False
+        for b, target in enumerate(targets):
+            missing = self._blocks_needed(target) - len(self._blocks[b])
+            if missing > 0:
+                ids = self.allocator.allocate(missing)
+                first = len(self._blocks[b])
+                self._blocks[b].extend(ids)
+                self._host_tables[b, first : first + missing] = torch.tensor(ids, dtype=torch.int32)
+                changed = True
+        if changed:
+            host = self._host_tables.pin_memory() if self.block_tables.is_cuda else self._host_tables
+            self.block_tables.copy_(host, non_blocking=True)  # a fresh pinned copy: no host wait
+
+    def _trim_pages(self) -> None:
+        """Return blocks past each request's bound (plus any uncommitted tokens) to the free list."""
+        pending = self._pending or [0] * self.batch_size
+        for b in range(self.batch_size):
+            keep = self._blocks_needed(self._bound[b] + pending[b])
+            if len(self._blocks[b]) > keep:
+                self.allocator.free(self._blocks[b][keep:])
+                del self._blocks[b][keep:]
