@@ -24,11 +24,303 @@ import math
 
 import torch
 
+from specdec import _backend
 from specdec.kernels._checks import check_offsets, check_same_device, check_tensor
 from specdec.kernels.tree_metadata import MASK_WORD_BITS, unpack_mask_rows
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # triton is optional: select_backend then always picks the reference below
+    triton = None
+
+    class tl:  # noqa: N801  (stands in for triton.language so the kernel signatures still parse)
+        constexpr = int
+
+
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
+LN2 = math.log(2.0)
+
+
+def _jit(fn):
+    return triton.jit(fn) if triton is not None else fn
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+
+@_jit
+def _tree_attention_kernel(
+    # q [Tq, Hq, D]; k, v [B', max_len, Hkv, D] or paged [num_blocks, PAGE, Hkv, D] (last dim contiguous)
+    # out [S, Tq, Hq, D] and lse [S, Tq, Hq]: per-split partials (fp32) when NUM_SPLITS > 1, else the results
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    q_offsets_ptr,  # [B+1] int32
+    prefix_lens_ptr,  # [B] int32
+    mask_ptr,  # [Tq, MASK_WORDS] int64 (TREE only)
+    block_table_ptr,  # [B, MAX_BLOCKS] int32 (PAGED only)
+    out_ptr,
+    lse_ptr,
+    # sizes
+    B,
+    GROUP,  # query heads per KV head
+    HEAD_DIM,
+    MASK_WORDS,
+    PAGE,  # block size of the paged layout
+    MAX_BLOCKS,
+    scale_log2,  # softmax_scale / ln 2: the softmax runs in base 2
+    # strides (elements)
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_mt,
+    stride_bt,
+    stride_os,
+    stride_ot,
+    stride_oh,
+    stride_ls,
+    stride_lt,
+    stride_lh,
+    # meta-parameters
+    BLOCK_M: tl.constexpr,  # tile rows = BLOCK_Q query tokens x GROUP heads (padded)
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # KV positions per step
+    BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two
+    SEARCH_STEPS: tl.constexpr,  # >= log2(B)
+    NUM_SPLITS: tl.constexpr,
+    PAGED: tl.constexpr,
+    TREE: tl.constexpr,  # bit-packed mask rows, else causal
+    WRITE_LSE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # -- map program to (request, query tile) --------------------------------------------------
+    # Request b's tiles are numbered from q_offsets[b] // BLOCK_Q + b on: strictly increasing in b
+    # and leaving room for its ceil(n_b / BLOCK_Q) tiles, so a binary search finds the request
+    # without a host-side table. Tiles past a request's last query do nothing.
+    lo = 0
+    hi = B
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        first = tl.load(q_offsets_ptr + mid) // BLOCK_Q + mid
+        lo = tl.where(first <= tile, mid, lo)
+        hi = tl.where(first <= tile, hi, mid)
+    req = lo
+    q_start = tl.load(q_offsets_ptr + req)
+    n_q = tl.load(q_offsets_ptr + req + 1) - q_start
+    prefix = tl.load(prefix_lens_ptr + req)
+    q_lo = (tile - (q_start // BLOCK_Q + req)) * BLOCK_Q
+
+    # -- load the tile's queries: row r is local query q_lo + r // GROUP, head r % GROUP of the group
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_lo + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (tok < n_q)
+    q_row = (q_start + tok).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+
+    # -- this tile's context (prefix + tree positions up to its last query) and this split's share
+    kv_len = tl.where(q_lo < n_q, prefix + tl.minimum(n_q, q_lo + BLOCK_Q), 0)
+    chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    kv_lo = split * chunk
+    kv_hi = tl.minimum(kv_lo + chunk, kv_len)
+
+    # -- iterate over KV tiles with an online softmax (base 2) ---------------------------------
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    cols = tl.arange(0, BLOCK_N)
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        pos = start + cols
+        pos_ok = pos < kv_hi
+        if PAGED:
+            page = pos // PAGE
+            block = tl.load(block_table_ptr + req * stride_bt + page, mask=pos_ok & (page < MAX_BLOCKS), other=0)
+            block = block.to(tl.int64)
+            k_off = block * stride_kb + (pos % PAGE) * stride_kt
+            v_off = block * stride_vb + (pos % PAGE) * stride_vt
+        else:
+            k_off = req.to(tl.int64) * stride_kb + pos.to(tl.int64) * stride_kt
+            v_off = req.to(tl.int64) * stride_vb + pos.to(tl.int64) * stride_vt
+        k = tl.load(
+            k_ptr + k_off[None, :] + kv_head * stride_kh + d[:, None], mask=pos_ok[None, :] & d_ok[:, None], other=0.0
+        )  # [BLOCK_D, BLOCK_N]
+        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+
+        # prefix positions are always visible; tree position j by mask bit j (or j <= query)
+        j = pos - prefix
+        if TREE:
+            jj = tl.maximum(j, 0)
+            word_ok = (j >= 0) & (jj < MASK_WORDS * 64) & pos_ok
+            words = tl.load(
+                mask_ptr + q_row[:, None] * stride_mt + (jj // 64)[None, :],
+                mask=row_ok[:, None] & word_ok[None, :],
+                other=0,
+            )
+            in_tree = ((words >> (jj % 64).to(tl.int64)[None, :]) & 1) != 0
+        else:
+            in_tree = j[None, :] <= tok[:, None]
+        allowed = ((j < 0)[None, :] | in_tree) & pos_ok[None, :] & row_ok[:, None]
+        s = tl.where(allowed, s, float("-inf"))
+
+        # a row with nothing allowed yet keeps m = -inf; subtract 0 then so exp2 gives 0, not NaN
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_ptr + v_off[:, None] + kv_head * stride_vh + d[None, :], mask=pos_ok[:, None] & d_ok[None, :], other=0.0
+        )  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    # -- write back: normalised output and natural-log lse (0 and -inf for an empty row or split)
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    split64 = split.to(tl.int64)
+    tl.store(
+        out_ptr + split64 * stride_os + q_row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
+    if WRITE_LSE:
+        lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        tl.store(lse_ptr + split64 * stride_ls + q_row * stride_lt + head * stride_lh, lse, mask=row_ok)
+
+
+@_jit
+def _merge_splits_kernel(
+    # part_out [S, Tq, Hq, D] fp32, part_lse [S, Tq, Hq] fp32 -> out [Tq, Hq, D], lse [Tq, Hq]
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    lse_ptr,
+    NUM_SPLITS,
+    HEAD_DIM,
+    stride_ps,
+    stride_pt,
+    stride_ph,
+    stride_qs,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_lt,
+    stride_lh,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    # out = sum_s exp(lse_s - lse) out_s with lse = log sum_s exp(lse_s); empty splits weigh 0
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < NUM_SPLITS
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    part_lse = tl.load(part_lse_ptr + s * stride_qs + t * stride_qt + h * stride_qh, mask=s_ok, other=float("-inf"))
+    m = tl.max(part_lse, 0)
+    m_ref = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(part_lse - m_ref)
+    total = tl.sum(w, 0)
+    part = tl.load(
+        part_out_ptr + s[:, None].to(tl.int64) * stride_ps + t * stride_pt + h * stride_ph + d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    o = tl.sum(part * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
+    if WRITE_LSE:
+        tl.store(lse_ptr + t * stride_lt + h * stride_lh, tl.where(total > 0, m_ref + tl.log(total), float("-inf")))
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
+
+
+def _tree_attention_triton(
+    q, k_cache, v_cache, q_offsets, prefix_lens, tree_mask, block_table, scale, out, lse, splits
+):
+    """Pick tile sizes and the split count, launch, merge the splits. Sizes come from shapes only (no sync)."""
+    tokens, heads, head_dim = q.shape
+    batch, kv_heads = prefix_lens.numel(), k_cache.shape[2]
+    group = heads // kv_heads
+    block_d = _next_pow2(head_dim)
+    # Rows are (query token, head of the group) pairs; size the tile to the mean request, so
+    # decode and trees up to BLOCK_Q nodes read each KV tile once per (request, KV head).
+    mean_q = -(-tokens // batch)
+    block_m = max(16, min(128 if block_d <= 128 else 64, _next_pow2(mean_q * group)), _next_pow2(group))
+    block_q = block_m // group
+    block_n = 64 if block_d <= 128 else 32
+    tiles = tokens // block_q + batch
+    paged = block_table is not None
+    if splits is None:
+        splits = 1
+        if q.is_cuda:  # split the context until the grid covers the GPU about twice
+            sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+            capacity = k_cache.shape[1] * (block_table.shape[1] if paged else 1)  # bound on any context
+            splits = max(1, min(-(-2 * sms // (tiles * kv_heads)), -(-capacity // (4 * block_n)), 64))
+    if splits > 1:
+        part_out = torch.empty(splits, tokens, heads, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(splits, tokens, heads, dtype=torch.float32, device=q.device)
+        dest_out, dest_lse = part_out, part_lse
+    else:
+        dest_out, dest_lse = out.unsqueeze(0), (lse.unsqueeze(0) if lse is not None else None)
+    dummy = q_offsets
+    mask = tree_mask if tree_mask is not None else dummy
+    table = block_table if paged else dummy
+    _tree_attention_kernel[(tiles, kv_heads, splits)](
+        q, k_cache, v_cache, q_offsets, prefix_lens, mask, table, dest_out,
+        dest_lse if dest_lse is not None else dummy,
+        batch, group, head_dim, mask.shape[-1] if tree_mask is not None else 1, k_cache.shape[1],
+        table.shape[-1] if paged else 1, scale / LN2,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        mask.stride(0) if tree_mask is not None else 0, table.stride(0) if paged else 0,
+        dest_out.stride(0), dest_out.stride(1), dest_out.stride(2),
+        *((dest_lse.stride(0), dest_lse.stride(1), dest_lse.stride(2)) if dest_lse is not None else (0, 0, 0)),
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_D=block_d, SEARCH_STEPS=max(1, batch.bit_length()),
+        NUM_SPLITS=splits, PAGED=paged, TREE=tree_mask is not None, WRITE_LSE=dest_lse is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=8 if block_m >= 128 else 4,
+    )  # fmt: skip
+    if splits > 1:
+        _merge_splits_kernel[(tokens, heads)](
+            part_out, part_lse, out, lse if lse is not None else dummy, splits, head_dim,
+            part_out.stride(0), part_out.stride(1), part_out.stride(2),
+            part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+            out.stride(0), out.stride(1), *((lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)),
+            BLOCK_S=_next_pow2(splits), BLOCK_D=block_d, WRITE_LSE=lse is not None,
+        )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Public op
+# --------------------------------------------------------------------------------------------
 
 
 def tree_attention(
@@ -151,12 +443,18 @@ def tree_attention(
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(tokens, heads, dtype=torch.float32, device=device) if return_lse else None
     if tokens > 0:
-        ref_out, ref_lse = tree_attention_reference(
-            q, k_cache, v_cache, q_offsets, prefix_lens, tree_mask, block_table, float(softmax_scale)
-        )
-        out.copy_(ref_out)
-        if lse is not None:
-            lse.copy_(ref_lse)
+        if _backend.select_backend(q, k_cache) == "triton":
+            _tree_attention_triton(
+                q, k_cache, v_cache, q_offsets, prefix_lens, tree_mask, block_table, float(softmax_scale), out, lse,
+                num_splits,
+            )  # fmt: skip
+        else:
+            ref_out, ref_lse = tree_attention_reference(
+                q, k_cache, v_cache, q_offsets, prefix_lens, tree_mask, block_table, float(softmax_scale)
+            )
+            out.copy_(ref_out)
+            if lse is not None:
+                lse.copy_(ref_lse)
     return (out, lse) if return_lse else out
 
 
@@ -194,6 +492,11 @@ def _check_values(q_offsets, prefix_lens, tokens, k_cache, tree_mask, block_tabl
         used = block_table[b, :blocks]
         if used.numel() and (int(used.min()) < 0 or int(used.max()) >= k_cache.shape[0]):
             raise ValueError(f"block_table row {b} holds block ids outside [0, {k_cache.shape[0]}) in its used part")
+
+
+# --------------------------------------------------------------------------------------------
+# PyTorch reference
+# --------------------------------------------------------------------------------------------
 
 
 def tree_attention_reference(
