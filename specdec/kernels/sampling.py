@@ -1,0 +1,258 @@
+"""Pieces shared by the sampling and verification ops: counter-based uniforms and the
+temperature / top-k / top-p filter.
+
+Uniforms. Every random number is a pure function of ``(seed, offset, counter)``:
+a 32-bit integer hash folded over the two 32-bit halves of the request's seed and
+offset and the counter, whose top 24 bits give ``u = h / 2**24`` in [0, 1). The
+hash uses only shifts, xors and products below 2**63, so int64 arithmetic in
+PyTorch and in Triton (compiled or interpreted) yields the same bits: the Triton
+kernels and the PyTorch references see identical uniforms and can be compared
+token for token. Results depend on neither batch size, row order nor replay.
+
+Filter. For a row of logits ``l`` and temperature ``T > 0`` the scaled logits are
+``s = l * (1/T)`` (fp32). Top-k keeps ``s >= s_(k)``, the k-th largest value
+(ties at the threshold are all kept; ``k <= 0`` or ``k >= V`` is off). Top-p is
+applied to the top-k survivors: it keeps ``s >= t`` for the largest ``t`` whose
+kept mass ``sum exp(s - max)`` reaches ``top_p`` times the top-k mass, i.e. the
+smallest head of the sorted distribution holding ``top_p`` of it, ties included
+(``top_p >= 1`` is off; ``top_p <= 0`` keeps only the maximum). Either filter is
+one threshold ``thr`` per row, ``-inf`` when off and for greedy rows (``T <= 0``).
+The Triton path finds it by a binary search over the fp32 values' ordered integer
+keys (32 streaming passes over the row at most, no sort); the reference sorts.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_MASK32 = 0xFFFFFFFF
+_HASH_START = 0x243F6A88
+_MUL1 = 0x7FEB352D  # odd multipliers below 2**31: (x < 2**32) * m stays below 2**63
+_MUL2 = 0x68E31DA5
+_U24 = 1.0 / 16777216.0
+
+
+# ----------------------------------------------------------------------------- Triton helpers
+
+
+@triton.jit
+def _mix32(x):
+    # x holds a 32-bit value in an int64; every product stays below 2**63 (no overflow).
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x68E31DA5) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def counter_uniform_tl(seed, offset, counter):
+    """Uniform in [0, 1) for int64 scalars (seed, offset) and an integer counter."""
+    seed = seed.to(tl.int64)
+    offset = offset.to(tl.int64)
+    h = _mix32(0x243F6A88 ^ (seed & 0xFFFFFFFF))
+    h = _mix32(h ^ ((seed >> 32) & 0xFFFFFFFF))
+    h = _mix32(h ^ (offset & 0xFFFFFFFF))
+    h = _mix32(h ^ ((offset >> 32) & 0xFFFFFFFF))
+    h = _mix32(_mix32(h ^ (counter.to(tl.int64) & 0xFFFFFFFF)))
+    return (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
+
+
+@triton.jit
+def _ordered_key(x):
+    # fp32 -> int32 whose signed order is the float order (for non-NaN values).
+    bits = x.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _key_to_float(key):
+    bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mass_above(row_ptr, V, inv_t, m, t, BY_COUNT: tl.constexpr, BLOCK: tl.constexpr):
+    # Count (BY_COUNT) or mass sum exp(s - m) of the entries with s >= t, streamed by tiles.
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        s = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * inv_t
+        sel = (cols < V) & (s >= t)
+        if BY_COUNT:
+            acc += sel.to(tl.float32)
+        else:
+            acc += tl.where(sel & (s > float("-inf")), tl.exp(s - m), 0.0)
+    return tl.sum(acc, 0)
+
+
+@triton.jit
+def _threshold_search(row_ptr, V, inv_t, m, floor, target, BY_COUNT: tl.constexpr, BLOCK: tl.constexpr):
+    # Largest t with mass_above(t) >= target; mass_above(floor) >= target holds by construction
+    # and mass_above(next float above m) = 0 < target, so bisect the keys in between.
+    lo = _ordered_key(floor).to(tl.int64)
+    hi = _ordered_key(m).to(tl.int64) + 1
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        ok = _mass_above(row_ptr, V, inv_t, m, _key_to_float(mid.to(tl.int32)), BY_COUNT, BLOCK) >= target
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid)
+    return _key_to_float(lo.to(tl.int32))
+
+
+# ----------------------------------------------------------------------------- filter kernel
+
+
+@triton.jit
+def _filter_threshold_kernel(
+    logits_ptr,  # [R, V] fp32/fp16/bf16, row stride stride_row
+    row_req_ptr,  # [R] int32, request of each row
+    temp_ptr,  # [B] fp32
+    top_k_ptr,  # [B] int32
+    top_p_ptr,  # [B] fp32
+    thr_ptr,  # [R] fp32 out: keep s >= thr (-inf = keep all)
+    V,
+    stride_row,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    req = tl.load(row_req_ptr + row)
+    t = tl.load(temp_ptr + req)
+    k = tl.load(top_k_ptr + req)
+    top_p = tl.load(top_p_ptr + req)
+    use_k = (t > 0) & (k > 0) & (k < V)
+    use_p = (t > 0) & (top_p < 1)
+    thr = tl.where(use_k, float("-inf"), float("-inf"))  # an fp32 scalar tensor
+    if use_k | use_p:
+        inv_t = 1.0 / t
+        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+        # ---- pass 1: row maximum; rows with NaN/+inf are invalid and left unfiltered
+        mx = tl.full([BLOCK], float("-inf"), tl.float32)
+        bad = tl.zeros([BLOCK], dtype=tl.int32)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            s = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * inv_t
+            bad += ((s != s) | (s == float("inf"))).to(tl.int32)
+            mx = tl.maximum(mx, s)
+        m = tl.max(mx, 0)
+        if (tl.sum(bad, 0) == 0) & (m > float("-inf")):
+            if use_k:
+                thr = _threshold_search(row_ptr, V, inv_t, m, thr, k.to(tl.float32), True, BLOCK)
+            if use_p:
+                # same summation as inside the search, so the floor itself always passes
+                target = tl.maximum(top_p, 0.0) * _mass_above(row_ptr, V, inv_t, m, thr, False, BLOCK)
+                thr = _threshold_search(row_ptr, V, inv_t, m, thr, target, False, BLOCK)
+    tl.store(thr_ptr + row, thr)
+
+
+def filter_thresholds_triton(
+    logits: torch.Tensor,
+    row_req: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    block: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-row threshold ``thr [R]`` fp32 of the filter (Triton launcher, no checks)."""
+    rows, vocab = logits.shape
+    thr = torch.empty(rows, dtype=torch.float32, device=logits.device) if out is None else out
+    if rows:
+        _filter_threshold_kernel[(rows,)](
+            logits, row_req, temperature, top_k, top_p, thr, vocab, logits.stride(0), BLOCK=block
+        )
+    return thr
+
+
+# ----------------------------------------------------------------------------- PyTorch references
+
+
+def _mix32_torch(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = (x * _MUL1) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * _MUL2) & _MASK32
+    return x ^ (x >> 16)
+
+
+def counter_uniform(seed: torch.Tensor, offset: torch.Tensor, counter: torch.Tensor | int) -> torch.Tensor:
+    """Uniforms in [0, 1) (fp32), elementwise over broadcast int64 ``seed``, ``offset``, ``counter``.
+
+    Bit-identical to ``counter_uniform_tl`` inside the Triton kernels.
+    """
+    seed, offset = seed.to(torch.int64), offset.to(torch.int64)
+    counter = torch.as_tensor(counter, dtype=torch.int64, device=seed.device)
+    h = _mix32_torch(_HASH_START ^ (seed & _MASK32))
+    h = _mix32_torch(h ^ ((seed >> 32) & _MASK32))
+    h = _mix32_torch(h ^ (offset & _MASK32))
+    h = _mix32_torch(h ^ ((offset >> 32) & _MASK32))
+    h = _mix32_torch(_mix32_torch(h ^ (counter & _MASK32)))
+    return (h >> 8).to(torch.float32) * _U24
+
+
+def scaled_logits(logits: torch.Tensor, temperature_rows: torch.Tensor) -> torch.Tensor:
+    """fp32 ``s = l * (1/T)`` per row; greedy rows (T <= 0) keep the raw logits."""
+    greedy = temperature_rows <= 0
+    inv_t = torch.where(greedy, 1.0, 1.0 / torch.where(greedy, 1.0, temperature_rows))
+    return logits.float() * inv_t.float()[:, None]
+
+
+def bad_rows(s: torch.Tensor) -> torch.Tensor:
+    """Rows that cannot be sampled: any NaN or +inf, or no finite value."""
+    return (torch.isnan(s) | (s == float("inf"))).any(-1) | ~(s > float("-inf")).any(-1)
+
+
+def filter_thresholds_reference(
+    s: torch.Tensor, temperature_rows: torch.Tensor, top_k_rows: torch.Tensor, top_p_rows: torch.Tensor
+) -> torch.Tensor:
+    """Threshold ``thr [R]`` for scaled logits ``s [R, V]`` (sorting; same contract as the kernel)."""
+    rows, vocab = s.shape
+    ninf = float("-inf")
+    sampled = (temperature_rows > 0) & ~bad_rows(s)
+    use_k = sampled & (top_k_rows > 0) & (top_k_rows < vocab)
+    use_p = sampled & (top_p_rows < 1)
+    thr = torch.full((rows,), ninf, dtype=torch.float32, device=s.device)
+    if rows == 0 or not bool((use_k | use_p).any()):
+        return thr
+    ordered = s.sort(dim=-1, descending=True).values
+    kth = ordered.gather(1, (top_k_rows.long().clamp(1, vocab) - 1)[:, None])[:, 0]
+    thr = torch.where(use_k, kth, thr)
+    m = ordered[:, :1]
+    e = torch.where((ordered >= thr[:, None]) & (ordered > ninf), torch.exp(ordered - m), 0.0)
+    target = top_p_rows.float().clamp_min(0.0) * e.sum(-1)
+    first = (e.cumsum(-1) < target[:, None]).sum(-1).clamp_max(vocab - 1)  # first head reaching target
+    return torch.where(use_p, ordered.gather(1, first[:, None])[:, 0], thr)
+
+
+def target_probs_reference(s: torch.Tensor, thr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(p [R, V] fp32 filtered and normalised, argmax [R] int64, bad [R] bool) from scaled logits.
+
+    ``p = exp(s - max) / Z`` on kept entries (``s >= thr``), 0 elsewhere; bad rows get p = 0.
+    """
+    bad = bad_rows(s)
+    clean = torch.where(torch.isnan(s), float("-inf"), s)
+    m = clean.max(-1, keepdim=True).values
+    kept = (s >= thr[:, None]) & (s > float("-inf")) & ~bad[:, None]
+    e = torch.where(kept, torch.exp(clean - torch.where(bad[:, None], 0.0, m)), 0.0)
+    z = e.sum(-1, keepdim=True)
+    p = e / torch.where(z > 0, z, 1.0)
+    return p, clean.argmax(-1), bad
+
+
+def sanitize_draft_probs(q: torch.Tensor) -> torch.Tensor:
+    """Draft probabilities as the residual uses them: negative or non-finite entries count as 0."""
+    q = q.float()
+    return torch.where((q >= 0) & (q < float("inf")), q, 0.0)
+
+
+def inverse_cdf_reference(mass: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index whose running sum of ``mass`` exceeds ``target`` (among positive
+    entries); when rounding leaves the sum short of ``target``, the last positive entry."""
+    positive = mass > 0
+    hit = (mass.cumsum(-1) > target[:, None]) & positive
+    idx = torch.arange(mass.shape[-1], device=mass.device)
+    first = torch.where(hit, idx, mass.shape[-1]).min(-1).values
+    last = torch.where(positive, idx, -1).max(-1).values
+    return torch.where(first < mass.shape[-1], first, last)
