@@ -7,15 +7,24 @@ kernels on the CPU (see ``specdec._backend``).
 """
 
 from specdec.kernels.kv_cache_ops import kv_append, kv_compact
+from specdec.kernels.sampling import counter_uniform
 from specdec.kernels.tree_attention import tree_attention
 from specdec.kernels.tree_metadata import TreeMetadata, build_tree_metadata, pack_mask_rows, unpack_mask_rows
+from specdec.kernels.verify_chain import ChainVerifyResult, sample, verify_chain
+from specdec.kernels.verify_tree import TreeVerifyResult, verify_tree
 
 __all__ = [
+    "ChainVerifyResult",
     "TreeMetadata",
+    "TreeVerifyResult",
     "build_tree_metadata",
+    "counter_uniform",
     "kv_append",
     "kv_compact",
     "pack_mask_rows",
+    "sample",
     "tree_attention",
     "unpack_mask_rows",
+    "verify_chain",
+    "verify_tree",
 ]
