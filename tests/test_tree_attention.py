@@ -59,11 +59,13 @@ class Batch:
                 masks.append(build_tree_metadata(parents, offs, max(max(sizes), 1)).ancestor_mask)
         self.tree_mask = torch.cat(masks).to(device)
 
-    def kv_at(self, b: int, pos: int):
+    def kv_at(self, b: int, positions: list[int]):
+        """K and V rows [m, Hkv, D] of request b at cache positions."""
+        pos = torch.tensor(positions, dtype=torch.long, device=self.k.device)
         if self.block_table is None:
             return self.k[b, pos], self.v[b, pos]
-        block = int(self.block_table[b, pos // self.block_size])
-        return self.k[block, pos % self.block_size], self.v[block, pos % self.block_size]
+        blocks = self.block_table[b, pos // self.block_size].long()
+        return self.k[blocks, pos % self.block_size], self.v[blocks, pos % self.block_size]
 
     def oracle(self, scale=None):
         """float64 (out [Tq, Hq, D], lse [Tq, Hq]) node by node."""
@@ -80,9 +82,7 @@ class Batch:
                     path.append(node)
                     node = tree[node]
                 positions = list(range(p)) + [p + j for j in sorted(path)]
-                kv = [self.kv_at(b, pos) for pos in positions]
-                k = torch.stack([a for a, _ in kv]).double().cpu().repeat_interleave(group, dim=1)  # [m, Hq, D]
-                v = torch.stack([c for _, c in kv]).double().cpu().repeat_interleave(group, dim=1)
+                k, v = (t.double().cpu().repeat_interleave(group, dim=1) for t in self.kv_at(b, positions))
                 s = torch.einsum("hd,mhd->hm", q[row], k) * scale
                 lses.append(torch.logsumexp(s, -1))
                 outs.append(torch.einsum("hm,mhd->hd", torch.softmax(s, -1), v))
@@ -181,6 +181,65 @@ def test_out_and_default_allocation_agree(backend, device):
     out, lse = batch.run()
     plain = tree_attention(batch.q, batch.k, batch.v, batch.offsets, batch.prefix_lens, tree_mask=batch.tree_mask)
     assert torch.equal(out, plain)
+
+
+def test_no_query_tokens(backend, device):
+    kv = torch.randn(2, 8, 2, 64, device=device)
+    offsets = torch.zeros(3, dtype=torch.int32, device=device)
+    prefixes = torch.tensor([3, 0], dtype=torch.int32, device=device)
+    out, lse = tree_attention(torch.randn(0, 4, 64, device=device), kv, kv, offsets, prefixes, causal=True,
+                              return_lse=True)  # fmt: skip
+    assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
+
+
+# ---------------------------------------------------------------- GPU only (compiled Triton, bf16, big caches)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_bf16(backend, device, paged):
+    # bf16 tl.dot is wrong in Triton 3.9's interpreter, so bf16 is checked on a GPU only
+    batch = Batch([40, 0, 77], [random_tree(17), [-1], chain(8)], 8, 2, 128, torch.bfloat16, device, paged=paged)
+    check(batch, what="bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_llama_shapes(backend, device, dtype):
+    # Llama-3-8B heads, long ragged contexts, 64-node trees next to decode and a chain; default splits
+    trees = [random_tree(64), [-1], chain(8), random_tree(64)]
+    batch = Batch([4000, 1000, 0, 2500], trees, hq=32, hkv=8, d=128, dtype=dtype, device=device, paged=True)
+    check(batch, what=f"llama {dtype}")
+
+
+@pytest.mark.gpu
+def test_decode_long_context_default_splits(backend, device):
+    batch = Batch([16000], [[-1]], hq=32, hkv=8, d=128, dtype=torch.float16, device=device, paged=True, block_size=64)
+    check(batch, what="batch-1 decode at 16k")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_offsets_past_2_31_elements(backend, device, paged):
+    # the requests' K/V sit more than 2^31 elements into caches of ~2.3G elements: int32 offsets would wrap
+    batch = Batch([50, 9], [random_tree(12), chain(5)], 16, 8, 128, torch.float16, device, paged=paged)
+    if paged:
+        big_blocks = (1 << 31) // (batch.block_size * 8 * 128) + 8192
+        shift = big_blocks - batch.k.shape[0]
+        batch.block_table = batch.block_table + shift
+        big_shape = (big_blocks, *batch.k.shape[1:])
+        rows = slice(shift, None)
+    else:
+        big_len = (1 << 31) // (8 * 128) + 4096  # row 1 starts past 2^31 elements
+        big_shape = (2, big_len, 8, 128)
+        rows = (slice(None), slice(0, batch.k.shape[1]))
+    for name in ("k", "v"):
+        big = torch.empty(big_shape, dtype=torch.float16, device=device)
+        big[rows] = getattr(batch, name)
+        setattr(batch, name, big)
+    check(batch, what="2^31 offsets")
+    del batch
+    torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------- bad input
