@@ -447,11 +447,15 @@ def kv_append_reference(data, layer, k, v, seq_lens, q_offsets, block_tables=Non
 
 
 def kv_compact_reference(data, seq_lens, accepted_path, block_tables=None) -> None:
-    """Readable PyTorch ``kv_compact``: request by request, gather all moved rows, then scatter."""
+    """Readable PyTorch ``kv_compact``: request by request, gather the rows that move, then scatter them."""
+    counts = []
     for b, (row, start) in enumerate(zip(accepted_path.tolist(), seq_lens.tolist())):
         n = next((j for j, node in enumerate(row) if node < 0), len(row))
-        src = torch.tensor([start + node for node in row[:n]], dtype=torch.long, device=data.device)
-        dst = torch.arange(start, start + n, device=data.device)
+        counts.append(n)
+        moves = [(start + j, start + node) for j, node in enumerate(row[:n]) if node != j]  # (dst, src)
+        if not moves:  # a chain: nothing moves
+            continue
+        dst, src = torch.tensor(moves, dtype=torch.long, device=data.device).unbind(1)
         moved = data[(slice(None), slice(None)) + _slots(data, block_tables, b, src)].clone()
         data[(slice(None), slice(None)) + _slots(data, block_tables, b, dst)] = moved
-        seq_lens[b] += n
+    seq_lens += torch.tensor(counts, dtype=torch.int32, device=seq_lens.device)
