@@ -10,7 +10,8 @@ Bytes floor: every row that changes position is read once and written once
 (2 x rows x L x 2 x Hkv x D x element size); GB/s below is that floor over the
 measured time, and "x floor" compares the time with floor / measured copy bandwidth.
 Both timed calls first restore the lengths (one small copy) so every run moves the
-same rows. On the CPU specdec runs its PyTorch reference (what dispatch picks there).
+same rows. On the CPU specdec runs its PyTorch reference (what dispatch picks there),
+on one thread.
 
     python bench/bench_kv_rollback.py --quick          # CPU smoke run, small shapes
     python bench/bench_kv_rollback.py --out OUT        # GPU: batch 1/8/64, 32 layers, 8 KV heads, dim 128
@@ -123,6 +124,8 @@ def measure_case(layout, batch, chains, shape, device, bandwidth):
 def main():
     args = bench_args(__doc__.splitlines()[0])
     device = args.device
+    if device == "cpu":  # one thread: on a shared 2-core machine a 2-thread OpenMP region stalls behind neighbours
+        torch.set_num_threads(1)
     if args.quick:
         shape, batches = (4, 2, 64, 16, 8, torch.float32), (1, 8)
     else:

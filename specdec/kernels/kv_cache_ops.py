@@ -447,15 +447,12 @@ def kv_append_reference(data, layer, k, v, seq_lens, q_offsets, block_tables=Non
 
 
 def kv_compact_reference(data, seq_lens, accepted_path, block_tables=None) -> None:
-    """Readable PyTorch ``kv_compact``: request by request, gather the rows that move, then scatter them."""
-    counts = []
-    for b, (row, start) in enumerate(zip(accepted_path.tolist(), seq_lens.tolist())):
-        n = next((j for j, node in enumerate(row) if node < 0), len(row))
-        counts.append(n)
-        moves = [(start + j, start + node) for j, node in enumerate(row[:n]) if node != j]  # (dst, src)
-        if not moves:  # a chain: nothing moves
-            continue
-        dst, src = torch.tensor(moves, dtype=torch.long, device=data.device).unbind(1)
-        moved = data[(slice(None), slice(None)) + _slots(data, block_tables, b, src)].clone()
-        data[(slice(None), slice(None)) + _slots(data, block_tables, b, dst)] = moved
-    seq_lens += torch.tensor(counts, dtype=torch.int32, device=seq_lens.device)
+    """Readable PyTorch ``kv_compact``: gather every row that moves, then scatter them (one sync on a GPU)."""
+    node = accepted_path.long()
+    j = torch.arange(node.shape[1], device=node.device)
+    accepted = (node >= 0).cumprod(1).bool()  # the leading valid entries of each row
+    b, j = (accepted & (node != j)).nonzero(as_tuple=True)  # a chain has nothing here
+    start = seq_lens.long()[b]
+    rows = data[(slice(None), slice(None)) + _slots(data, block_tables, b, start + node[b, j])].clone()
+    data[(slice(None), slice(None)) + _slots(data, block_tables, b, start + j)] = rows
+    seq_lens += accepted.sum(1, dtype=torch.int32)
