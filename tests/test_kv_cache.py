@@ -317,6 +317,34 @@ def test_loose_bounds_are_settled_by_one_sync(backend, device):
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_generation_up_to_capacity(backend, device, layout):
+    """Trees shortened to the guaranteed room fill every request exactly to max_len, nothing spills."""
+    gen = torch.Generator().manual_seed(11)
+    B, max_len = 3, 21
+    cache = KVCache(1, B, 1, 2, max_len=max_len, dtype=torch.float16, device=device, layout=layout, block_size=4)
+    expected = [[] for _ in range(B)]  # the K/V rows each request should hold, in order
+    for _ in range(60):
+        room = cache.room()
+        if max(room) == 0:
+            room = [max_len - n for n in cache.sync_lengths()]
+            if max(room) == 0:
+                break
+        sizes = [min(int(torch.randint(1, 7, (1,), generator=gen)), r) for r in room]
+        kv, _ = write_step(cache, sizes, gen)
+        paths = [random_path(gen, s)[:4] if s else [] for s in sizes]
+        cache.compact(pad(paths, 4).to(device))
+        start = 0
+        for b in range(B):
+            expected[b] += [kv[:, :, start + node] for node in paths[b]]
+            start += sizes[b]
+    assert cache.seq_lens.cpu().tolist() == [max_len] * B
+    for b in range(B):
+        assert_same_bits(logical(cache, b).cpu(), torch.stack(expected[b], dim=2), f"request {b}")
+    with pytest.raises(ValueError, match=f"request 0 would pass its capacity of {max_len} tokens by 1"):
+        cache.reserve([1, 0, 0])
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
 def test_truncate_rollback_release(layout):
     gen = torch.Generator().manual_seed(9)
     cache = KVCache(1, 3, 1, 2, max_len=16, dtype=torch.float32, device="cpu", layout=layout, block_size=4)
@@ -410,6 +438,17 @@ def test_block_allocator():
         alloc.free([9])
     with pytest.raises(ValueError, match="cannot allocate 3 blocks: only 2 of 4"):
         alloc.allocate(3)
+
+
+def test_docstring_examples():
+    import doctest
+
+    import specdec.kernels.kv_cache_ops
+    import specdec.model.kv_cache
+
+    for module in (specdec.kernels.kv_cache_ops, specdec.model.kv_cache):
+        result = doctest.testmod(module, extraglobs={"torch": torch})
+        assert result.attempted > 0 and result.failed == 0, module.__name__
 
 
 # ---- bad input ----------------------------------------------------------------------------------
