@@ -230,13 +230,14 @@ def logical(cache: KVCache, b: int) -> torch.Tensor:
 
 
 def write_step(cache, counts, gen):
-    """Write random K/V of ``counts[b]`` tokens per request into every layer; returns them [L, 2, T, Hkv, D]."""
+    """Write random K/V of ``counts[b]`` tokens per request into every layer; returns them (CPU) [L, 2, T, Hkv, D]."""
     T = sum(counts)
     kv = random_bits_(torch.empty(cache.num_layers, 2, T, cache.num_kv_heads, cache.head_dim, dtype=cache.dtype))
-    offsets = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+    offsets = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0).to(torch.int32).to(cache.device)
     cache.reserve(counts)
+    on_device = kv.to(cache.device)
     for layer in range(cache.num_layers):
-        cache.write(layer, kv[layer, 0], kv[layer, 1], offsets)
+        cache.write(layer, on_device[layer, 0], on_device[layer, 1], offsets)
     return kv, offsets
 
 
