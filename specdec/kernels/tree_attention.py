@@ -72,6 +72,7 @@ def _tree_attention_kernel(
     MASK_WORDS,
     PAGE,  # block size of the paged layout
     MAX_BLOCKS,
+    NUM_SPLITS,  # programs sharing one tile's context
     scale_log2,  # softmax_scale / ln 2: the softmax runs in base 2
     # strides (elements)
     stride_qt,
@@ -96,7 +97,6 @@ def _tree_attention_kernel(
     BLOCK_N: tl.constexpr,  # KV positions per step
     BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two
     SEARCH_STEPS: tl.constexpr,  # >= log2(B)
-    NUM_SPLITS: tl.constexpr,
     PAGED: tl.constexpr,
     TREE: tl.constexpr,  # bit-packed mask rows, else causal
     WRITE_LSE: tl.constexpr,
@@ -297,14 +297,14 @@ def _tree_attention_triton(
         q, k_cache, v_cache, q_offsets, prefix_lens, mask, table, dest_out,
         dest_lse if dest_lse is not None else dummy,
         batch, group, head_dim, mask.shape[-1] if tree_mask is not None else 1, k_cache.shape[1],
-        table.shape[-1] if paged else 1, scale / LN2,
+        table.shape[-1] if paged else 1, splits, scale / LN2,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         mask.stride(0) if tree_mask is not None else 0, table.stride(0) if paged else 0,
         dest_out.stride(0), dest_out.stride(1), dest_out.stride(2),
         *((dest_lse.stride(0), dest_lse.stride(1), dest_lse.stride(2)) if dest_lse is not None else (0, 0, 0)),
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_D=block_d, SEARCH_STEPS=max(1, batch.bit_length()),
-        NUM_SPLITS=splits, PAGED=paged, TREE=tree_mask is not None, WRITE_LSE=dest_lse is not None,
+        PAGED=paged, TREE=tree_mask is not None, WRITE_LSE=dest_lse is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=8 if block_m >= 128 else 4,
     )  # fmt: skip
@@ -525,12 +525,11 @@ def tree_attention_reference(
         if n == 0:
             continue
         length = prefix + n
-        positions = torch.arange(length, device=q.device)
         if block_table is None:
             k, v = k_cache[b, :length], v_cache[b, :length]  # [L, Hkv, D]
-        else:
-            blocks = block_table[b, positions // k_cache.shape[1]].long()
-            k, v = k_cache[blocks, positions % k_cache.shape[1]], v_cache[blocks, positions % k_cache.shape[1]]
+        else:  # gather whole blocks, then trim: [blocks, block_size, Hkv, D] -> [L, Hkv, D]
+            blocks = block_table[b, : -(-length // k_cache.shape[1])].long()
+            k, v = k_cache[blocks].flatten(0, 1)[:length], v_cache[blocks].flatten(0, 1)[:length]
         k, v = k.float(), v.float()
         if tree_mask is None:
             allowed = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
@@ -541,11 +540,14 @@ def tree_attention_reference(
         chunk = max(1, (1 << 25) // (heads * length))
         for c0 in range(0, n, chunk):
             c1 = min(n, c0 + chunk)
-            s = torch.einsum("nhgd,lhd->hgnl", qb[c0:c1], k) * softmax_scale  # [Hkv, G, c, L]
+            s = torch.einsum("nhgd,lhd->hgnl", qb[c0:c1], k).mul_(softmax_scale)  # [Hkv, G, c, L]
             s[..., prefix:].masked_fill_(~allowed[c0:c1], -math.inf)
-            row_lse = torch.logsumexp(s, dim=-1)  # [Hkv, G, c]
-            p = torch.exp(s - row_lse.unsqueeze(-1)).nan_to_num_(0.0)  # rows with nothing allowed -> 0
-            o = torch.einsum("hgnl,lhd->nhgd", p, v)
+            # softmax by hand to get the lse too; a row with nothing allowed has max -inf: use 0
+            row_max = s.amax(-1, keepdim=True).nan_to_num_(neginf=0.0)
+            p = s.sub_(row_max).exp_()
+            row_sum = p.sum(-1)  # [Hkv, G, c]
+            o = torch.einsum("hgnl,lhd->nhgd", p, v) / row_sum.clamp_min(1e-30).permute(2, 0, 1).unsqueeze(-1)
             out[start + c0 : start + c1] = o.reshape(c1 - c0, heads, head_dim)
+            row_lse = row_max.squeeze(-1) + row_sum.log()  # log 0 = -inf for an empty row
             lse[start + c0 : start + c1] = row_lse.permute(2, 0, 1).reshape(c1 - c0, heads)
     return out.to(q.dtype), lse

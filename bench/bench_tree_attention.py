@@ -1,0 +1,197 @@
+"""Tree attention: specdec's op against SDPA with a mask, FlexAttention and eager PyTorch.
+
+Llama-3-8B attention heads (32 query, 8 KV, head dim 128) over a paged KV cache
+(block size 16, shuffled blocks); per request one of: a decode token, a chain of 8
+(causal) or a 64-node random token tree. specdec reads the paged cache directly;
+the peers get the context already gathered into dense [B, Hkv, L, D] tensors (the
+gather is not timed, which favours them) and a dense boolean mask.
+
+    python bench/bench_tree_attention.py --quick      # CPU smoke run, < 1 minute
+    python bench/bench_tree_attention.py --out DIR    # GPU: full grid, < 120 s
+
+GB/s counts the bytes that must move (K and V of every context token once, q and
+out once) over specdec's median time; "% copy" is that over the device-to-device
+copy bandwidth this script measures. On the CPU (no TRITON_INTERPRET) specdec runs
+its PyTorch reference, so CPU rows compare PyTorch implementations only.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import Table, bench_args, copy_bandwidth_gbs, measure_us  # noqa: E402
+
+from specdec.kernels import build_tree_metadata, tree_attention, unpack_mask_rows  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+BLOCK = 16
+FLEX_BUDGET_S = 45.0  # FlexAttention compiles once per shape: stop measuring it this far into the run
+
+
+def random_parents(n: int, gen: torch.Generator) -> list[int]:
+    return [-1] + [int(torch.randint(max(0, i - 8), i, (1,), generator=gen)) for i in range(1, n)]
+
+
+def make_case(batch: int, context: int, shape: str, dtype, device):
+    """Inputs for one row, made on the device (a 16k x 32 cache is 1G elements)."""
+    gen = torch.Generator(device=device).manual_seed(batch * 100003 + context)
+    cpu_gen = torch.Generator().manual_seed(batch * 100003 + context)
+    n = {"decode": 1, "chain 8": 8, "tree 64": 64}[shape]
+    length = context + n
+    blocks_per = -(-length // BLOCK)
+    num_blocks = batch * blocks_per
+    rand = lambda *shape: torch.randn(*shape, generator=gen, device=device).to(dtype)
+    table = torch.randperm(num_blocks, generator=cpu_gen).view(batch, blocks_per).to(torch.int32).to(device)
+    k_cache, v_cache = rand(num_blocks, BLOCK, HKV, D), rand(num_blocks, BLOCK, HKV, D)
+    q = rand(batch * n, HQ, D)
+    offsets = torch.arange(0, batch * n + 1, n, dtype=torch.int32)
+    prefix = torch.full((batch,), context, dtype=torch.int32, device=device)
+    if shape == "tree 64":
+        parents = torch.tensor(random_parents(n, cpu_gen) * batch, dtype=torch.int32)
+        tree_mask = build_tree_metadata(parents, offsets, n).ancestor_mask
+        local = unpack_mask_rows(tree_mask[:n], n)
+        tree_mask = tree_mask.to(device)
+    else:
+        tree_mask = None
+        local = torch.ones(n, n, dtype=torch.bool).tril()
+    dense_mask = torch.cat([torch.ones(n, context, dtype=torch.bool), local], 1).to(device)  # [n, L], every request
+    # dense gathered copies for the peers: [B, Hkv, L, D]
+    pos = torch.arange(length, device=device)
+    phys = table[:, pos // BLOCK].long()
+    return dict(
+        n=n,
+        length=length,
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        offsets=offsets.to(device),
+        prefix=prefix,
+        table=table,
+        tree_mask=tree_mask,
+        q4=q.view(batch, n, HQ, D).transpose(1, 2).contiguous(),  # [B, Hq, n, D]
+        k_dense=k_cache[phys, pos % BLOCK].permute(0, 2, 1, 3).contiguous(),
+        v_dense=v_cache[phys, pos % BLOCK].permute(0, 2, 1, 3).contiguous(),
+        mask4=dense_mask.expand(batch, 1, n, length),
+    )
+
+
+def run_specdec(c, out):
+    return tree_attention(
+        c["q"], c["k_cache"], c["v_cache"], c["offsets"], c["prefix"], tree_mask=c["tree_mask"],
+        causal=c["tree_mask"] is None, block_table=c["table"], out=out,
+    )  # fmt: skip
+
+
+def run_sdpa(c):
+    return F.scaled_dot_product_attention(c["q4"], c["k_dense"], c["v_dense"], attn_mask=c["mask4"], enable_gqa=True)
+
+
+def run_eager(c):
+    group = HQ // HKV
+    k = c["k_dense"].repeat_interleave(group, 1)
+    v = c["v_dense"].repeat_interleave(group, 1)
+    s = (c["q4"] @ k.transpose(-1, -2)).float() * D**-0.5
+    s = s.masked_fill(~c["mask4"], -math.inf)
+    return s.softmax(-1).to(v.dtype) @ v
+
+
+def flex_runner(c, device):
+    """A compiled FlexAttention call with a block mask built from the dense mask, or the reason there is none."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError as exc:
+        return None, f"no FlexAttention ({exc})"
+    mask = c["mask4"][0, 0]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return mask[q_idx, kv_idx]
+
+    try:
+        block_mask = create_block_mask(mask_mod, None, None, c["n"], c["length"], device=device)
+        compiled = torch.compile(flex_attention, dynamic=False)
+        fn = lambda: compiled(c["q4"], c["k_dense"], c["v_dense"], block_mask=block_mask, enable_gqa=True)
+        fn()
+    except Exception as exc:  # a backend that cannot compile it here is reported, not fatal
+        return None, f"failed: {type(exc).__name__}"
+    return fn, ""
+
+
+def bench_row(batch, context, shape, dtype, device, timing, want_flex, flex_notes) -> dict:
+    """Times (median us) of every provider on one shape, specdec's p20/p80, bytes moved, error vs SDPA."""
+    c = make_case(batch, context, shape, dtype, device)
+    out = torch.empty_like(c["q"])
+    us, p20, p80 = measure_us(lambda: run_specdec(c, out), device, **timing)
+    sdpa = measure_us(lambda: run_sdpa(c), device, **timing)[0]
+    eager = measure_us(lambda: run_eager(c), device, **timing)[0]
+    err = (out.float() - run_sdpa(c).transpose(1, 2).reshape_as(out).float()).abs().max().item()
+    flex = None
+    if want_flex:
+        fn, why = flex_runner(c, device)
+        flex = measure_us(fn, device, **timing)[0] if fn is not None else None
+        if why:
+            flex_notes.add(why)
+    moved = 2 * batch * c["length"] * HKV * D * c["k_cache"].element_size()  # K and V of every position
+    moved += 2 * c["q"].numel() * c["q"].element_size()  # q in, out back
+    return dict(us=us, p20=p20, p80=p80, sdpa=sdpa, eager=eager, flex=flex, err=err, bytes=moved)
+
+
+def main() -> None:
+    args = bench_args(__doc__.splitlines()[0])
+    device = args.device
+    on_gpu = device.startswith("cuda")
+    dtype = torch.float16 if on_gpu else torch.float32
+    if args.quick:
+        batches, contexts = [1, 4], [512, 2048]
+    else:
+        batches, contexts = [1, 8, 32], [1024, 4096, 16384]
+    shapes = ["decode", "chain 8", "tree 64"]
+    timing = {} if on_gpu else dict(min_runs=3, budget_s=0.15)
+    if not on_gpu:
+        torch.set_num_threads(1)  # on a small shared CPU, intra-op threads mostly measure contention
+    copy_gbs = copy_bandwidth_gbs(device)
+    dev_name = torch.cuda.get_device_name() if on_gpu else "CPU"
+    print(f"{dev_name}, {dtype}, {torch.get_num_threads()} thread(s), measured copy bandwidth {copy_gbs:.0f} GB/s")
+    table = Table(
+        f"Tree attention, Hq={HQ} Hkv={HKV} D={D}, paged (block {BLOCK}), {dtype} on {dev_name} "
+        f"(copy bandwidth {copy_gbs:.0f} GB/s)",
+        [
+            "batch", "context", "queries", "specdec us (p20-p80)", "GB/s", "% copy", "vs decode",
+            "SDPA+mask us", "Flex us", "eager us", "x SDPA", "x Flex", "x eager", "max err vs SDPA",
+        ],
+    )  # fmt: skip
+    started = time.perf_counter()
+    flex_notes = set()
+    for batch in batches:
+        for context in contexts:
+            decode_us = None
+            for shape in shapes:
+                # Flex compiles per shape: measure it on tree shapes (the target), at batch 1 in a quick run
+                want_flex = shape == "tree 64" and (not args.quick or batch == 1)
+                if want_flex and time.perf_counter() - started > FLEX_BUDGET_S:
+                    flex_notes.add(f"skipped after the first {FLEX_BUDGET_S:.0f} s of the run (compile time)")
+                    want_flex = False
+                r = bench_row(batch, context, shape, dtype, device, timing, want_flex, flex_notes)
+                gbs = r["bytes"] / (r["us"] * 1e-6) / 1e9
+                decode_us = r["us"] if shape == "decode" else decode_us
+                flex = r["flex"]
+                table.add(
+                    batch, context, shape, f"{r['us']:.1f} ({r['p20']:.1f}-{r['p80']:.1f})", gbs,
+                    f"{100 * gbs / copy_gbs:.0f}%", f"{r['us'] / decode_us:.2f}x", r["sdpa"],
+                    "-" if flex is None else flex, r["eager"], f"{r['sdpa'] / r['us']:.2f}",
+                    "-" if flex is None else f"{flex / r['us']:.2f}", f"{r['eager'] / r['us']:.2f}", f"{r['err']:.1e}",
+                )  # fmt: skip
+    for note in sorted(flex_notes):
+        print(f"\nFlexAttention: {note}")
+    print(f"\nFlex measured on 'tree 64' rows only{' at batch 1' if args.quick else ''} (one compile per shape).")
+    table.write(args.out, "bench_tree_attention")
+
+
+if __name__ == "__main__":
+    main()
