@@ -346,6 +346,28 @@ def test_generation_up_to_capacity(backend, device, layout):
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_uncommitted_forward_is_replaced_or_discarded(layout):
+    """A second forward without a commit in between starts a new step; discard() drops a step."""
+    gen = torch.Generator().manual_seed(12)
+    cache = KVCache(2, 2, 1, 2, max_len=12, dtype=torch.float32, device="cpu", layout=layout, block_size=2)
+    write_step(cache, [9, 9], gen)  # never committed
+    again = random_bits_(torch.empty(2, 2, 3, 1, 2))
+    offsets = torch.tensor([0, 1, 3], dtype=torch.int32)
+    for layer in range(2):  # no reserve: counts come from q_offsets, replacing the stale reservation
+        cache.write(layer, again[layer, 0], again[layer, 1], offsets)
+    cache.advance([1, 2])
+    assert cache.length_bounds() == [1, 2]
+    assert_same_bits(logical(cache, 1), again[:, :, 1:3], "request 1")
+    if layout == "paged":
+        assert [len(b) for b in cache._blocks] == [1, 1]
+    write_step(cache, [5, 5], gen)
+    cache.discard()
+    assert cache.length_bounds() == [1, 2] and cache.seq_lens.tolist() == [1, 2]
+    if layout == "paged":
+        assert cache.allocator.num_free == cache.allocator.num_blocks - 2
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
 def test_truncate_rollback_release(layout):
     gen = torch.Generator().manual_seed(9)
     cache = KVCache(1, 3, 1, 2, max_len=16, dtype=torch.float32, device="cpu", layout=layout, block_size=4)

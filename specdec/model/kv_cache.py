@@ -141,6 +141,7 @@ class KVCache:
         self._tickets = torch.zeros(batch_size, dtype=torch.int32, device=self.device)  # kv_compact scratch
         self._bound = [0] * batch_size  # host upper bound of seq_lens[b]
         self._pending: list[int] | None = None  # tokens per request written (or reserved) but not committed
+        self._written: set[int] = set()  # layers written under the current reservation
         if layout == "contiguous":
             self.block_size = None
             self.block_tables = None
@@ -218,17 +219,19 @@ class KVCache:
                 )
             self._grow_pages(targets)
         self._pending = counts
+        self._written = set()
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor) -> None:
         """Write ``k, v [Tq, Hkv, D]`` of one layer: token i of request b to position ``seq_lens[b] + i``.
 
-        ``q_offsets [B+1]`` int32 splits the tokens by request. ``seq_lens`` is unchanged. Without a
-        ``reserve`` for this step the counts are read from ``q_offsets`` (free on the CPU, one sync on a
-        GPU: call ``reserve`` with the sizes you know to avoid it).
+        ``q_offsets [B+1]`` int32 splits the tokens by request. ``seq_lens`` is unchanged. A reservation
+        covers one write per layer; without one (none since the last commit, or this layer was already
+        written under it, i.e. a new forward) the counts are read from ``q_offsets``: free on the CPU,
+        one sync on a GPU, so call ``reserve`` with the sizes you know before each forward there.
         """
         check_tensor("k", k, ndim=3)
         check_tensor("q_offsets", q_offsets, dtype=torch.int32, shape=(self.batch_size + 1,), device=self.device)
-        if self._pending is None:
+        if self._pending is None or layer in self._written:
             bounds = check_offsets("q_offsets", q_offsets, total=k.shape[0])
             self.reserve([bounds[b + 1] - bounds[b] for b in range(self.batch_size)])
         if k.shape[0] != sum(self._pending):
@@ -236,6 +239,7 @@ class KVCache:
                 f"k has {k.shape[0]} tokens but this step reserved {sum(self._pending)} ({self._pending} per request)"
             )
         kv_append(self.data, layer, k, v, self.seq_lens, q_offsets, self.block_tables)
+        self._written.add(layer)
 
     # ---- committing and shortening ------------------------------------------------------------
 
@@ -280,6 +284,10 @@ class KVCache:
         kv_compact(self.data, self.seq_lens, accepted_path.to(self.device), self.block_tables, tickets=self._tickets)
         width = accepted_path.shape[1]
         self._commit([bound + min(width, written) for bound, written in zip(self._bound, pending)])
+
+    def discard(self) -> None:
+        """Drop the tokens written since the last commit (a forward whose results are not kept)."""
+        self._commit(list(self._bound))
 
     def truncate(self, lengths: Sequence[int] | torch.Tensor) -> None:
         """Shorten requests: ``seq_lens = min(seq_lens, lengths)`` (host ints, or a ``[B]`` int32 device tensor)."""
