@@ -192,6 +192,21 @@ def test_no_query_tokens(backend, device):
     assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_registered_op_passes_opcheck(backend, device, paged):
+    # the custom op behind tree_attention (torch.compile / CUDA graphs see this one)
+    batch = Batch([5, 0], [random_tree(4), chain(2)], 4, 2, 64, torch.float32, device, paged=paged)
+    out = torch.full_like(batch.q, math.nan)
+    lse = torch.full(batch.q.shape[:2], math.nan, device=device)
+    args = (batch.q, batch.k, batch.v, batch.offsets, batch.prefix_lens, batch.tree_mask, batch.block_table, 0.2, out,
+            lse, 0)  # fmt: skip
+    torch.library.opcheck(torch.ops.specdec.tree_attention.default, args)  # works on copies of args
+    torch.ops.specdec.tree_attention(*args)
+    ref_out, ref_lse = batch.oracle(0.2)
+    assert_close(out, ref_out, 1e-4, 1e-4, "op out")
+    assert_close(lse, ref_lse, 1e-4, 1e-4, "op lse")
+
+
 # ---------------------------------------------------------------- GPU only (compiled Triton, bf16, big caches)
 
 

@@ -443,19 +443,45 @@ def tree_attention(
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(tokens, heads, dtype=torch.float32, device=device) if return_lse else None
     if tokens > 0:
-        if _backend.select_backend(q, k_cache) == "triton":
-            _tree_attention_triton(
-                q, k_cache, v_cache, q_offsets, prefix_lens, tree_mask, block_table, float(softmax_scale), out, lse,
-                num_splits,
-            )  # fmt: skip
-        else:
-            ref_out, ref_lse = tree_attention_reference(
-                q, k_cache, v_cache, q_offsets, prefix_lens, tree_mask, block_table, float(softmax_scale)
-            )
-            out.copy_(ref_out)
-            if lse is not None:
-                lse.copy_(ref_lse)
+        _tree_attention_op(
+            q, k_cache, v_cache, q_offsets, prefix_lens, tree_mask, block_table, float(softmax_scale), out, lse,
+            num_splits or 0,
+        )  # fmt: skip
     return (out, lse) if return_lse else out
+
+
+@torch.library.custom_op("specdec::tree_attention", mutates_args=("out", "lse"))
+def _tree_attention_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    q_offsets: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    tree_mask: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    softmax_scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    num_splits: int,
+) -> None:
+    """The op as torch.compile and CUDA graphs see it: writes ``out`` (and ``lse``); 0 splits = auto."""
+    if _backend.select_backend(q, k_cache) == "triton":
+        _tree_attention_triton(
+            q, k_cache, v_cache, q_offsets, prefix_lens, tree_mask, block_table, softmax_scale, out, lse,
+            num_splits or None,
+        )  # fmt: skip
+        return
+    ref_out, ref_lse = tree_attention_reference(
+        q, k_cache, v_cache, q_offsets, prefix_lens, tree_mask, block_table, softmax_scale
+    )
+    out.copy_(ref_out)
+    if lse is not None:
+        lse.copy_(ref_lse)
+
+
+@_tree_attention_op.register_fake
+def _(q, k_cache, v_cache, q_offsets, prefix_lens, tree_mask, block_table, softmax_scale, out, lse, num_splits):
+    return None
 
 
 def _check_values(q_offsets, prefix_lens, tokens, k_cache, tree_mask, block_table) -> None:
