@@ -18,7 +18,7 @@ smallest head of the sorted distribution holding ``top_p`` of it, ties included
 (``top_p >= 1`` is off; ``top_p <= 0`` keeps only the maximum). Either filter is
 one threshold ``thr`` per row, ``-inf`` when off and for greedy rows (``T <= 0``).
 The Triton path finds it by a binary search over the fp32 values' ordered integer
-keys (32 streaming passes over the row at most, no sort); the reference sorts.
+keys (8 streaming passes over the row, each testing 16 candidates; no sort); the reference sorts.
 """
 
 from __future__ import annotations
@@ -38,25 +38,30 @@ _U24 = 1.0 / 16777216.0
 
 
 @triton.jit
-def _mix32(x):
-    # x holds a 32-bit value in an int64; every product stays below 2**63 (no overflow).
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & 0xFFFFFFFF
-    x = x ^ (x >> 15)
-    x = (x * 0x68E31DA5) & 0xFFFFFFFF
-    return x ^ (x >> 16)
-
-
-@triton.jit
 def counter_uniform_tl(seed, offset, counter):
     """Uniform in [0, 1) for int64 scalars (seed, offset) and an integer counter."""
+    # Fold the 32-bit words seed_lo, seed_hi, offset_lo, offset_hi, counter, 0 into h with the
+    # 32-bit mix; values live in int64 and every product stays below 2**63 (no overflow).
+    # (Written inline: nested jit calls are slow in the interpreter.)
     seed = seed.to(tl.int64)
     offset = offset.to(tl.int64)
-    h = _mix32(0x243F6A88 ^ (seed & 0xFFFFFFFF))
-    h = _mix32(h ^ ((seed >> 32) & 0xFFFFFFFF))
-    h = _mix32(h ^ (offset & 0xFFFFFFFF))
-    h = _mix32(h ^ ((offset >> 32) & 0xFFFFFFFF))
-    h = _mix32(_mix32(h ^ (counter.to(tl.int64) & 0xFFFFFFFF)))
+    h = seed * 0 + 0x243F6A88
+    for i in tl.static_range(6):
+        if i == 0:
+            h = h ^ (seed & 0xFFFFFFFF)
+        if i == 1:
+            h = h ^ ((seed >> 32) & 0xFFFFFFFF)
+        if i == 2:
+            h = h ^ (offset & 0xFFFFFFFF)
+        if i == 3:
+            h = h ^ ((offset >> 32) & 0xFFFFFFFF)
+        if i == 4:
+            h = h ^ (counter.to(tl.int64) & 0xFFFFFFFF)
+        h = h ^ (h >> 16)
+        h = (h * 0x7FEB352D) & 0xFFFFFFFF
+        h = h ^ (h >> 15)
+        h = (h * 0x68E31DA5) & 0xFFFFFFFF
+        h = h ^ (h >> 16)
     return (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
 
 
@@ -74,31 +79,45 @@ def _key_to_float(key):
 
 
 @triton.jit
-def _mass_above(row_ptr, V, inv_t, m, t, BY_COUNT: tl.constexpr, BLOCK: tl.constexpr):
-    # Count (BY_COUNT) or mass sum exp(s - m) of the entries with s >= t, streamed by tiles.
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
+def _mass_above(row_ptr, V, inv_t, m, t, BLOCK: tl.constexpr):
+    # Mass sum exp(s - m) of the entries with s >= t, summed in the same order as one column of
+    # the search below, so the search's lower bound passes its own test exactly.
+    acc = tl.zeros([BLOCK, 1], dtype=tl.float32)
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         s = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * inv_t
-        sel = (cols < V) & (s >= t)
-        if BY_COUNT:
-            acc += sel.to(tl.float32)
-        else:
-            acc += tl.where(sel & (s > float("-inf")), tl.exp(s - m), 0.0)
-    return tl.sum(acc, 0)
+        sel = (cols < V) & (s >= t) & (s > float("-inf"))
+        acc += tl.where(sel, tl.exp(s - m), 0.0)[:, None]
+    return tl.sum(tl.sum(acc, 0), 0)
 
 
 @triton.jit
 def _threshold_search(row_ptr, V, inv_t, m, floor, target, BY_COUNT: tl.constexpr, BLOCK: tl.constexpr):
-    # Largest t with mass_above(t) >= target; mass_above(floor) >= target holds by construction
-    # and mass_above(next float above m) = 0 < target, so bisect the keys in between.
+    # Largest t with mass_above(t) >= target. The answer's key lies in [lo, hi): mass_above(floor)
+    # >= target by construction and nothing lies above m. Each pass tests WAYS candidates at once
+    # and keeps the bracket between the last one that passes and the first that fails, so the
+    # 32-bit key range needs ceil(32 / log2(WAYS)) = 8 passes over the row.
+    WAYS: tl.constexpr = 16
+    j = tl.arange(0, WAYS)
     lo = _ordered_key(floor).to(tl.int64)
     hi = _ordered_key(m).to(tl.int64) + 1
     while hi - lo > 1:
-        mid = (lo + hi) >> 1
-        ok = _mass_above(row_ptr, V, inv_t, m, _key_to_float(mid.to(tl.int32)), BY_COUNT, BLOCK) >= target
-        lo = tl.where(ok, mid, lo)
-        hi = tl.where(ok, hi, mid)
+        cand = lo + ((hi - lo) * j) // WAYS  # cand[0] = lo, all < hi
+        key = cand.to(tl.int32)
+        t = tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)  # key -> float
+        acc = tl.zeros([BLOCK, WAYS], dtype=tl.float32)
+        for start in range(0, V, BLOCK):  # mass_above(t), inline (nested jit calls are slow interpreted)
+            cols = start + tl.arange(0, BLOCK)
+            s = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * inv_t
+            sel = (cols < V)[:, None] & (s[:, None] >= t[None, :])
+            if BY_COUNT:
+                acc += sel.to(tl.float32)
+            else:
+                acc += tl.where(sel & (s > float("-inf"))[:, None], tl.exp(s - m)[:, None], 0.0)
+        ok = (tl.sum(acc, 0) >= target) | (j == 0)
+        new_lo = tl.max(tl.where(ok, cand, lo), 0)
+        hi = tl.min(tl.where(ok, hi, cand), 0)
+        lo = new_lo
     return _key_to_float(lo.to(tl.int32))
 
 
@@ -142,7 +161,7 @@ def _filter_threshold_kernel(
                 thr = _threshold_search(row_ptr, V, inv_t, m, thr, k.to(tl.float32), True, BLOCK)
             if use_p:
                 # same summation as inside the search, so the floor itself always passes
-                target = tl.maximum(top_p, 0.0) * _mass_above(row_ptr, V, inv_t, m, thr, False, BLOCK)
+                target = tl.maximum(top_p, 0.0) * _mass_above(row_ptr, V, inv_t, m, thr, BLOCK)
                 thr = _threshold_search(row_ptr, V, inv_t, m, thr, target, False, BLOCK)
     tl.store(thr_ptr + row, thr)
 

@@ -177,9 +177,12 @@ def _tree_walk_kernel(
 
     # ---- a request with any row that cannot be sampled emits nothing
     invalid = n < 1
-    for j in range(0, n):
-        _m, _z, _a, bad_j = _combine_row(max_ptr, sum_ptr, arg_ptr, bad_ptr, start + j, n_tiles, T_PAD)
-        invalid = invalid | bad_j
+    c = tl.arange(0, T_PAD)
+    for j in range(0, n):  # (inline: nested jit calls are slow in the interpreter)
+        part = (start + j).to(tl.int64) * n_tiles + c
+        mc = tl.load(max_ptr + part, mask=c < n_tiles, other=float("-inf"))
+        bc = tl.load(bad_ptr + part, mask=c < n_tiles, other=0)
+        invalid = invalid | (tl.sum(bc, 0) > 0) | (tl.max(mc, 0) == float("-inf"))
     n_walk = tl.where(invalid, 1, n)
 
     # ---- walk: children come after their parent, so one ascending scan visits them in order
