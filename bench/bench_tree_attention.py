@@ -168,6 +168,8 @@ def main() -> None:
     )  # fmt: skip
     started = time.perf_counter()
     flex_notes = set()
+    tolerance = 2e-2 if dtype == torch.float16 else 1e-4
+    wrong = []
     for batch in batches:
         for context in contexts:
             decode_us = None
@@ -180,6 +182,8 @@ def main() -> None:
                 r = bench_row(batch, context, shape, dtype, device, timing, want_flex, flex_notes)
                 gbs = r["bytes"] / (r["us"] * 1e-6) / 1e9
                 decode_us = r["us"] if shape == "decode" else decode_us
+                if not r["err"] <= tolerance:
+                    wrong.append(f"batch {batch}, context {context}, {shape}: max error {r['err']:.3g} vs SDPA")
                 flex = r["flex"]
                 table.add(
                     batch, context, shape, f"{r['us']:.1f} ({r['p20']:.1f}-{r['p80']:.1f})", gbs,
@@ -191,6 +195,8 @@ def main() -> None:
         print(f"\nFlexAttention: {note}")
     print(f"\nFlex measured on 'tree 64' rows only{' at batch 1' if args.quick else ''} (one compile per shape).")
     table.write(args.out, "bench_tree_attention")
+    if wrong:
+        sys.exit("specdec disagrees with SDPA beyond tolerance:\n  " + "\n  ".join(wrong))
 
 
 if __name__ == "__main__":

@@ -322,12 +322,20 @@ def test_bad_input(over, exc, match):
         small(**over)
 
 
-def test_mask_too_short_for_tree():
-    q = torch.randn(70, 2, 64)
-    kv = torch.randn(1, 80, 1, 64)
+@pytest.mark.parametrize("check_bounds", [None, False])
+def test_mask_too_short_for_tree(check_bounds):
+    # one request: the tree size is Tq, known from shapes, so the check needs no values
+    q, kv = torch.randn(70, 2, 64), torch.randn(1, 80, 1, 64)
     with pytest.raises(ValueError, match="tree_mask has 1 words per row .* too short for request 0's tree of 70"):
         tree_attention(
             q, kv, kv, torch.tensor([0, 70], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
+            tree_mask=torch.ones(70, 1, dtype=torch.int64), check_bounds=check_bounds,
+        )  # fmt: skip
+    # several requests: found from the offsets' values
+    kv = torch.randn(2, 80, 1, 64)
+    with pytest.raises(ValueError, match="too short for request 1's tree of 66 nodes"):
+        tree_attention(
+            q, kv, kv, torch.tensor([0, 4, 70], dtype=torch.int32), torch.tensor([0, 0], dtype=torch.int32),
             tree_mask=torch.ones(70, 1, dtype=torch.int64),
         )  # fmt: skip
 

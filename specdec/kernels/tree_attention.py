@@ -362,8 +362,11 @@ def tree_attention(
         (offsets non-decreasing and summing to Tq, prefixes >= 0, every request fitting in
         its cache row or block table, mask rows wide enough for the tree: ``W * 64 >= n_b``,
         block ids in range). Default: only for CPU tensors, where it costs no device sync;
-        pass True to check CUDA inputs too (one sync). Shapes, dtypes, devices and head
-        counts are always checked. A row with no allowed position gets out 0, lse -inf.
+        pass True to check CUDA inputs too (one sync). Shapes, dtypes, devices, head counts
+        and, for a single request, the mask width are always checked. Unchecked CUDA values
+        never cause out-of-bounds reads of the mask or the block table (bits past ``W * 64``
+        read as unset, block columns past ``max_blocks`` as block 0) but give wrong results.
+        A row with no allowed position gets out 0, lse -inf.
     num_splits : Triton path only: split each request's context over this many programs
         (default: chosen from the device's size).
 
@@ -408,6 +411,11 @@ def tree_attention(
         check_tensor("tree_mask", tree_mask, dtype=torch.int64, ndim=2)
         if tree_mask.shape[0] != tokens or tree_mask.shape[1] < 1:
             raise ValueError(f"tree_mask must have shape ({tokens}, W >= 1), got {tuple(tree_mask.shape)}")
+        if batch == 1 and tree_mask.shape[1] * MASK_WORD_BITS < tokens:  # one tree: its size is Tq (no sync)
+            raise ValueError(
+                f"tree_mask has {tree_mask.shape[1]} words per row ({tree_mask.shape[1] * MASK_WORD_BITS} nodes), "
+                f"too short for request 0's tree of {tokens} nodes"
+            )
     if block_table is not None:
         check_tensor("block_table", block_table, dtype=torch.int32, ndim=2)
         if block_table.shape[0] != batch:
