@@ -1,5 +1,17 @@
 """LLaMA-style model, its config, the HuggingFace checkpoint loader and the KV cache."""
 
+from specdec.model.attention_metadata import AttentionMetadata, causal_positions, tree_positions
+from specdec.model.config import ModelConfig, RopeScaling
 from specdec.model.kv_cache import BlockAllocator, KVCache
+from specdec.model.llama import LlamaModel
 
-__all__ = ["BlockAllocator", "KVCache"]
+__all__ = [
+    "AttentionMetadata",
+    "BlockAllocator",
+    "KVCache",
+    "LlamaModel",
+    "ModelConfig",
+    "RopeScaling",
+    "causal_positions",
+    "tree_positions",
+]

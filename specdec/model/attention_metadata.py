@@ -46,11 +46,6 @@ class AttentionMetadata:
         return self.q_offsets.numel() - 1
 
 
-def offsets_from_counts(counts: torch.Tensor) -> torch.Tensor:
-    """int32 ``[B+1]`` offsets ``[0, c0, c0+c1, ...]`` from per-request row counts ``[B]``."""
-    return torch.nn.functional.pad(counts.to(torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
-
-
 def request_index(q_offsets: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """int64 ``[Tq]``: the request each flattened query row belongs to (empty requests skipped)."""
     rows = torch.arange(num_tokens, device=q_offsets.device, dtype=q_offsets.dtype)
