@@ -167,7 +167,8 @@ class LlamaModel(nn.Module):
             ``cache.seq_lens[b] + depth`` for tree nodes (``causal_positions`` / ``tree_positions``).
         metadata : ``AttentionMetadata`` (``q_offsets [B+1]`` int32, ``tree_mask [Tq, W]`` int64 or None).
         cache : ``KVCache`` with B requests; row i of request b is written at ``seq_lens[b] + i``.
-            Not advanced here.
+            Not advanced here. On a GPU call ``cache.reserve(rows per request)`` first: the sizes
+            are host data to the caller, while the cache would otherwise read ``q_offsets`` back.
         logits_rows : optional ``[R]`` int64 row indices to compute logits for (e.g. each
             request's last prefill row); default all rows.
 
