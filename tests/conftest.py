@@ -22,6 +22,9 @@ if not torch.cuda.is_available():
 from specdec import _backend  # noqa: E402  (after TRITON_INTERPRET is decided)
 
 HAS_CUDA = torch.cuda.is_available()
+# Small CPU ops are latency-bound: one intra-op thread per test process (pytest -n runs one
+# process per core) avoids oversubscribing the cores.
+torch.set_num_threads(1)
 HAS_TRITON = _backend.triton_status()[0]
 
 

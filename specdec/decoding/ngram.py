@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from specdec.decoding.proposal import Proposal
+from specdec.decoding.requests import to_device
 from specdec.kernels._checks import check_tensor
 
 
@@ -75,3 +77,49 @@ def _latest_match(history: torch.Tensor, lengths: torch.Tensor, n: int) -> torch
     usable = (starts.unsqueeze(0) + n < lengths.unsqueeze(1)) & (lengths.unsqueeze(1) > n)
     candidates = torch.where(equal & usable, starts + n, torch.full_like(starts, -1))
     return candidates.max(dim=1).values
+
+
+class NgramStrategy:
+    """Prompt-lookup drafting for the engine: a chain of ``num_draft`` tokens per request.
+
+    Deterministic drafts (q is one-hot), verified with the deterministic rule. No model,
+    no cache: ``prefill`` and ``commit`` have nothing to do.
+    """
+
+    draft = None
+
+    def __init__(self, num_draft: int = 5, max_ngram: int = 3, min_ngram: int = 1):
+        if not isinstance(num_draft, int) or num_draft < 1:
+            raise ValueError(f"num_draft must be a positive int, got {num_draft!r}")
+        if not (isinstance(min_ngram, int) and isinstance(max_ngram, int) and 1 <= min_ngram <= max_ngram):
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
+        self.num_draft, self.max_ngram, self.min_ngram = num_draft, max_ngram, min_ngram
+
+    @property
+    def name(self) -> str:
+        return f"n-gram (K={self.num_draft}, n<={self.max_ngram})"
+
+    @property
+    def max_nodes(self) -> int:
+        return self.num_draft + 1
+
+    def prefill(self, prompts, max_len, cache_options) -> None:
+        pass
+
+    def commit(self, lengths, finished) -> None:
+        pass
+
+    def propose(self, step) -> Proposal:
+        device = step.params["seed"].device
+        width = max(len(h) for h in step.histories)
+        history = torch.zeros(len(step.histories), width, dtype=torch.int64)
+        for r, text in enumerate(step.histories):
+            history[r, : len(text)] = torch.tensor(text)
+        lengths = torch.tensor([len(h) for h in step.histories])
+        n_max, n_min = self.max_ngram, self.min_ngram
+        drafts, _ = propose_ngram(history.to(device), lengths.to(device), self.num_draft, n_max, n_min)
+        roots = to_device(step.roots, torch.int64, device)
+        tokens = torch.cat((roots[:, None], drafts), dim=1)  # [R, K+1]
+        sizes = [1 + min(self.num_draft, max(limit, 0)) for limit in step.max_depth]
+        keep = torch.cat([torch.arange(n) + r * tokens.shape[1] for r, n in enumerate(sizes)]).to(device)
+        return Proposal(tokens.flatten().index_select(0, keep), [list(range(-1, n - 1)) for n in sizes])

@@ -1,0 +1,228 @@
+"""Drafts from a smaller LLaMA-style model: chains (Leviathan; Chen) and token trees (SpecInfer).
+
+The draft keeps its own KV cache. At the start of every step it holds the committed
+text except the last committed token (length ``L - 1`` where the target holds ``L``);
+its first forward re-feeds that token together with the new root, so each step has
+the same shape whatever was accepted last time (re-writing a cached token's K/V
+rewrites the same values). After verification the engine calls ``commit`` and the
+draft cache is cut back to ``L' - 1`` -- its rollback mirrors the target's.
+
+Chains decode K tokens one forward at a time, each sampled from the draft's own
+filtered distribution ``q`` (recorded for verification; one-hot for greedy
+requests). Trees grow level by level from a static template of branching factors:
+each level's forward runs the whole tree-so-far with its ancestor mask (the
+attention op reads a node's K/V at prefix + node index, so the earlier levels are
+re-fed rather than cached), then every frontier node gets its children -- the top-k
+tokens of ``q`` (deterministic rule) or k i.i.d. samples from ``q`` (stochastic rule).
+
+The draft's random numbers come from the request's seed mixed with a salt, so they
+are independent of the verification's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specdec.decoding.proposal import Proposal, depths, tree_metadata_on
+from specdec.decoding.requests import offsets_on, to_device
+from specdec.kernels import counter_uniform
+from specdec.kernels.sampling import filter_thresholds_reference, inverse_cdf_reference, scaled_logits
+from specdec.kernels.sampling import target_probs_reference as filtered_probs
+from specdec.model.attention_metadata import AttentionMetadata, causal_positions, tree_positions
+
+DRAFT_SEED_SALT = 0x5DEECE66D  # keeps draft sampling independent of the verification uniforms
+RULES = ("deterministic", "stochastic")
+
+
+class DraftModelStrategy:
+    """Proposes a chain (``branching=(1,)*K``) or a tree from a draft model.
+
+    Parameters
+    ----------
+    draft : a ``LlamaModel`` sharing the target's vocabulary.
+    branching : children per node at each depth, e.g. ``(1, 1, 1, 1, 1)`` for a chain of 5
+        or ``(4, 2, 2, 1)`` for a 4-level tree.
+    max_nodes : node budget per tree, root included (the template is cut in BFS order).
+    rule : "stochastic" (children sampled i.i.d. from q; SpecInfer's multi-step speculative
+        sampling) or "deterministic" (top-k children; zero-and-renormalise verification).
+        Chains always sample their one child from q ("stochastic" is the chain rule).
+    """
+
+    def __init__(self, draft, branching: Sequence[int], *, max_nodes: int = 64, rule: str = "stochastic"):
+        branching = tuple(branching)
+        if not branching or any(not isinstance(k, int) or k < 1 for k in branching):
+            raise ValueError(f"branching must be a non-empty sequence of positive ints, got {branching!r}")
+        if not isinstance(max_nodes, int) or max_nodes < 2:
+            raise ValueError(f"max_nodes must be an int >= 2, got {max_nodes!r}")
+        if rule not in RULES:
+            raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+        self.draft = draft
+        self.is_chain = all(k == 1 for k in branching)
+        self.rule = "stochastic" if self.is_chain else rule
+        self.parents = _template(branching, max_nodes)
+        self.depth = depths(self.parents)
+        self.cache = None
+
+    @property
+    def name(self) -> str:
+        if self.is_chain:
+            return f"draft chain (K={len(self.parents) - 1})"
+        return f"draft tree ({len(self.parents)} nodes, {self.rule})"
+
+    @property
+    def max_nodes(self) -> int:
+        return len(self.parents)
+
+    # ---- engine hooks --------------------------------------------------------------------------
+
+    def prefill(self, prompts: list[list[int]], max_len: int, cache_options: dict) -> None:
+        """Allocate the draft cache and run every prompt but its last token through the draft."""
+        device = self.draft.device
+        self.cache = self.draft.new_cache(len(prompts), max_len, **cache_options)
+        counts = [len(p) - 1 for p in prompts]
+        if sum(counts) == 0:
+            return
+        tokens = to_device([t for p in prompts for t in p[:-1]], torch.int64, device)
+        q_offsets = offsets_on(counts, device)
+        self.cache.reserve(counts)
+        positions = causal_positions(q_offsets, self.cache.seq_lens, sum(counts))
+        self.draft(tokens, positions, AttentionMetadata(q_offsets), self.cache, logits_rows=_no_rows(device))
+        self.cache.advance(counts)
+
+    def propose(self, step) -> Proposal:
+        """Trees for ``step.running`` (see ``engine.StepContext``), cut to each request's depth limit."""
+        parents = [self.parents[: _nodes_within(self.depth, limit)] for limit in step.max_depth]
+        if max(len(p) for p in parents) == 1:  # nothing to draft: plain decoding step
+            return Proposal(to_device(step.roots, torch.int64, self.draft.device), parents)
+        if self.is_chain:
+            tokens, probs = self._draft_chain(step, max(len(p) for p in parents) - 1)
+        else:
+            tokens, probs = self._draft_tree(step, max(len(p) for p in parents))
+        keep = torch.cat([torch.arange(len(p)) + r * tokens.shape[1] for r, p in enumerate(parents)])
+        keep = keep.to(tokens.device)
+        flat_probs = None if probs is None else probs.flatten(0, 1).index_select(0, keep)
+        return Proposal(tokens.flatten().index_select(0, keep), parents, flat_probs)
+
+    def commit(self, lengths: list[int], finished: list[int]) -> None:
+        """Cut the draft cache back to each request's committed length minus one; free finished slots."""
+        self.cache.truncate([max(n - 1, 0) for n in lengths])
+        if finished:
+            self.cache.release(finished)
+
+    # ---- drafting ------------------------------------------------------------------------------
+
+    def _draft_chain(self, step, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[R, k+1] tokens (root first) and [R, k+1, V] child distributions, one forward per token."""
+        device, rows = self.draft.device, len(step.running)
+        tokens = [to_device(step.roots, torch.int64, device)]
+        probs = []
+        feed = torch.stack((to_device(step.previous, torch.int64, device), tokens[0]), dim=1).flatten()
+        per_request = 2
+        for j in range(k):
+            counts = step.full_counts(per_request)
+            q_offsets = offsets_on(counts, device)
+            self.cache.reserve(counts)
+            positions = causal_positions(q_offsets, self.cache.seq_lens, feed.numel())
+            last_rows = torch.arange(1, rows + 1, device=device) * per_request - 1
+            logits, _ = self.draft(feed, positions, AttentionMetadata(q_offsets), self.cache, logits_rows=last_rows)
+            self.cache.advance(counts)
+            q, token = self._sample(logits, step, counter=torch.full((rows,), j, device=device))
+            probs.append(q)
+            tokens.append(token)
+            feed, per_request = token, 1
+        probs.append(torch.zeros_like(probs[0]))  # the last draft token has no children
+        return torch.stack(tokens, dim=1), torch.stack(probs, dim=1)
+
+    def _draft_tree(self, step, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[R, n] template tokens and ([R, n, V] child distributions or None), one forward per level."""
+        device, rows = self.draft.device, len(step.running)
+        parents, depth = self.parents[:n], self.depth[:n]
+        # The fed tree: the last committed token on top, the template under it.
+        ext_parents = [-1] + [p + 1 for p in parents]
+        ext_depth, ext_mask = tree_metadata_on([ext_parents] * rows, device)
+        ext_depth, ext_mask = ext_depth.view(rows, n + 1), ext_mask.view(rows, n + 1, -1)
+        tokens = torch.zeros(rows, n + 1, dtype=torch.int64, device=device)
+        tokens[:, 0] = to_device(step.previous, torch.int64, device)
+        tokens[:, 1] = to_device(step.roots, torch.int64, device)
+        probs = torch.zeros(rows, n, self.draft.config.vocab_size, device=device) if self.rule == "stochastic" else None
+        for level in range(max(depth)):
+            frontier = [i for i in range(n) if depth[i] == level]
+            fed = 1 + max(i for i in range(n) if depth[i] <= level) + 1
+            counts = step.full_counts(fed)
+            q_offsets = offsets_on(counts, device)
+            self.cache.reserve(counts)
+            metadata = AttentionMetadata(q_offsets, ext_mask[:, :fed].flatten(0, 1))
+            positions = tree_positions(q_offsets, self.cache.seq_lens, ext_depth[:, :fed].flatten())
+            frontier_rows = torch.arange(rows, device=device)[:, None] * fed + 1 + torch.tensor(frontier, device=device)
+            fed_tokens = tokens[:, :fed].flatten()
+            logits, _ = self.draft(fed_tokens, positions, metadata, self.cache, logits_rows=frontier_rows.flatten())
+            self._expand(logits, step, frontier, parents, tokens, probs)
+        return tokens[:, 1:], probs
+
+    def _expand(self, logits, step, frontier, parents, tokens, probs) -> None:
+        """Give every frontier node its children (in template order) from the draft's logits."""
+        rows, width = len(step.running), len(frontier)
+        params = {k: v.repeat_interleave(width) for k, v in step.params.items()}
+        q = _draft_distribution(logits, params)  # [R * width, V]
+        for f, node in enumerate(frontier):
+            children = [i for i, p in enumerate(parents) if p == node]
+            if not children:
+                continue
+            q_node = q.view(rows, width, -1)[:, f]
+            if self.rule == "stochastic":
+                probs[:, node] = q_node
+                for c in children:
+                    counter = torch.full((rows,), c, device=q.device)
+                    tokens[:, 1 + c] = _sample_from(q_node, step.params, step.offset, counter)
+            else:
+                scores = scaled_logits(logits.view(rows, width, -1)[:, f], step.params["temperature"])
+                scores = torch.where(q_node > 0, scores, float("-inf"))
+                top = scores.topk(len(children), dim=-1).indices
+                for j, c in enumerate(children):
+                    tokens[:, 1 + c] = top[:, j]
+
+    def _sample(self, logits, step, counter) -> tuple[torch.Tensor, torch.Tensor]:
+        q = _draft_distribution(logits, step.params)
+        return q, _sample_from(q, step.params, step.offset, counter)
+
+
+def _draft_distribution(logits: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
+    """fp32 [R, V]: the filtered distribution a draft token is drawn from; one-hot argmax when greedy."""
+    temperature = params["temperature"]
+    s = scaled_logits(logits, temperature)
+    thr = filter_thresholds_reference(s, temperature, params["top_k"], params["top_p"])
+    p, argmax, bad = filtered_probs(s, thr)
+    one_hot = torch.nn.functional.one_hot(argmax, p.shape[-1]).float()
+    return torch.where(((temperature <= 0) | bad)[:, None], one_hot, p)
+
+
+def _sample_from(q: torch.Tensor, params: dict[str, torch.Tensor], offset: torch.Tensor, counter) -> torch.Tensor:
+    """One token per row by inverse CDF on the draft's own uniforms."""
+    u = counter_uniform(params["seed"] ^ DRAFT_SEED_SALT, offset, counter)
+    return inverse_cdf_reference(q, u * q.sum(-1))
+
+
+def _template(branching: tuple[int, ...], max_nodes: int) -> list[int]:
+    """Parents of the static tree in BFS order, cut at ``max_nodes`` nodes."""
+    parents, level = [-1], [0]
+    for k in branching:
+        nxt = []
+        for node in level:
+            for _ in range(k):
+                if len(parents) == max_nodes:
+                    return parents
+                parents.append(node)
+                nxt.append(len(parents) - 1)
+        level = nxt
+    return parents
+
+
+def _nodes_within(depth: list[int], limit: int) -> int:
+    """Length of the BFS prefix holding the nodes of depth <= limit (at least the root)."""
+    return sum(1 for d in depth if d <= max(limit, 0))
+
+
+def _no_rows(device: torch.device) -> torch.Tensor:
+    return torch.zeros(0, dtype=torch.int64, device=device)
