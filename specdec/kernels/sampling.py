@@ -128,7 +128,7 @@ def _threshold_search(row_ptr, V, inv_t, m, floor, target, BY_COUNT: tl.constexp
 def _filter_threshold_kernel(
     logits_ptr,  # [R, V] fp32/fp16/bf16, row stride stride_row
     row_req_ptr,  # [R] int32, request of each row
-    temp_ptr,  # [B] fp32
+    inv_temp_ptr,  # [B] fp32: 1/T, or -1 for greedy requests (see inverse_temperature)
     top_k_ptr,  # [B] int32
     top_p_ptr,  # [B] fp32
     thr_ptr,  # [R] fp32 out: keep s >= thr (-inf = keep all)
@@ -138,14 +138,13 @@ def _filter_threshold_kernel(
 ):
     row = tl.program_id(0)
     req = tl.load(row_req_ptr + row)
-    t = tl.load(temp_ptr + req)
+    inv_t = tl.load(inv_temp_ptr + req)
     k = tl.load(top_k_ptr + req)
     top_p = tl.load(top_p_ptr + req)
-    use_k = (t > 0) & (k > 0) & (k < V)
-    use_p = (t > 0) & (top_p < 1)
+    use_k = (inv_t > 0) & (k > 0) & (k < V)
+    use_p = (inv_t > 0) & (top_p < 1)
     thr = tl.where(use_k, float("-inf"), float("-inf"))  # an fp32 scalar tensor
     if use_k | use_p:
-        inv_t = 1.0 / t
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
         # ---- pass 1: row maximum; rows with NaN/+inf are invalid and left unfiltered
         mx = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -169,7 +168,7 @@ def _filter_threshold_kernel(
 def filter_thresholds_triton(
     logits: torch.Tensor,
     row_req: torch.Tensor,
-    temperature: torch.Tensor,
+    inv_temperature: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     block: int,
@@ -180,7 +179,7 @@ def filter_thresholds_triton(
     thr = torch.empty(rows, dtype=torch.float32, device=logits.device) if out is None else out
     if rows:
         _filter_threshold_kernel[(rows,)](
-            logits, row_req, temperature, top_k, top_p, thr, vocab, logits.stride(0), BLOCK=block
+            logits, row_req, inv_temperature, top_k, top_p, thr, vocab, logits.stride(0), BLOCK=block
         )
     return thr
 
@@ -190,10 +189,25 @@ def filter_thresholds_triton(
 
 def _mix32_torch(x: torch.Tensor) -> torch.Tensor:
     x = x ^ (x >> 16)
-    x = (x * _MUL1) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * _MUL2) & _MASK32
-    return x ^ (x >> 16)
+    x.mul_(_MUL1).bitwise_and_(_MASK32)
+    x.bitwise_xor_(x >> 15)
+    x.mul_(_MUL2).bitwise_and_(_MASK32)
+    return x.bitwise_xor_(x >> 16)
+
+
+def request_key(seed: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """The hash state after folding in (seed, offset): compute once per request, then ``uniform_from_key``."""
+    seed, offset = seed.to(torch.int64), offset.to(torch.int64)
+    h = _mix32_torch(_HASH_START ^ (seed & _MASK32))
+    h = _mix32_torch(h ^ ((seed >> 32) & _MASK32))
+    h = _mix32_torch(h ^ (offset & _MASK32))
+    return _mix32_torch(h ^ ((offset >> 32) & _MASK32))
+
+
+def uniform_from_key(key: torch.Tensor, counter: torch.Tensor | int) -> torch.Tensor:
+    counter = torch.as_tensor(counter, dtype=torch.int64, device=key.device)
+    h = _mix32_torch(_mix32_torch(key ^ (counter & _MASK32)))
+    return (h >> 8).to(torch.float32) * _U24
 
 
 def counter_uniform(seed: torch.Tensor, offset: torch.Tensor, counter: torch.Tensor | int) -> torch.Tensor:
@@ -201,21 +215,19 @@ def counter_uniform(seed: torch.Tensor, offset: torch.Tensor, counter: torch.Ten
 
     Bit-identical to ``counter_uniform_tl`` inside the Triton kernels.
     """
-    seed, offset = seed.to(torch.int64), offset.to(torch.int64)
-    counter = torch.as_tensor(counter, dtype=torch.int64, device=seed.device)
-    h = _mix32_torch(_HASH_START ^ (seed & _MASK32))
-    h = _mix32_torch(h ^ ((seed >> 32) & _MASK32))
-    h = _mix32_torch(h ^ (offset & _MASK32))
-    h = _mix32_torch(h ^ ((offset >> 32) & _MASK32))
-    h = _mix32_torch(_mix32_torch(h ^ (counter & _MASK32)))
-    return (h >> 8).to(torch.float32) * _U24
+    return uniform_from_key(request_key(seed, offset), counter)
+
+
+def inverse_temperature(temperature: torch.Tensor) -> torch.Tensor:
+    """What the kernels read instead of T: 1/T (computed here, so both paths scale by the same
+    bits), -1 for greedy requests (T <= 0); a NaN temperature stays NaN and invalidates the rows."""
+    return torch.where(temperature <= 0, -1.0, 1.0 / temperature)
 
 
 def scaled_logits(logits: torch.Tensor, temperature_rows: torch.Tensor) -> torch.Tensor:
     """fp32 ``s = l * (1/T)`` per row; greedy rows (T <= 0) keep the raw logits."""
-    greedy = temperature_rows <= 0
-    inv_t = torch.where(greedy, 1.0, 1.0 / torch.where(greedy, 1.0, temperature_rows))
-    return logits.float() * inv_t.float()[:, None]
+    inv_t = inverse_temperature(temperature_rows)
+    return logits.float() * torch.where(inv_t < 0, 1.0, inv_t)[:, None]
 
 
 def bad_rows(s: torch.Tensor) -> torch.Tensor:

@@ -26,12 +26,13 @@ import torch
 from specdec import _backend
 from specdec.kernels._checks import check_offsets, check_tensor
 from specdec.kernels.sampling import (
-    counter_uniform,
     filter_thresholds_reference,
     inverse_cdf_reference,
+    request_key,
     sanitize_draft_probs,
     scaled_logits,
     target_probs_reference,
+    uniform_from_key,
 )
 from specdec.kernels.verify_tree import (
     RESIDUAL_EPS,
@@ -235,6 +236,7 @@ def verify_chain_reference(
     )
     invalid = torch.zeros(batch, dtype=torch.long, device=device).scatter_reduce(0, row_req, bad.long(), "amax") > 0
     greedy = temperature <= 0
+    key = request_key(seed, offset)
     tokens = torch.full((batch, max_draft_len + 1), -1, dtype=torch.long, device=device)
     accepted = torch.zeros(batch, dtype=torch.long, device=device)
     rejected = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -248,7 +250,7 @@ def verify_chain_reference(
         valid = (tok >= 0) & (tok < vocab)
         safe = torch.where(valid, tok, 0)
         px = torch.where(valid, p[row, safe], 0.0)
-        u = counter_uniform(seed, offset, 2 * (i + 1))
+        u = uniform_from_key(key, 2 * (i + 1))
         if draft_probs is not None:
             qx = draft_probs[draft, safe].float()
             accept = valid & (qx > 0) & (qx <= 1) & (u * qx < px)
@@ -276,7 +278,7 @@ def verify_chain_reference(
     use_residual = rejected & (mass_total > RESIDUAL_EPS)  # else: sample from p
     mass = torch.where(use_residual[:, None], residual, p_row)
     total_mass = torch.where(use_residual, mass_total, 1.0)
-    u = counter_uniform(seed, offset, 2 * stop + 1)
+    u = uniform_from_key(key, 2 * stop + 1)
     final = torch.where(greedy, argmax[row], inverse_cdf_reference(mass, u * total_mass))
     tokens[every, accepted] = final
     tokens[invalid] = -1

@@ -40,14 +40,16 @@ import triton.language as tl
 from specdec import _backend
 from specdec.kernels._checks import check_offsets, check_tensor
 from specdec.kernels.sampling import (
-    counter_uniform,
     counter_uniform_tl,
     filter_thresholds_reference,
     filter_thresholds_triton,
     inverse_cdf_reference,
+    inverse_temperature,
+    request_key,
     sanitize_draft_probs,
     scaled_logits,
     target_probs_reference,
+    uniform_from_key,
 )
 
 RESIDUAL_EPS = 1e-5  # a residual with less mass is rounding noise: sample from p instead
@@ -69,7 +71,7 @@ class TreeVerifyResult(NamedTuple):
 def _row_stats_kernel(
     logits_ptr,  # [R, V] fp32/fp16/bf16
     row_req_ptr,  # [R] int32, request of each row
-    temp_ptr,  # [B] fp32
+    inv_temp_ptr,  # [B] fp32: 1/T, -1 for greedy
     thr_ptr,  # [R] fp32 filter threshold on s
     max_ptr,  # [R, n_tiles] fp32 out: max of kept s in the tile
     sum_ptr,  # [R, n_tiles] fp32 out: sum exp(s - tile max) over kept entries
@@ -82,8 +84,8 @@ def _row_stats_kernel(
 ):
     row = tl.program_id(0)
     tile = tl.program_id(1)
-    t = tl.load(temp_ptr + tl.load(row_req_ptr + row))
-    inv_t = 1.0 / tl.where(t > 0, t, 1.0)
+    inv_t = tl.load(inv_temp_ptr + tl.load(row_req_ptr + row))
+    inv_t = tl.where(inv_t < 0, 1.0, inv_t)  # greedy rows keep the raw logits
     thr = tl.load(thr_ptr + row)
     cols = tile * BLOCK + tl.arange(0, BLOCK)
     inb = cols < V
@@ -146,7 +148,7 @@ def _tree_walk_kernel(
     sum_ptr,
     arg_ptr,
     bad_ptr,
-    temp_ptr,  # [B] fp32
+    inv_temp_ptr,  # [B] fp32: 1/T, -1 for greedy
     seed_ptr,  # [B] int64
     offset_ptr,  # [B] int64
     out_tok_ptr,  # [B, W] int32 out: accepted tokens, then the sampled one, -1 padded
@@ -169,9 +171,10 @@ def _tree_walk_kernel(
     b = tl.program_id(0)
     start = tl.load(offsets_ptr + b)
     n = tl.load(offsets_ptr + b + 1) - start
-    t = tl.load(temp_ptr + b)
-    greedy = t <= 0
-    inv_t = 1.0 / tl.where(greedy, 1.0, t)
+    inv_t = tl.load(inv_temp_ptr + b)
+    greedy = inv_t < 0
+    inv_t = tl.where(greedy, 1.0, inv_t)
+    t = inv_t * 0.0  # an fp32 zero for loop-carried scalars
     seed = tl.load(seed_ptr + b)
     off = tl.load(offset_ptr + b)
 
@@ -191,9 +194,9 @@ def _tree_walk_kernel(
     path = tl.where(lanes == 0, 0, toks)
     depth = n * 0
     cur = n * 0
-    c_res = 0.0 * t  # stochastic: C and S of p_j = max(0, p - C q) / S
-    s_res = 1.0 + 0.0 * t
-    x_rej = 0.0 * t  # deterministic: target mass of distinct rejected siblings
+    c_res = t  # stochastic: C and S of p_j = max(0, p - C q) / S
+    s_res = 1.0 + t
+    x_rej = t  # deterministic: target mass of distinct rejected siblings
     m, z, am, _bad = _combine_row(max_ptr, sum_ptr, arg_ptr, bad_ptr, start, n_tiles, T_PAD)
     for j in range(1, n_walk):
         par = tl.load(parents_ptr + start + j)
@@ -224,9 +227,9 @@ def _tree_walk_kernel(
                 depth += 1
                 path = tl.where(lanes == depth, j, path)
                 cur = j + n * 0
-                c_res = 0.0 * t
-                s_res = 1.0 + 0.0 * t
-                x_rej = 0.0 * t
+                c_res = t
+                s_res = 1.0 + t
+                x_rej = t
                 m, z, am, _bad = _combine_row(max_ptr, sum_ptr, arg_ptr, bad_ptr, start + j, n_tiles, T_PAD)
             elif not greedy:
                 if HAS_Q:
@@ -273,7 +276,7 @@ def _tree_walk_kernel(
                 exclude = (x_rej > 0) & (total > EPS)
                 total = tl.where(exclude, total, 1.0)
             target = u * total
-            run = 0.0 * t
+            run = t
             found = n * 0 - 1
             last = n * 0 - 1
             v0 = n * 0
@@ -324,14 +327,15 @@ def verify_tree_triton(
         logits = logits.contiguous()
     row_ids = torch.arange(rows, device=device, dtype=torch.int32)
     row_req = torch.searchsorted(offsets[1:], row_ids, right=True).to(torch.int32).clamp_max_(max(batch - 1, 0))
-    thr = filter_thresholds_triton(logits, row_req, temperature, top_k, top_p, block)
+    inv_temp = inverse_temperature(temperature)
+    thr = filter_thresholds_triton(logits, row_req, inv_temp, top_k, top_p, block)
     part_max = torch.empty(rows, n_tiles, dtype=torch.float32, device=device)
     part_sum = torch.empty_like(part_max)
     part_arg = torch.empty(rows, n_tiles, dtype=torch.int32, device=device)
     part_bad = torch.empty_like(part_arg)
     if rows:
         _row_stats_kernel[(rows, n_tiles)](
-            logits, row_req, temperature, thr, part_max, part_sum, part_arg, part_bad,
+            logits, row_req, inv_temp, thr, part_max, part_sum, part_arg, part_bad,
             vocab, n_tiles, logits.stride(0), BLOCK=block,
         )  # fmt: skip
     out_tok, out_path, num_acc, invalid = out
@@ -342,7 +346,7 @@ def verify_tree_triton(
     if batch:
         _tree_walk_kernel[(batch,)](
             logits, tokens, parents, offsets, q, q_rows if has_q else tokens, thr,
-            part_max, part_sum, part_arg, part_bad, temperature, seed, offset,
+            part_max, part_sum, part_arg, part_bad, inv_temp, seed, offset,
             out_tok, out_path, num_acc, invalid,
             vocab, n_tiles, width, logits.stride(0), q.stride(0), out_tok.stride(0), out_path.stride(0),
             HAS_Q=has_q, BLOCK=block, T_PAD=triton.next_power_of_2(n_tiles),
@@ -548,6 +552,7 @@ def verify_tree_reference(
     p, argmax, bad = target_probs_reference(s, thr)
     invalid = torch.zeros(batch, dtype=torch.long, device=device).scatter_reduce(0, row_req, bad.long(), "amax") > 0
     greedy = temperature <= 0
+    key = request_key(seed, offset)
     has_q = draft_probs is not None
     if has_q:
         q_clean = sanitize_draft_probs(draft_probs)
@@ -575,7 +580,7 @@ def verify_tree_reference(
         valid = (tok >= 0) & (tok < vocab)
         safe = torch.where(valid, tok, 0)
         px = torch.where(valid, p[row, safe], 0.0)
-        u = counter_uniform(seed, offset, 2 * j)
+        u = uniform_from_key(key, 2 * j)
         if has_q:
             qx = draft_probs[q_rows[row], safe].float()
             res = (px - c_res * q_clean[q_rows[row], safe]).clamp_min(0.0)
@@ -602,7 +607,7 @@ def verify_tree_reference(
             excluded[every[rejected & valid], safe[rejected & valid]] = True
     # final token where each walk stopped
     row = starts + cur
-    u = counter_uniform(seed, offset, 2 * cur + 1)
+    u = uniform_from_key(key, 2 * cur + 1)
     if has_q:
         mass = (p[row] - c_res[:, None] * q_clean[q_rows[row]]).clamp_min(0.0)
         total = s_res
