@@ -189,6 +189,42 @@ def test_compact_chain_and_empty_paths_change_only_lengths(backend, device):
     assert got_lens.tolist() == [8, 0, 12]
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_rows_wider_than_one_tile(backend, device, layout):
+    """Hkv * D = 1280 elements: the kernels split each token row over two programs (the second partial)."""
+    gen = torch.Generator().manual_seed(13)
+    data, tables = make_cache_tensors(layout, 1, 2, 12, 5, 256, torch.float16, gen=gen)
+    seq_lens = torch.tensor([1, 3], dtype=torch.int32)
+    k, v = random_bits_(torch.empty(2, 7, 5, 256, dtype=torch.float16))
+    offsets = torch.tensor([0, 4, 7], dtype=torch.int32)
+    expected = data.clone()
+    kv_append_reference(expected, 0, k, v, seq_lens, offsets, tables)
+    paths = [[0, 2, 3], [0, 2]]
+    expected, lens = compact_oracle(expected, tables, seq_lens, paths)
+    dev = lambda t: None if t is None else t.to(device)
+    got, got_lens = dev(data), dev(seq_lens)
+    kv_append(got, 0, dev(k), dev(v), got_lens, dev(offsets), dev(tables))
+    kv_compact(got, got_lens, dev(pad(paths, 3)), dev(tables))
+    assert_same_bits(got.cpu(), expected, layout)
+    assert got_lens.cpu().tolist() == lens.tolist() == [4, 5]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_compact_llama_shape_on_gpu(layout):
+    """The benchmark's shape compiled: 32 layers, 64 requests, 8 KV heads of 128, bf16, 64-node trees."""
+    gen = torch.Generator().manual_seed(14)
+    data, tables = make_cache_tensors(layout, 32, 64, 192, 8, 128, torch.bfloat16, page=16, gen=gen)
+    seq_lens = torch.randint(0, 128, (64,), generator=gen, dtype=torch.int32)
+    paths = [random_path(gen, 64)[:8] for _ in range(64)]
+    expected, lens = data.clone(), seq_lens.clone()
+    kv_compact_reference(expected, lens, pad(paths, 8), tables)
+    got, got_lens = data.cuda(), seq_lens.cuda()
+    kv_compact(got, got_lens, pad(paths, 8).cuda(), None if tables is None else tables.cuda())
+    assert_same_bits(got.cpu(), expected, layout)
+    assert torch.equal(got_lens.cpu(), lens)
+
+
 def test_compact_reference_matches_oracle():
     gen = torch.Generator().manual_seed(4)
     for layout in ("contiguous", "paged"):
