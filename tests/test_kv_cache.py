@@ -570,6 +570,8 @@ def test_bad_cache_inputs():
         cache.layer(2)
     with pytest.raises(ValueError, match="counts must hold 2 ints"):
         cache.reserve([1])
+    with pytest.raises(ValueError, match="counts must be host ints or a CPU tensor; reading meta"):
+        cache.reserve(torch.ones(2, dtype=torch.int32, device="meta"))
     with pytest.raises(ValueError, match="counts must be >= 0"):
         cache.reserve([1, -1])
     with pytest.raises(ValueError, match=r"counts\[1\] = 9 must be in \[0, 8\]"):

@@ -22,7 +22,9 @@ request *might* overflow (or the paged pool runs dry) does the cache read ``seq_
 back once (``sync_lengths``) and decide on exact lengths. A write that still does not
 fit is refused with a ValueError naming the request and the excess, before anything is
 written. ``room()`` gives each request's guaranteed free slots so a strategy can shorten
-its draft instead.
+its draft instead. An engine that reads each step's results back anyway can call
+``sync_lengths()`` right after that read-back (the stream is drained, so it waits for
+nothing) to keep the bounds exact and the paged pool tight.
 
 Paged allocation. Blocks come from a free list on the host. ``reserve`` gives each
 request the blocks its bound plus the new tokens need; committing tightens the bound and
@@ -353,6 +355,8 @@ class KVCache:
     def _host_ints(self, name: str, values) -> list[int]:
         if isinstance(values, torch.Tensor):
             check_tensor(name, values, dtype=(torch.int32, torch.int64), shape=(self.batch_size,))
+            if not values.is_cpu:
+                raise ValueError(f"{name} must be host ints or a CPU tensor; reading {values.device} would synchronise")
             return values.tolist()
         values = list(values)
         if len(values) != self.batch_size or not all(isinstance(x, int) for x in values):
