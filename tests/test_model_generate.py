@@ -80,8 +80,8 @@ def test_eos_and_per_request_limits_leave_others_undisturbed(model):
     full = generate(model, prompts, max_new_tokens=24, eos_token_id=None)
     eos = {full[0][6], full[2][3]}  # two ids the run is known to produce
     limits = [24, 5, 24, 2]
-    steps = list(stream(model, prompts, max_new_tokens=limits, eos_token_id=sorted(eos)))
-    got = [[] for _ in prompts]
+    steps = list(stream(model, prompts + prompts[:1], max_new_tokens=limits + [0], eos_token_id=sorted(eos)))
+    got = [[] for _ in range(5)]
     reasons = {}
     for step in steps:
         assert len(set(step.requests)) == len(step.requests)
@@ -93,6 +93,7 @@ def test_eos_and_per_request_limits_leave_others_undisturbed(model):
         expected = truncate(full[b], eos, limits[b])
         assert got[b] == expected, f"request {b}"
         assert reasons[b] == ("eos" if expected[-1] in eos else "length"), f"request {b}"
+    assert got[4] == [] and 4 not in reasons  # max_new_tokens = 0: never runs
     assert len(steps) == max(len(g) for g in got)
     assert got[0][-1] in eos and len(got[0]) <= 7
     # the model config's EOS ids are the default
@@ -168,7 +169,7 @@ def test_invalid_logits_end_requests(model):
         ([[1, 256]], {}, ValueError, r"prompts\[0\]\[1\] = 256 is not a token id"),
         ([torch.ones(2, 2, dtype=torch.long)], {}, ValueError, r"prompts\[0\] must be a 1-D integer tensor"),
         ([[1], [2]], {"max_new_tokens": [3]}, ValueError, "max_new_tokens must be one value or 2"),
-        ([[1]], {"max_new_tokens": 0}, ValueError, "max_new_tokens must be >= 1"),
+        ([[1]], {"max_new_tokens": -1}, ValueError, "max_new_tokens must be >= 0"),
         ([[1]], {"temperature": -0.5}, ValueError, "temperature must be finite and >= 0"),
         ([[1]], {"temperature": math.nan}, ValueError, "temperature must be finite"),
         ([[1]], {"top_k": -1}, ValueError, "top_k must be >= 0"),

@@ -26,10 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.decoding.requests import DEFAULT_EOS, make_requests, offsets_on, to_device
 from specdec.kernels import sample
 from specdec.model.attention_metadata import AttentionMetadata, causal_positions
-
-DEFAULT_EOS = "config"  # use the model config's EOS ids
 
 
 @dataclass(frozen=True)
@@ -76,11 +75,13 @@ def stream(
 ) -> Iterator[StepOutput]:
     """Yield one ``StepOutput`` per decoding step for a batch of prompts of any lengths.
 
+    Arguments are checked by ``requests.make_requests``, as for the speculative engine.
+
     Parameters
     ----------
     model : a ``LlamaModel`` (anything with its ``forward``/``new_cache``/``config``).
     prompts : B non-empty token-id sequences (lists or 1-D integer tensors).
-    max_new_tokens : per request (or one int for all), >= 1.
+    max_new_tokens : per request (or one int for all), >= 0 (0: the request emits nothing).
     temperature : per request, >= 0; 0 is greedy (argmax, no randomness).
     top_k : per request, 0 = no top-k filter.
     top_p : per request, in (0, 1]; 1 = no nucleus filter.
@@ -89,61 +90,39 @@ def stream(
     eos_token_id : id or ids that end a request; default the model config's; None: never.
     cache_layout, block_size : the KV cache's layout ("contiguous" or "paged") and page size.
     """
-    batch = len(prompts)
-    if batch == 0:
-        raise ValueError("prompts must hold at least one prompt")
-    vocab, device = model.config.vocab_size, model.device
-    prompt_ids = [_prompt(b, p, vocab) for b, p in enumerate(prompts)]
-    limits = _per_request("max_new_tokens", max_new_tokens, batch, int)
-    if any(m < 1 for m in limits):
-        raise ValueError(f"max_new_tokens must be >= 1 for every request, got {limits}")
-    temps = _per_request("temperature", temperature, batch, float)
-    if any(not t >= 0 or t == float("inf") for t in temps):
-        raise ValueError(f"temperature must be finite and >= 0, got {temps}")
-    top_ks = _per_request("top_k", top_k, batch, int)
-    if any(k < 0 for k in top_ks):
-        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_ks}")
-    top_ps = _per_request("top_p", top_p, batch, float)
-    if any(not 0 < p <= 1 for p in top_ps):
-        raise ValueError(f"top_p must lie in (0, 1], got {top_ps}")
-    if seed is None:
-        seeds = torch.randint(0, 2**62, (batch,)).tolist()
-    elif isinstance(seed, int):
-        seeds = [seed + b for b in range(batch)]
-    else:
-        seeds = _per_request("seed", seed, batch, int)
-    eos = set(_eos_ids(eos_token_id, model.config))
-
-    lengths = [len(p) for p in prompt_ids]
-    cache = model.new_cache(
-        batch, max(n + m for n, m in zip(lengths, limits)), layout=cache_layout, block_size=block_size
+    req = make_requests(
+        prompts,
+        vocab_size=model.config.vocab_size,
+        config_eos=model.config.eos_token_ids,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        eos_token_id=eos_token_id,
     )
-    temps_d = torch.tensor(temps, dtype=torch.float32, device=device)
-    top_ks_d = torch.tensor(top_ks, dtype=torch.int32, device=device)
-    top_ps_d = torch.tensor(top_ps, dtype=torch.float32, device=device)
-    seeds_d = torch.tensor(seeds, dtype=torch.int64, device=device)
+    batch, limits, eos, device = req.batch_size, req.max_new_tokens, req.eos, model.device
+    cache = model.new_cache(
+        batch, max(len(p) + m for p, m in zip(req.prompts, limits)), layout=cache_layout, block_size=block_size
+    )
+    params = req.device_params(device)
     generated = [0] * batch
-    running = list(range(batch))
-    tokens = [t for p in prompt_ids for t in p]
-    counts = lengths  # query rows per request this step (0 for finished requests)
+    running = [b for b in range(batch) if limits[b] > 0]  # max_new_tokens = 0: nothing to do
+    tokens = [t for b in running for t in req.prompts[b]]
+    counts = [len(p) if limits[b] > 0 else 0 for b, p in enumerate(req.prompts)]  # query rows this step
     while running:
-        q_offsets = _to_device(_offsets(counts), torch.int32, device)
+        q_offsets = offsets_on(counts, device)
         rows = q_offsets[1:].long() - 1  # each request's last row (only running requests have rows)
-        active = _to_device(running, torch.int64, device)
+        active = to_device(running, torch.int64, device)
         cache.reserve(counts)  # host-known sizes: the layer writes need no sync
         metadata = AttentionMetadata(q_offsets)
-        ids = _to_device(tokens, torch.int64, device)
+        ids = to_device(tokens, torch.int64, device)
         positions = causal_positions(q_offsets, cache.seq_lens, len(tokens))
         logits, _ = model(ids, positions, metadata, cache, logits_rows=rows.index_select(0, active))
         cache.advance(torch.diff(q_offsets))
-        offsets_d = _to_device([generated[b] for b in running], torch.int64, device)
+        offsets_d = to_device([generated[b] for b in running], torch.int64, device)
         new, invalid = sample(
-            logits,
-            temps_d.index_select(0, active),
-            top_ks_d.index_select(0, active),
-            top_ps_d.index_select(0, active),
-            seeds_d.index_select(0, active),
-            offsets_d,
+            logits, *(params[k].index_select(0, active) for k in ("temperature", "top_k", "top_p", "seed")), offsets_d
         )
         host = torch.stack((new.to(torch.int64), invalid.to(torch.int64))).cpu()  # the step's one host sync
         emitted_requests, emitted, finished = [], [], {}
@@ -163,56 +142,3 @@ def stream(
         tokens = [t for b, t in zip(emitted_requests, emitted) if b not in finished]
         running_set = set(running)
         counts = [1 if b in running_set else 0 for b in range(batch)]
-
-
-def _prompt(b: int, prompt, vocab: int) -> list[int]:
-    if isinstance(prompt, torch.Tensor):
-        if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype == torch.bool:
-            raise ValueError(f"prompts[{b}] must be a 1-D integer tensor, got {prompt.dtype} {tuple(prompt.shape)}")
-        prompt = prompt.tolist()
-    ids = list(prompt)
-    if not ids:
-        raise ValueError(f"prompts[{b}] is empty; every prompt needs at least one token")
-    for i, t in enumerate(ids):
-        if not isinstance(t, int) or not 0 <= t < vocab:
-            raise ValueError(f"prompts[{b}][{i}] = {t!r} is not a token id in [0, {vocab})")
-    return ids
-
-
-def _per_request(name: str, value, batch: int, kind: type) -> list:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return [kind(value)] * batch
-    values = list(value)
-    if len(values) != batch:
-        raise ValueError(f"{name} must be one value or {batch} (one per prompt), got {len(values)}")
-    if kind is int and not all(isinstance(v, int) for v in values):
-        raise ValueError(f"{name} must hold ints, got {values!r}")
-    return [kind(v) for v in values]
-
-
-def _eos_ids(eos_token_id, config) -> tuple[int, ...]:
-    if isinstance(eos_token_id, str):
-        if eos_token_id != DEFAULT_EOS:
-            raise ValueError(f"eos_token_id must be an int, ints, None or {DEFAULT_EOS!r}, got {eos_token_id!r}")
-        return tuple(config.eos_token_ids)
-    if eos_token_id is None:
-        return ()
-    ids = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
-    if not all(isinstance(i, int) for i in ids):
-        raise ValueError(f"eos_token_id must hold ints, got {eos_token_id!r}")
-    return ids
-
-
-def _offsets(counts: list[int]) -> list[int]:
-    out = [0]
-    for c in counts:
-        out.append(out[-1] + c)
-    return out
-
-
-def _to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host ints to the device without making the host wait (pinned buffer, asynchronous copy)."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
