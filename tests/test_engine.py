@@ -1,0 +1,255 @@
+"""The speculative decoding engine end to end, on small random checkpoints (PyTorch path)."""
+
+import math
+
+import pytest
+import torch
+
+from specdec import use_backend
+from specdec.decoding import DraftModelStrategy, NgramStrategy, SpeculativeDecoder, check_same_vocabulary
+from specdec.decoding.autoregressive import generate as autoregressive_generate
+from specdec.kernels.sampling import filter_thresholds_reference, scaled_logits, target_probs_reference
+from specdec.model.attention_metadata import AttentionMetadata, causal_positions
+from specdec.model.config import ModelConfig
+from specdec.model.llama import LlamaModel
+
+
+@pytest.fixture(autouse=True)
+def _torch_backend():
+    with use_backend("torch"):
+        yield
+
+
+def random_model(seed: int, vocab: int = 64, layers: int = 2, hidden: int = 32, scale: float = 1.0) -> LlamaModel:
+    """A small LLaMA with weights large enough that its next-token distributions are far from uniform."""
+    gen = torch.Generator().manual_seed(seed)
+    config = ModelConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_layers=layers,
+        num_heads=2, num_kv_heads=1, head_dim=hidden // 2,
+    )  # fmt: skip
+    model = LlamaModel(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=gen) * scale / math.sqrt(p.shape[1]) * 2)
+            else:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+def noisy_copy(model: LlamaModel, seed: int, noise: float) -> LlamaModel:
+    """A draft that resembles its target: same weights plus noise."""
+    gen = torch.Generator().manual_seed(seed)
+    draft = LlamaModel(model.config)
+    draft.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(noise * p.abs().mean() * torch.randn(p.shape, generator=gen))
+    return draft.eval()
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = random_model(0)
+    return target, noisy_copy(target, 1, 0.3)
+
+
+STRATEGIES = {
+    "chain": lambda draft: DraftModelStrategy(draft, (1,) * 4),
+    "tree-deterministic": lambda draft: DraftModelStrategy(draft, (3, 2, 1), rule="deterministic"),
+    "tree-stochastic": lambda draft: DraftModelStrategy(draft, (2, 2, 1), rule="stochastic"),
+    "ngram": lambda draft: NgramStrategy(num_draft=4, max_ngram=3),
+}
+
+
+def prompts_of(batch: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(batch)
+    return [torch.randint(0, 64, (int(n),), generator=gen).tolist() for n in torch.randint(1, 12, (batch,), generator=gen)]
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_greedy_speculation_equals_target_greedy(pair, strategy, batch):
+    target, draft = pair
+    prompts = prompts_of(batch)
+    expected = autoregressive_generate(target, prompts, max_new_tokens=128, eos_token_id=None)
+    decoder = SpeculativeDecoder(target, STRATEGIES[strategy](draft))
+    result = decoder.generate(prompts, max_new_tokens=128, eos_token_id=None)
+    for b in range(batch):
+        assert result.tokens[b] == expected[b], f"request {b} diverged"
+        assert result.stats[b].generated == 128
+    if strategy != "ngram":
+        assert sum(s.accepted for s in result.stats) > 0, "a similar draft should get some tokens accepted"
+
+
+def test_autoregressive_engine_equals_reference_loop_with_paged_cache(pair):
+    target, _ = pair
+    prompts = prompts_of(5)
+    expected = autoregressive_generate(target, prompts, max_new_tokens=40, eos_token_id=None)
+    result = SpeculativeDecoder(target, None, cache_layout="paged", block_size=4).generate(
+        prompts, max_new_tokens=40, eos_token_id=None
+    )
+    assert result.tokens == expected
+    assert all(s.tau == 1.0 and s.target_forwards == 40 for s in result.stats)
+
+
+def test_draft_equal_to_target_accepts_every_draft(pair):
+    target, _ = pair
+    k = 4
+    decoder = SpeculativeDecoder(target, DraftModelStrategy(target, (1,) * k))
+    steps = list(decoder.stream(prompts_of(3), max_new_tokens=31, eos_token_id=None))
+    for step in steps[1:]:  # after the prefill, every forward emits K + 1 tokens (fewer only at the end)
+        for tokens in step.tokens:
+            assert len(tokens) == k + 1 or step.finished
+    for stats in decoder.stats:
+        assert stats.accepted == stats.drafted > 0
+        assert stats.acceptance_by_position() == [1.0] * k
+        assert stats.target_forwards == 1 + math.ceil(30 / (k + 1))
+
+
+def test_mixed_batch_and_requests_finishing_at_different_steps(pair):
+    target, draft = pair
+    prompts = prompts_of(4)
+    limits = [5, 17, 1, 30]
+    expected = autoregressive_generate(target, prompts, max_new_tokens=limits, eos_token_id=None)
+    result = SpeculativeDecoder(target, DraftModelStrategy(draft, (1,) * 3)).generate(
+        prompts, max_new_tokens=limits, eos_token_id=None
+    )
+    assert result.tokens == expected
+    assert [len(t) for t in result.tokens] == limits
+
+
+def test_eos_stops_a_request_and_max_new_tokens_zero_returns_nothing(pair):
+    target, draft = pair
+    prompts = prompts_of(3)
+    free = SpeculativeDecoder(target, None).generate(prompts, max_new_tokens=20, eos_token_id=None)
+    eos = free.tokens[0][6]
+    result = SpeculativeDecoder(target, DraftModelStrategy(draft, (1,) * 3)).generate(
+        prompts, max_new_tokens=[20, 0, 20], eos_token_id=eos
+    )
+    assert result.tokens[0] == free.tokens[0][: free.tokens[0].index(eos) + 1]
+    assert result.stats[0].finish_reason == "eos"
+    assert result.tokens[1] == [] and result.stats[1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("strategy", ["chain", "tree-stochastic", "tree-deterministic"])
+def test_seeded_sampling_is_reproducible_alone_and_in_any_batch(pair, strategy):
+    target, draft = pair
+    prompts = prompts_of(4)
+    options = dict(max_new_tokens=12, temperature=0.9, top_k=20, top_p=0.9, eos_token_id=None)
+    seeds = [11, 22, 33, 44]
+    batch = SpeculativeDecoder(target, STRATEGIES[strategy](draft)).generate(prompts, seed=seeds, **options)
+    again = SpeculativeDecoder(target, STRATEGIES[strategy](draft)).generate(prompts, seed=seeds, **options)
+    assert batch.tokens == again.tokens
+    order = [2, 0, 3, 1]
+    shuffled = SpeculativeDecoder(target, STRATEGIES[strategy](draft)).generate(
+        [prompts[i] for i in order], seed=[seeds[i] for i in order], **options
+    )
+    assert [shuffled.tokens[order.index(b)] for b in range(4)] == batch.tokens
+    alone = SpeculativeDecoder(target, STRATEGIES[strategy](draft)).generate([prompts[1]], seed=[seeds[1]], **options)
+    assert alone.tokens[0] == batch.tokens[1]
+
+
+# ---- exactness: the emitted distribution is the target's ------------------------------------------
+
+
+def exact_joint(target: LlamaModel, prompt: list[int], steps: int, temperature: float, top_k: int, top_p: float):
+    """The target's filtered joint distribution of the next ``steps`` tokens, by enumeration."""
+    vocab = target.config.vocab_size
+    contexts, probs = [[]], torch.ones(1)
+    for _ in range(steps):
+        texts = [prompt + c for c in contexts]
+        cache = target.new_cache(len(texts), len(prompt) + steps)
+        q_offsets = torch.tensor([0] + [len(t) for t in texts], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        tokens = torch.tensor([t for text in texts for t in text])
+        positions = causal_positions(q_offsets, cache.seq_lens, tokens.numel())
+        logits, _ = target(tokens, positions, AttentionMetadata(q_offsets), cache, logits_rows=q_offsets[1:].long() - 1)
+        rows = len(texts)
+        t = torch.full((rows,), temperature)
+        s = scaled_logits(logits, t)
+        thr = filter_thresholds_reference(s, t, torch.full((rows,), top_k), torch.full((rows,), top_p))
+        p, _, _ = target_probs_reference(s, thr)
+        probs = (probs[:, None] * p.double()).flatten()
+        contexts = [c + [v] for c in contexts for v in range(vocab)]
+    return probs  # index = sum(token_i * vocab^(steps-1-i))
+
+
+@pytest.mark.parametrize(
+    "strategy,temperature,top_k,top_p",
+    [
+        ("chain", 0.7, 0, 1.0),
+        ("tree-stochastic", 1.3, 0, 0.8),
+        ("tree-deterministic", 0.8, 3, 1.0),
+    ],
+)
+def test_first_tokens_follow_the_exact_target_joint(strategy, temperature, top_k, top_p):
+    vocab, steps, draws = 4, 3, 20000
+    target = random_model(5, vocab=vocab, layers=1, scale=1.5)
+    draft = random_model(6, vocab=vocab, layers=1, scale=1.5)  # independent: far from the target
+    make = {
+        "chain": lambda: DraftModelStrategy(draft, (1, 1)),
+        "tree-stochastic": lambda: DraftModelStrategy(draft, (2, 2), rule="stochastic"),
+        "tree-deterministic": lambda: DraftModelStrategy(draft, (2, 2), rule="deterministic"),
+    }[strategy]
+    prompt = [1, 2, 3]
+    result = SpeculativeDecoder(target, make()).generate(
+        [prompt] * draws, max_new_tokens=steps, temperature=temperature, top_k=top_k, top_p=top_p,
+        seed=1000, eos_token_id=None,
+    )  # fmt: skip
+    index = torch.tensor([sum(t * vocab ** (steps - 1 - i) for i, t in enumerate(toks)) for toks in result.tokens])
+    empirical = torch.bincount(index, minlength=vocab**steps).double() / draws
+    exact = exact_joint(target, prompt, steps, temperature, top_k, top_p)
+    support = int((exact > 0).sum())
+    expected_tvd = 0.5 * math.sqrt(2 * (support - 1) / (math.pi * draws))
+    tvd = 0.5 * (empirical - exact).abs().sum().item()
+    assert tvd < 2.5 * expected_tvd, f"TVD {tvd:.4f} vs expected noise {expected_tvd:.4f}"
+    assert (empirical[exact == 0] == 0).all(), "a filtered-out sequence was emitted"
+    assert sum(s.accepted for s in result.stats) > 0
+
+
+# ---- input handling ---------------------------------------------------------------------------------
+
+
+def test_vocabulary_mismatch_is_refused(pair):
+    target, _ = pair
+    other = random_model(3, vocab=32)
+    with pytest.raises(ValueError, match="share a vocabulary: target has 64 tokens, draft has 32"):
+        SpeculativeDecoder(target, DraftModelStrategy(other, (1, 1)))
+    with pytest.raises(ValueError, match="share a vocabulary"):
+        check_same_vocabulary(target, other)
+
+
+class FakeTokenizer:
+    def __init__(self, vocab):
+        self.vocab = vocab
+
+    def get_vocab(self):
+        return self.vocab
+
+
+def test_tokenizer_mismatch_is_refused(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="tokenizers differ"):
+        check_same_vocabulary(target, draft, FakeTokenizer({"a": 0}), FakeTokenizer({"b": 0}))
+    check_same_vocabulary(target, draft, FakeTokenizer({"a": 0}), FakeTokenizer({"a": 0}))
+
+
+def test_bad_requests_are_refused(pair):
+    target, draft = pair
+    decoder = SpeculativeDecoder(target, DraftModelStrategy(draft, (1, 1)))
+    with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
+        decoder.generate([[1], []])
+    with pytest.raises(ValueError, match="prompts must hold at least one prompt"):
+        decoder.generate([])
+    with pytest.raises(ValueError, match=r"prompts\[0\]\[1\] = 64 is not a token id"):
+        decoder.generate([[1, 64]])
+    with pytest.raises(ValueError, match=r"prompts\[0\] is text: pass tokenizer="):
+        decoder.generate(["hello"])
+    with pytest.raises(ValueError, match="top_p must lie in"):
+        decoder.generate([[1]], top_p=0.0)
+    with pytest.raises(ValueError, match="branching must be a non-empty sequence"):
+        DraftModelStrategy(draft, ())
+    with pytest.raises(ValueError, match="num_draft must be a positive int"):
+        NgramStrategy(num_draft=0)
+    with pytest.raises(ValueError, match="rule must be one of"):
+        DraftModelStrategy(draft, (2, 2), rule="greedy")
