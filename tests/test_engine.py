@@ -64,7 +64,8 @@ STRATEGIES = {
 
 def prompts_of(batch: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(batch)
-    return [torch.randint(0, 64, (int(n),), generator=gen).tolist() for n in torch.randint(1, 12, (batch,), generator=gen)]
+    lengths = torch.randint(1, 12, (batch,), generator=gen).tolist()
+    return [torch.randint(0, 64, (n,), generator=gen).tolist() for n in lengths]
 
 
 @pytest.mark.parametrize("batch", [1, 8])
