@@ -3,20 +3,21 @@
 One ragged prefill forward for all prompts (logits of each prompt's last row only),
 then one decode forward per step with one row per running request. Tokens are drawn
 by ``specdec.kernels.sample`` -- the verification op with no drafts -- with
-per-request temperature (0 = greedy), top-k, top-p and seed; the Philox offset of a
-request is the number of tokens it has generated, so its stream does not depend on
-the batch it runs in.
+per-request temperature (0 = greedy), top-k, top-p and seed; the random-number
+offset of a request is the number of tokens it has generated (the engine's
+convention), so its stream depends on neither the batch nor the row order.
 
 A request finishes on one of its EOS ids, at its own ``max_new_tokens``, or when its
 logits are invalid (NaN / all -inf); from the next step on it sends no query rows
 (an empty segment in ``q_offsets``), so the others run exactly as before.
 
-Host synchronisation: exactly one per step, in ``stream`` where the sampled tokens
+Host synchronisation: one per step, in ``stream`` where the sampled tokens
 and invalid flags are read back (``host = ...cpu()``, marked below): the host needs
 them to stream tokens and to decide who finishes. Everything sent back to the device
 (offsets, next tokens, running requests) goes through pinned buffers without waiting,
 the cache is told each step's sizes up front (``reserve``) so its writes need no sync,
-and the forward itself never syncs.
+and the forward itself never syncs. (Before the first step the sampling parameters
+are uploaded once.)
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ class StepOutput:
 def generate(model, prompts: Sequence[Sequence[int] | torch.Tensor], **options) -> list[list[int]]:
     """Generate for a batch of prompts; returns each request's new tokens (EOS included when hit).
 
-    Takes the arguments of ``stream``. Example
+    Takes the arguments of ``stream``.
+
+    Example
     -------
     >>> out = generate(model, [[1, 15, 27], [1, 9]], max_new_tokens=[16, 8], temperature=[0.0, 0.8], seed=[0, 7])
     """
