@@ -193,3 +193,19 @@ def test_sliding_window_limit_is_enforced():
     assert len(generate(model, [[1, 2, 3]], max_new_tokens=5)[0]) == 5
     with pytest.raises(ValueError, match="exceeds the model's sliding_window 8"):
         generate(model, [[1, 2, 3]], max_new_tokens=6)
+
+
+@pytest.mark.gpu
+def test_cuda_triton_greedy_matches_hf_and_bf16_loads(checkpoints):
+    """The compiled kernels in float32 on the GPU against transformers on the CPU; bf16 loads and generates."""
+    path, hf = checkpoints("llama3")
+    prompts = random_prompts()
+    with use_backend("triton"):
+        model = LlamaModel.from_pretrained(path, device="cuda")
+        out = generate(model, prompts, max_new_tokens=64, cache_layout="paged")
+        half = LlamaModel.from_pretrained(path, dtype=torch.bfloat16, device="cuda")
+        assert [len(o) for o in generate(half, prompts, max_new_tokens=8)] == [8] * len(prompts)
+    for b, prompt in enumerate(prompts):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False)[0, len(prompt) :]
+        assert out[b] == ref.tolist(), f"request {b} differs from transformers"
