@@ -174,8 +174,9 @@ def test_softmax_scale(backend, device):
     check(batch, what="scale", softmax_scale=0.3)
 
 
-def test_strided_views_of_a_stacked_cache(backend, device):
-    batch = Batch([25, 4], [random_tree(6), chain(2)], hq=4, hkv=2, d=64, dtype=torch.float32, device=device)
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_strided_views(backend, device, paged):
+    batch = Batch([25, 4], [random_tree(70), chain(2)], 4, 2, 64, torch.float32, device, paged=paged, block_size=8)
     # K and V interleaved per token ([B, max_len, 2, Hkv, D]) inside one layer of a stacked all-layer cache
     stacked = torch.randn(3, batch.k.shape[0], batch.k.shape[1], 2, batch.hkv, batch.d, device=device)
     stacked[1, :, :, 0], stacked[1, :, :, 1] = batch.k, batch.v
@@ -183,7 +184,14 @@ def test_strided_views_of_a_stacked_cache(backend, device):
     wide = torch.randn(batch.q.shape[0], batch.hq * 2, batch.d, device=device)
     wide[:, 1::2] = batch.q
     batch.q = wide[:, 1::2]
-    assert not batch.k.is_contiguous() and not batch.q.is_contiguous()
+    # index tensors as views too: every other column / entry of wider tensors
+    for name in ("tree_mask", "block_table", "offsets", "prefix_lens"):
+        t = getattr(batch, name)
+        if t is not None:
+            wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=device)
+            wide[..., ::2] = t
+            setattr(batch, name, wide[..., ::2])
+    assert not batch.k.is_contiguous() and not batch.q.is_contiguous() and not batch.tree_mask.is_contiguous()
     check(batch, what="stacked views")
 
 

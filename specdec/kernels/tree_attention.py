@@ -11,11 +11,14 @@ tokens (already written). Query i of request b attends to
 A chain mask is causal prefill; a single node is decode. With s = scale * q.k,
 out = sum_j softmax(s)_j v_j and lse = log sum_j exp(s_j) over the allowed positions.
 
-The Triton path (kernels in ``tree_attention_kernels``) processes, per program, a
-tile of BLOCK_Q query tokens of one request times the G query heads sharing one KV
-head, so each KV tile is read once per (request, KV head, query tile) -- for decode
-and trees up to BLOCK_Q nodes that is once per (request, KV head). Long contexts
-with few such tiles are split across programs and merged by their log-sum-exp.
+The Triton kernel processes, per program, a tile of BLOCK_Q query tokens of one
+request times the G query heads sharing one KV head (BLOCK_M = BLOCK_Q * G <= 128
+rows), so each KV tile is read once per (request, KV head, query tile): for decode and
+trees of up to 128 / G nodes, once per (request, KV head). Mask rows are read as packed
+64-bit words, only for the KV tiles that overlap the tree. Long contexts with few such
+tiles are split across programs (flash-decoding) and merged by their log-sum-exp.
+The op is registered as ``torch.ops.specdec.tree_attention`` (writes ``out``/``lse``),
+so it composes with torch.compile; the CUDA path makes no host-device sync.
 """
 
 from __future__ import annotations
@@ -290,9 +293,11 @@ def _tree_attention_triton(
         dest_out, dest_lse = part_out, part_lse
     else:
         dest_out, dest_lse = out.unsqueeze(0), (lse.unsqueeze(0) if lse is not None else None)
+    # the small index tensors may be strided views: the kernel assumes unit stride along their rows
+    q_offsets, prefix_lens = q_offsets.contiguous(), prefix_lens.contiguous()
     dummy = q_offsets
-    mask = tree_mask if tree_mask is not None else dummy
-    table = block_table if paged else dummy
+    mask = tree_mask.contiguous() if tree_mask is not None else dummy
+    table = block_table.contiguous() if paged else dummy
     _tree_attention_kernel[(tiles, kv_heads, splits)](
         q, k_cache, v_cache, q_offsets, prefix_lens, mask, table, dest_out,
         dest_lse if dest_lse is not None else dummy,
