@@ -357,13 +357,18 @@ ptr = {"logits_ptr": "*bf16", "row_req_ptr": "*i32", "inv_temp_ptr": "*fp32", "t
        "top_p_ptr": "*fp32", "thr_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32", "arg_ptr": "*i32",
        "bad_ptr": "*i32", "tokens_ptr": "*i32", "parents_ptr": "*i32", "offsets_ptr": "*i32", "q_ptr": "*fp16",
        "q_row_ptr": "*i32", "seed_ptr": "*i64", "offset_ptr": "*i64", "out_tok_ptr": "*i32",
-       "out_path_ptr": "*i32", "num_acc_ptr": "*i32", "invalid_ptr": "*i1"}
+       "out_path_ptr": "*i32", "num_acc_ptr": "*i32", "invalid_ptr": "*i1", "fin_i_ptr": "*i32",
+       "fin_f_ptr": "*fp32", "mass_ptr": "*fp32", "p_ptr": "*fp32"}
 target = GPUTarget("cuda", 90, 32)
 for fn, consts in [
     (sampling._filter_threshold_kernel, {"BLOCK": 256}),
     (tree._row_stats_kernel, {"BLOCK": 1024}),
     (tree._tree_walk_kernel, {"HAS_Q": True, "BLOCK": 1024, "T_PAD": 128, "W_PAD": 16, "EPS": 1e-5}),
     (tree._tree_walk_kernel, {"HAS_Q": False, "BLOCK": 1024, "T_PAD": 128, "W_PAD": 16, "EPS": 1e-5}),
+    (tree._final_mass_kernel, {"HAS_Q": True, "BLOCK": 1024, "T_PAD": 128}),
+    (tree._final_mass_kernel, {"HAS_Q": False, "BLOCK": 1024, "T_PAD": 128}),
+    (tree._final_sample_kernel, {"HAS_Q": True, "BLOCK": 1024, "T_PAD": 128, "EPS": 1e-5}),
+    (tree._final_sample_kernel, {"HAS_Q": False, "BLOCK": 1024, "T_PAD": 128, "EPS": 1e-5}),
 ]:
     triton.compile(ASTSource(fn=fn, signature=types(fn, ptr, consts), constexprs=consts), target=target)
     print("compiled", fn.__name__)
@@ -385,4 +390,4 @@ def test_kernels_compile_for_sm90():
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 4
+    assert done.stdout.count("compiled") == 8

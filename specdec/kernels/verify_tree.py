@@ -8,8 +8,8 @@ c_1, c_2, ... are tried in index order.
   with probability min(1, p_j(c_j) / q(c_j)); on rejection
   p_{j+1} = norm(max(0, p_j - q)). With q >= 0 the nested residuals collapse to
   ``p_j = max(0, p - C_j q) / S_j``, where S_j is that numerator's mass and
-  ``C_{j+1} = C_j + S_j`` (C_0 = 0, S_0 = 1): two scalars per node, one streaming
-  pass over the row per rejected child, none per accepted one.
+  ``C_{j+1} = C_j + S_j`` (C_0 = 0, S_0 = 1): two scalars per node; S costs a pass
+  over the row only when another sibling follows a rejection (never in a chain).
 * Deterministic rule (no draft rows; q one-hot at each child): accept c_j with
   probability p(c_j) / (1 - X_j), X_j the target mass of the distinct rejected
   siblings; those are excluded from the final sample.
@@ -22,11 +22,15 @@ the final sample at node j uses counter ``2j + 1``; u lies in [0, 1) and the tes
 are ``u * q * S < max(0, p - C q)`` and ``u * (1 - X) < p``, so p = 0 is never
 accepted and p >= q always is.
 
-Kernels. ``_row_stats_kernel`` (grid rows x vocab tiles) reduces each tile of each
-row to (max, sum exp, argmax, bad count); ``_tree_walk_kernel`` (one program per
-request) combines a row's tiles, walks the tree with scalar loads and streams only
-the rows where it must: one pass per rejected stochastic child, one for the final
-sample. The filter thresholds come first from ``sampling._filter_threshold_kernel``.
+Kernels (no host synchronisation; the vocabulary is always split into tiles):
+``sampling._filter_threshold_kernel`` (one program per row, only filtered rows work) finds
+the top-k/top-p threshold; ``_row_stats_kernel`` (rows x tiles) reduces each tile of each
+row to (max, sum exp, argmax, bad count); ``_tree_walk_kernel`` (one program per request)
+combines a row's tiles, walks the tree with scalar loads and writes the accepted path and
+greedy tokens; it streams a row only to find S before trying another sibling after a
+stochastic rejection. ``_final_mass_kernel`` (requests x tiles) sums the final
+distribution per tile, and ``_final_sample_kernel`` (one program per request) picks the tile
+whose running mass passes ``u * total`` and then the token inside it.
 """
 
 from __future__ import annotations
@@ -123,16 +127,18 @@ def _combine_row(max_ptr, sum_ptr, arg_ptr, bad_ptr, row, n_tiles, T_PAD: tl.con
 
 @triton.jit
 def _tile_mass(row_ptr, q_ptr, cols, V, inv_t, thr, m, z, c, HAS_Q: tl.constexpr):
-    # Unnormalised mass of the node's current distribution on one tile: p, or max(0, p - c q).
+    # One tile of the node's target p and of the unnormalised mass of its current distribution:
+    # p itself, or max(0, p - c q) under the stochastic rule.
     inb = cols < V
     s = tl.load(row_ptr + cols, mask=inb, other=float("-inf")).to(tl.float32) * inv_t
     kept = inb & (s >= thr) & (s > float("-inf"))
     p = tl.where(kept, tl.exp(s - m) / z, 0.0)
+    mass = p
     if HAS_Q:
         q = tl.load(q_ptr + cols, mask=inb, other=0.0).to(tl.float32)
         q = tl.where((q >= 0) & (q < float("inf")), q, 0.0)
-        p = tl.maximum(p - c * q, 0.0)
-    return p
+        mass = tl.maximum(p - c * q, 0.0)
+    return p, mass
 
 
 @triton.jit
@@ -155,6 +161,8 @@ def _tree_walk_kernel(
     out_path_ptr,  # [B, W] int32 out: local nodes root(0), accepted..., -1 padded
     num_acc_ptr,  # [B] int32 out
     invalid_ptr,  # [B] bool out
+    fin_i_ptr,  # [B, 4] int32 out: final node's row, mode (0 done, 1 sample, 2 sample excluding children), node, n
+    fin_f_ptr,  # [B, 2] fp32 out: C and the mass of the final distribution (-1: sum the tiles)
     V,
     n_tiles,
     W,
@@ -196,6 +204,7 @@ def _tree_walk_kernel(
     cur = n * 0
     c_res = t  # stochastic: C and S of p_j = max(0, p - C q) / S
     s_res = 1.0 + t
+    pending = n < 0  # S not yet computed for the current C (needed only if another sibling is tried)
     x_rej = t  # deterministic: target mass of distinct rejected siblings
     m, z, am, _bad = _combine_row(max_ptr, sum_ptr, arg_ptr, bad_ptr, start, n_tiles, T_PAD)
     for j in range(1, n_walk):
@@ -211,6 +220,30 @@ def _tree_walk_kernel(
             dup = j < 0
             if HAS_Q:
                 q_row = tl.load(q_row_ptr + row).to(tl.int64)
+                if pending & ~greedy:
+                    # one pass over the row: S = mass of max(0, p - C q) after earlier rejections
+                    thr = tl.load(thr_ptr + row)
+                    acc = tl.zeros([BLOCK], dtype=tl.float32)
+                    for v0 in range(0, V, BLOCK):
+                        cols = v0 + tl.arange(0, BLOCK)
+                        _p, mass = _tile_mass(
+                            logits_ptr + row * stride_l,
+                            q_ptr + q_row * stride_q,
+                            cols,
+                            V,
+                            inv_t,
+                            thr,
+                            m,
+                            z,
+                            c_res,
+                            True,
+                        )
+                        acc += mass
+                    s_res = tl.sum(acc, 0)
+                    reset = s_res <= EPS  # p == q up to rounding: back to p
+                    c_res = tl.where(reset, 0.0, c_res)
+                    s_res = tl.where(reset, 1.0, s_res)
+                    pending = n < 0
                 qx = tl.load(q_ptr + q_row * stride_q + safe).to(tl.float32)
                 qc = tl.where((qx >= 0) & (qx < float("inf")), qx, 0.0)
                 res = tl.maximum(px - c_res * qc, 0.0)
@@ -231,72 +264,32 @@ def _tree_walk_kernel(
                 s_res = 1.0 + t
                 x_rej = t
                 m, z, am, _bad = _combine_row(max_ptr, sum_ptr, arg_ptr, bad_ptr, start + j, n_tiles, T_PAD)
+                pending = n < 0
             elif not greedy:
                 if HAS_Q:
-                    # one pass: mass of the next residual max(0, p - (C + S) q)
-                    c_res = c_res + s_res
-                    q_row = tl.load(q_row_ptr + row).to(tl.int64)
-                    thr = tl.load(thr_ptr + row)
-                    acc = tl.zeros([BLOCK], dtype=tl.float32)
-                    for v0 in range(0, V, BLOCK):
-                        cols = v0 + tl.arange(0, BLOCK)
-                        acc += _tile_mass(
-                            logits_ptr + row * stride_l,
-                            q_ptr + q_row * stride_q,
-                            cols,
-                            V,
-                            inv_t,
-                            thr,
-                            m,
-                            z,
-                            c_res,
-                            True,
-                        )
-                    s_res = tl.sum(acc, 0)
-                    reset = s_res <= EPS
-                    c_res = tl.where(reset, 0.0, c_res)
-                    s_res = tl.where(reset, 1.0, s_res)
+                    c_res = c_res + s_res  # p_next = max(0, p - C q) / S; S is summed when needed
+                    pending = n >= 0
                 else:
                     x_rej = x_rej + px
 
-    # ---- final token at the node where the walk stopped
+    # ---- greedy requests are done; the others hand their final sample to the tile kernels
     if not invalid:
-        row = (start + cur).to(tl.int64)
-        token = am
-        if not greedy:
-            u = counter_uniform_tl(seed, off, 2 * cur + 1)
-            thr = tl.load(thr_ptr + row)
-            q_row = row * 0
-            if HAS_Q:
-                q_row = tl.load(q_row_ptr + row).to(tl.int64)
-                total = s_res
-                exclude = cur < 0
-            else:
-                total = 1.0 - x_rej
-                exclude = (x_rej > 0) & (total > EPS)
-                total = tl.where(exclude, total, 1.0)
-            target = u * total
-            run = t
-            found = n * 0 - 1
-            last = n * 0 - 1
-            v0 = n * 0
-            while (found < 0) & (v0 < V):
-                cols = v0 + tl.arange(0, BLOCK)
-                mass = _tile_mass(
-                    logits_ptr + row * stride_l, q_ptr + q_row * stride_q, cols, V, inv_t, thr, m, z, c_res, HAS_Q
-                )
-                if exclude:  # deterministic rule: every child of this node was rejected
-                    for i in range(cur + 1, n):
-                        if tl.load(parents_ptr + start + i) == cur:
-                            mass = tl.where(cols == tl.load(tokens_ptr + start + i), 0.0, mass)
-                hit = ((run + tl.cumsum(mass, 0)) > target) & (mass > 0)
-                first = tl.min(tl.where(hit, cols, 2147483647), 0)
-                found = tl.where(first < 2147483647, first, found)
-                last = tl.maximum(last, tl.max(tl.where(mass > 0, cols, -1), 0))
-                run += tl.sum(mass, 0)
-                v0 += BLOCK
-            token = tl.where(found >= 0, found, last)
-        toks = tl.where(lanes == depth, token, toks)
+        if greedy:
+            toks = tl.where(lanes == depth, am, toks)
+    if HAS_Q:
+        total = tl.where(pending, -1.0, 1.0)  # -1: the residual's mass is summed over the tiles
+        mode = tl.where(invalid | greedy, 0, 1)
+    else:
+        total = 1.0 - x_rej
+        exclude = (x_rej > 0) & (total > EPS)  # else the rejected mass is rounding noise: sample p
+        total = tl.where(exclude, total, 1.0)
+        mode = tl.where(invalid | greedy, 0, tl.where(exclude, 2, 1))
+    tl.store(fin_i_ptr + 4 * b, start + cur)
+    tl.store(fin_i_ptr + 4 * b + 1, mode)
+    tl.store(fin_i_ptr + 4 * b + 2, cur)
+    tl.store(fin_i_ptr + 4 * b + 3, n)
+    tl.store(fin_f_ptr + 2 * b, c_res)
+    tl.store(fin_f_ptr + 2 * b + 1, total)
 
     # ---- write back
     keep = lanes < W
@@ -304,6 +297,99 @@ def _tree_walk_kernel(
     tl.store(out_path_ptr + b.to(tl.int64) * stride_path + lanes, path, mask=keep)
     tl.store(num_acc_ptr + b, depth)
     tl.store(invalid_ptr + b, invalid)
+
+
+@triton.jit
+def _final_tile(
+    logits_ptr, tokens_ptr, parents_ptr, q_ptr, q_row_ptr, thr_ptr, max_ptr, sum_ptr, arg_ptr, bad_ptr,
+    b, start, row, cur, n, mode, c, inv_t, cols, V, n_tiles, stride_l, stride_q,
+    HAS_Q: tl.constexpr, T_PAD: tl.constexpr,
+):  # fmt: skip
+    # (p, mass) of the final distribution on one tile, rejected children excluded in mode 2.
+    m, z, _a, _b = _combine_row(max_ptr, sum_ptr, arg_ptr, bad_ptr, row, n_tiles, T_PAD)
+    q_row = row * 0
+    if HAS_Q:
+        q_row = tl.load(q_row_ptr + row).to(tl.int64)
+    p, mass = _tile_mass(
+        logits_ptr + row * stride_l, q_ptr + q_row * stride_q, cols, V, inv_t, tl.load(thr_ptr + row), m, z, c, HAS_Q
+    )
+    if mode == 2:  # deterministic rule: every child of this node was rejected
+        for i in range(cur + 1, n):
+            if tl.load(parents_ptr + start + i) == cur:
+                mass = tl.where(cols == tl.load(tokens_ptr + start + i), 0.0, mass)
+    return p, mass
+
+
+@triton.jit
+def _final_mass_kernel(
+    logits_ptr, tokens_ptr, parents_ptr, offsets_ptr, q_ptr, q_row_ptr, thr_ptr,
+    max_ptr, sum_ptr, arg_ptr, bad_ptr, inv_temp_ptr,
+    fin_i_ptr,  # [B, 4] int32 from the walk
+    fin_f_ptr,  # [B, 2] fp32 from the walk
+    mass_ptr,  # [B, n_tiles] fp32 out: mass of the final distribution per tile
+    p_ptr,  # [B, n_tiles] fp32 out: mass of p per tile (the fallback when the residual is ~0)
+    V, n_tiles, stride_l, stride_q,
+    HAS_Q: tl.constexpr, BLOCK: tl.constexpr, T_PAD: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    tile = tl.program_id(1)
+    mode = tl.load(fin_i_ptr + 4 * b + 1)
+    if mode > 0:
+        row = tl.load(fin_i_ptr + 4 * b).to(tl.int64)
+        cols = tile * BLOCK + tl.arange(0, BLOCK)
+        p, mass = _final_tile(
+            logits_ptr, tokens_ptr, parents_ptr, q_ptr, q_row_ptr, thr_ptr, max_ptr, sum_ptr, arg_ptr, bad_ptr,
+            b, tl.load(offsets_ptr + b), row, tl.load(fin_i_ptr + 4 * b + 2), tl.load(fin_i_ptr + 4 * b + 3), mode,
+            tl.load(fin_f_ptr + 2 * b), tl.load(inv_temp_ptr + b), cols, V, n_tiles, stride_l, stride_q, HAS_Q, T_PAD,
+        )  # fmt: skip
+        out = b.to(tl.int64) * n_tiles + tile
+        tl.store(mass_ptr + out, tl.sum(mass, 0))
+        tl.store(p_ptr + out, tl.sum(p, 0))
+
+
+@triton.jit
+def _final_sample_kernel(
+    logits_ptr, tokens_ptr, parents_ptr, offsets_ptr, q_ptr, q_row_ptr, thr_ptr,
+    max_ptr, sum_ptr, arg_ptr, bad_ptr, inv_temp_ptr, seed_ptr, offset_ptr,
+    fin_i_ptr, fin_f_ptr, mass_ptr, p_ptr,
+    out_tok_ptr,  # [B, W] int32: the sampled token goes after the accepted ones
+    num_acc_ptr,  # [B] int32
+    V, n_tiles, stride_l, stride_q, stride_tok,
+    HAS_Q: tl.constexpr, BLOCK: tl.constexpr, T_PAD: tl.constexpr, EPS: tl.constexpr,
+):  # fmt: skip
+    # Inverse CDF in two levels: the tile whose running mass passes u * total, then the entry in it.
+    b = tl.program_id(0)
+    mode = tl.load(fin_i_ptr + 4 * b + 1)
+    if mode > 0:
+        row = tl.load(fin_i_ptr + 4 * b).to(tl.int64)
+        cur = tl.load(fin_i_ptr + 4 * b + 2)
+        c = tl.load(fin_f_ptr + 2 * b)
+        total = tl.load(fin_f_ptr + 2 * b + 1)
+        t_idx = tl.arange(0, T_PAD)
+        ok = t_idx < n_tiles
+        res_tiles = tl.load(mass_ptr + b.to(tl.int64) * n_tiles + t_idx, mask=ok, other=0.0)
+        p_tiles = tl.load(p_ptr + b.to(tl.int64) * n_tiles + t_idx, mask=ok, other=0.0)
+        total = tl.where(total < 0, tl.sum(res_tiles, 0), total)
+        use_p = total <= EPS  # residual mass zero (p == q up to rounding): sample from p
+        tiles = tl.where(use_p, p_tiles, res_tiles)
+        total = tl.where(use_p, 1.0, total)
+        c = tl.where(use_p, 0.0, c)
+        mode = tl.where(use_p, 1, mode)
+        target = counter_uniform_tl(tl.load(seed_ptr + b), tl.load(offset_ptr + b), 2 * cur + 1) * total
+        cum = tl.cumsum(tiles, 0)
+        first = tl.min(tl.where((cum > target) & (tiles > 0), t_idx, 2147483647), 0)
+        tile = tl.where(first < 2147483647, first, tl.max(tl.where(tiles > 0, t_idx, 0), 0))
+        run = tl.sum(tl.where(t_idx == tile, cum - tiles, 0.0), 0)
+        cols = tile * BLOCK + tl.arange(0, BLOCK)
+        p, mass = _final_tile(
+            logits_ptr, tokens_ptr, parents_ptr, q_ptr, q_row_ptr, thr_ptr, max_ptr, sum_ptr, arg_ptr, bad_ptr,
+            b, tl.load(offsets_ptr + b), row, cur, tl.load(fin_i_ptr + 4 * b + 3), mode,
+            c, tl.load(inv_temp_ptr + b), cols, V, n_tiles, stride_l, stride_q, HAS_Q, T_PAD,
+        )  # fmt: skip
+        hit = ((run + tl.cumsum(mass, 0)) > target) & (mass > 0)
+        found = tl.min(tl.where(hit, cols, 2147483647), 0)
+        token = tl.where(found < 2147483647, found, tl.max(tl.where(mass > 0, cols, -1), 0))
+        tl.store(out_tok_ptr + b.to(tl.int64) * stride_tok + tl.load(num_acc_ptr + b), token)
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -317,7 +403,10 @@ def _pick_block(vocab: int) -> int:
 def verify_tree_triton(
     logits, tokens, parents, offsets, draft_probs, q_rows, temperature, top_k, top_p, seed, offset, width, out
 ):
-    """Launch filter, tile statistics and walk; ``out`` = (tokens, path, num_accepted, invalid)."""
+    """Launch filter, tile statistics, walk and the two-level final sample.
+
+    ``out`` = (tokens, path, num_accepted, invalid) buffers, written in place.
+    """
     rows, vocab = logits.shape
     batch = offsets.numel() - 1
     device = logits.device
@@ -343,14 +432,29 @@ def verify_tree_triton(
     q = draft_probs if has_q else logits
     if has_q and q.stride(-1) != 1:
         q = q.contiguous()
+    q_rows = q_rows if has_q else tokens
+    t_pad = triton.next_power_of_2(n_tiles)
+    fin_i = torch.empty(batch, 4, dtype=torch.int32, device=device)
+    fin_f = torch.empty(batch, 2, dtype=torch.float32, device=device)
+    tile_mass = torch.empty(batch, n_tiles, dtype=torch.float32, device=device)
+    tile_p = torch.empty_like(tile_mass)
     if batch:
         _tree_walk_kernel[(batch,)](
-            logits, tokens, parents, offsets, q, q_rows if has_q else tokens, thr,
+            logits, tokens, parents, offsets, q, q_rows, thr,
             part_max, part_sum, part_arg, part_bad, inv_temp, seed, offset,
-            out_tok, out_path, num_acc, invalid,
+            out_tok, out_path, num_acc, invalid, fin_i, fin_f,
             vocab, n_tiles, width, logits.stride(0), q.stride(0), out_tok.stride(0), out_path.stride(0),
-            HAS_Q=has_q, BLOCK=block, T_PAD=triton.next_power_of_2(n_tiles),
-            W_PAD=triton.next_power_of_2(width), EPS=RESIDUAL_EPS,
+            HAS_Q=has_q, BLOCK=block, T_PAD=t_pad, W_PAD=triton.next_power_of_2(width), EPS=RESIDUAL_EPS,
+        )  # fmt: skip
+        common = (logits, tokens, parents, offsets, q, q_rows, thr, part_max, part_sum, part_arg, part_bad, inv_temp)
+        _final_mass_kernel[(batch, n_tiles)](
+            *common, fin_i, fin_f, tile_mass, tile_p, vocab, n_tiles, logits.stride(0), q.stride(0),
+            HAS_Q=has_q, BLOCK=block, T_PAD=t_pad,
+        )  # fmt: skip
+        _final_sample_kernel[(batch,)](
+            *common, seed, offset, fin_i, fin_f, tile_mass, tile_p, out_tok, num_acc,
+            vocab, n_tiles, logits.stride(0), q.stride(0), out_tok.stride(0),
+            HAS_Q=has_q, BLOCK=block, T_PAD=t_pad, EPS=RESIDUAL_EPS,
         )  # fmt: skip
     return out
 
