@@ -253,6 +253,25 @@ def test_decode_long_context_default_splits(backend, device):
 
 
 @pytest.mark.gpu
+def test_long_prefill_chunks(backend, device):
+    # thousands of tokens causally from the flag, next to a chunk with no prefix; a dense float64
+    # causal attention per request is the oracle (a node-by-node walk would take minutes here)
+    prefixes, sizes = [1000, 0], [3000, 1200]
+    batch = Batch(prefixes, [chain(n) for n in sizes], 32, 8, 128, torch.float16, device, paged=True)
+    out, lse = batch.run(causal=True)
+    for b, (p, n) in enumerate(zip(prefixes, sizes)):
+        k, v = (t.double().repeat_interleave(4, dim=1) for t in batch.kv_at(b, list(range(p + n))))
+        rows = slice(int(batch.offsets[b]), int(batch.offsets[b]) + n)
+        q = batch.q[rows].double()
+        s = torch.einsum("nhd,lhd->hnl", q, k) / math.sqrt(128)
+        s.masked_fill_(torch.arange(p + n, device=device) > p + torch.arange(n, device=device)[:, None], -math.inf)
+        ref_lse = torch.logsumexp(s, -1).T
+        ref = torch.einsum("hnl,lhd->nhd", torch.softmax(s, -1), v)
+        assert_close(out[rows], ref, *TOL[torch.float16], f"prefill {b} out")
+        assert_close(lse[rows], ref_lse, *TOL[torch.float16], f"prefill {b} lse")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_offsets_past_2_31_elements(backend, device, paged):
     # the requests' K/V sit more than 2^31 elements into caches of ~2.3G elements: int32 offsets would wrap

@@ -570,9 +570,8 @@ def tree_attention_reference(
             blocks = block_table[b, : -(-length // k_cache.shape[1])].long()
             k, v = k_cache[blocks].flatten(0, 1)[:length], v_cache[blocks].flatten(0, 1)[:length]
         k, v = k.float(), v.float()
-        if tree_mask is None:
-            allowed = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        else:
+        nodes = torch.arange(n, device=q.device)
+        if tree_mask is not None:
             allowed = unpack_mask_rows(tree_mask[start : start + n], n)  # [n, n] local node bits
             allowed = torch.nn.functional.pad(allowed, (0, n - allowed.shape[1]))  # bits past W*64 are unset
         qb = q[start : start + n].float().view(n, kv_heads, group, head_dim)
@@ -580,7 +579,9 @@ def tree_attention_reference(
         for c0 in range(0, n, chunk):
             c1 = min(n, c0 + chunk)
             s = torch.einsum("nhgd,lhd->hgnl", qb[c0:c1], k).mul_(softmax_scale)  # [Hkv, G, c, L]
-            s[..., prefix:].masked_fill_(~allowed[c0:c1], -math.inf)
+            # causal: compare indices per chunk instead of building an [n, n] mask for a long prefill
+            rows = allowed[c0:c1] if tree_mask is not None else nodes[c0:c1, None] >= nodes
+            s[..., prefix:].masked_fill_(~rows, -math.inf)
             # softmax by hand to get the lse too; a row with nothing allowed has max -inf: use 0
             row_max = s.amax(-1, keepdim=True).nan_to_num_(neginf=0.0)
             p = s.sub_(row_max).exp_()
