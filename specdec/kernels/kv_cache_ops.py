@@ -137,9 +137,9 @@ def _kv_compact_kernel(
     P_BLOCK: tl.constexpr,
     ROW_BLOCK: tl.constexpr,
 ):
-    # ---- map the program to (layer/kv slab, request, chunk of the token row)
-    slab = tl.program_id(0)
-    b = tl.program_id(1)
+    # ---- map the program to (request, layer/kv slab, chunk of the token row)
+    b = tl.program_id(0)  # the batch goes on axis 0, whose size limit is 2^31 - 1 (axes 1, 2: 65535)
+    slab = tl.program_id(1)
     chunk = tl.program_id(2)
 
     # ---- the request's path: n leading valid entries; only rows whose position changes move
@@ -239,7 +239,7 @@ def _launch_compact(data, seq_lens, accepted_path, block_tables, tickets) -> Non
     chunks = triton.cdiv(row, row_block)
     stride_req, stride_pos = _layout_strides(data)
     paged = block_tables is not None
-    grid = (L * 2, B, chunks)
+    grid = (B, L * 2, chunks)
     _kv_compact_kernel[grid](
         data.view(bits),
         seq_lens,
