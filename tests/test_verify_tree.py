@@ -391,3 +391,16 @@ def test_kernels_compile_for_sm90():
     done = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("compiled") == 8
+
+
+def test_custom_op_passes_opcheck():
+    """The Triton path is the torch custom op specdec::verify_tree (torch.compile / CUDA graphs)."""
+    import sys
+
+    op = sys.modules["specdec.kernels.verify_tree"]._verify_tree_op
+    logits, tokens, parents, offsets, q = random_trees([3, 2], 20)
+    outs = (torch.empty(2, 3, dtype=torch.int32), torch.empty(2, 3, dtype=torch.int32),
+            torch.empty(2, dtype=torch.int32), torch.empty(2, dtype=torch.bool))  # fmt: skip
+    args = (logits, tokens, parents, offsets, q, torch.arange(5, dtype=torch.int32), *params(2), 3, *outs)
+    args = tuple(a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args)
+    torch.library.opcheck(op, args)

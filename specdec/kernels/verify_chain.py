@@ -39,7 +39,7 @@ from specdec.kernels.verify_tree import (
     _check_common,
     _check_draft_rows,
     _check_out,
-    verify_tree_triton,
+    _verify_tree_op,
 )
 
 
@@ -149,9 +149,9 @@ def verify_chain(
     tokens, path, num_acc, invalid = _check_out(buffers, batch, width, device)
     if _backend.select_backend(target_logits) == "triton":
         node_tokens, parents, node_offsets, q_rows = _chain_as_tree(draft_tokens.contiguous(), draft_offsets, rows)
-        verify_tree_triton(
+        _verify_tree_op(
             target_logits, node_tokens, parents, node_offsets, draft_probs, q_rows,
-            temperature, top_k, top_p, seed, offset, width, (tokens, path, num_acc, invalid),
+            temperature, top_k, top_p, seed, offset, width, tokens, path, num_acc, invalid,
         )  # fmt: skip
     else:
         ref = verify_chain_reference(

@@ -459,6 +459,37 @@ def verify_tree_triton(
     return out
 
 
+@torch.library.custom_op("specdec::verify_tree", mutates_args=("out_tokens", "out_path", "num_accepted", "invalid"))
+def _verify_tree_op(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    offsets: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    q_rows: torch.Tensor | None,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seed: torch.Tensor,
+    offset: torch.Tensor,
+    width: int,
+    out_tokens: torch.Tensor,
+    out_path: torch.Tensor,
+    num_accepted: torch.Tensor,
+    invalid: torch.Tensor,
+) -> None:
+    """The Triton path as torch.compile and CUDA graphs see it: writes the four outputs in place."""
+    verify_tree_triton(
+        logits, tokens, parents, offsets, draft_probs, q_rows, temperature, top_k, top_p, seed, offset, width,
+        (out_tokens, out_path, num_accepted, invalid),
+    )  # fmt: skip
+
+
+@_verify_tree_op.register_fake
+def _(logits, tokens, parents, offsets, draft_probs, q_rows, temperature, top_k, top_p, seed, offset, width, *outs):
+    return None
+
+
 # ----------------------------------------------------------------------------- public op
 
 
@@ -545,10 +576,10 @@ def verify_tree(
     batch = node_offsets.numel() - 1
     out = _check_out(out, batch, max_depth + 1, device)
     if _backend.select_backend(target_logits) == "triton":
-        verify_tree_triton(
+        _verify_tree_op(
             target_logits, node_tokens.contiguous(), parents.contiguous(), node_offsets.contiguous(), draft_probs,
             None if draft_probs is None else torch.arange(n, dtype=torch.int32, device=device),
-            temperature, top_k, top_p, seed, offset, max_depth + 1, out,
+            temperature, top_k, top_p, seed, offset, max_depth + 1, *out,
         )  # fmt: skip
         return TreeVerifyResult(out[0], out[2], out[1], out[3])
     ref = verify_tree_reference(
