@@ -288,6 +288,7 @@ def test_cache_views_and_shapes(layout):
         assert cache.block_tables.shape == (2, 3) and cache.block_tables.dtype == torch.int32
     assert k.data_ptr() == cache.data[2, 0].data_ptr() and v.data_ptr() == cache.data[2, 1].data_ptr()
     assert k.stride(-1) == 1 and cache.seq_lens.dtype == torch.int32
+    assert repr(cache).startswith(f"KVCache({layout}, layers=3, batch=2")
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])

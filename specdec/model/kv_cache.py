@@ -163,6 +163,17 @@ class KVCache:
             shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         self.data = torch.zeros(shape, dtype=dtype, device=self.device)
 
+    def __repr__(self) -> str:
+        pool = (
+            ""
+            if self.allocator is None
+            else f", block_size={self.block_size}, blocks free {self.allocator.num_free}/{self.allocator.num_blocks}"
+        )
+        return (
+            f"KVCache({self.layout}, layers={self.num_layers}, batch={self.batch_size}, kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, max_len={self.max_len}, {str(self.dtype)[6:]}, {self.device}{pool})"
+        )
+
     # ---- views for attention ------------------------------------------------------------------
 
     def layer(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:
