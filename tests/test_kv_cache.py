@@ -384,7 +384,7 @@ def test_generation_up_to_capacity(backend, device, layout):
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
 def test_uncommitted_forward_is_replaced_or_discarded(layout):
-    """A second forward without a commit in between starts a new step; discard() drops a step."""
+    """A second forward without a commit starts a new step; release() mid-step spares the others; discard()."""
     gen = torch.Generator().manual_seed(12)
     cache = KVCache(2, 2, 1, 2, max_len=12, dtype=torch.float32, device="cpu", layout=layout, block_size=2)
     write_step(cache, [9, 9], gen)  # never committed
@@ -397,11 +397,16 @@ def test_uncommitted_forward_is_replaced_or_discarded(layout):
     assert_same_bits(logical(cache, 1), again[:, :, 1:3], "request 1")
     if layout == "paged":
         assert [len(b) for b in cache._blocks] == [1, 1]
+    tree, _ = write_step(cache, [5, 5], gen)
+    cache.release(0)  # mid-step: request 1's uncommitted tree keeps its blocks
+    cache.compact(pad([[], [0, 3, 4]], 3))
+    assert cache.seq_lens.tolist() == [0, 5]
+    assert_same_bits(logical(cache, 1)[:, :, 2:], tree[:, :, [5 + 0, 5 + 3, 5 + 4]], "request 1 after release(0)")
     write_step(cache, [5, 5], gen)
     cache.discard()
-    assert cache.length_bounds() == [1, 2] and cache.seq_lens.tolist() == [1, 2]
+    assert cache.length_bounds() == [0, 5] and cache.seq_lens.tolist() == [0, 5]
     if layout == "paged":
-        assert cache.allocator.num_free == cache.allocator.num_blocks - 2
+        assert cache.allocator.num_free == cache.allocator.num_blocks - 3
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])

@@ -342,10 +342,12 @@ class KVCache:
         if not requests:
             return
         self.seq_lens[torch.tensor(requests, device=self.device)] = 0
-        bounds = list(self._bound)
-        for b in requests:
-            bounds[b] = 0
-        self._commit(bounds)
+        for b in requests:  # other requests keep any uncommitted tokens of this step
+            self._bound[b] = 0
+            if self._pending is not None:
+                self._pending[b] = 0
+        if self.layout == "paged":
+            self._trim_pages()
 
     def sync_lengths(self) -> list[int]:
         """Read ``seq_lens`` to the host (one sync), make the bounds exact and free blocks past them."""
