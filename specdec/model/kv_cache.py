@@ -303,7 +303,10 @@ class KVCache:
         self._commit(list(self._bound))
 
     def truncate(self, lengths: Sequence[int] | torch.Tensor) -> None:
-        """Shorten requests: ``seq_lens = min(seq_lens, lengths)`` (host ints, or a ``[B]`` int32 device tensor)."""
+        """Shorten requests: ``seq_lens = min(seq_lens, lengths)`` (host ints, or a ``[B]`` int32 device tensor).
+
+        Like every commit, it ends the step: tokens written since the last commit are dropped.
+        """
         if isinstance(lengths, torch.Tensor) and not lengths.is_cpu:
             check_tensor("lengths", lengths, dtype=torch.int32, shape=(self.batch_size,), device=self.device)
             torch.minimum(self.seq_lens, lengths, out=self.seq_lens)
@@ -316,7 +319,10 @@ class KVCache:
         self._commit([min(bound, n) for bound, n in zip(self._bound, lengths)])
 
     def rollback(self, n: int | Sequence[int] | torch.Tensor) -> None:
-        """Drop the last ``n`` committed tokens of every request (an int, or per request), stopping at 0."""
+        """Drop the last ``n`` committed tokens of every request (an int, or per request), stopping at 0.
+
+        Tokens written since the last commit are dropped too.
+        """
         if isinstance(n, torch.Tensor) and not n.is_cpu:
             check_tensor("n", n, dtype=torch.int32, shape=(self.batch_size,), device=self.device)
             torch.clamp(self.seq_lens - n, min=0, out=self.seq_lens)
