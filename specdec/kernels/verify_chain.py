@@ -104,7 +104,8 @@ def verify_chain(
     seed, offset : int64 ``[B]``; uniforms are ``counter_uniform(seed, offset, counter)``; advance
         ``offset`` every step. Same seed -> same tokens, alone or in any batch and row order.
     max_draft_len : host int, the output width minus one; passing it avoids one host
-        synchronisation. Longer drafts are truncated to it (still exact).
+        synchronisation. Longer drafts are truncated to it (still exact). On CUDA with it
+        given, ``draft_offsets`` values are trusted (not read back); CPU inputs are always checked.
     out : optional ChainVerifyResult of buffers to write into.
 
     Returns

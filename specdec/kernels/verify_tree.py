@@ -528,7 +528,8 @@ def verify_tree(
         each step; the same seed gives the same tokens alone, in any batch, in any row order.
     max_depth : host int, the output width minus one. Passing it avoids reading the trees
         back to the host (one synchronisation); nodes deeper than it are ignored (the tree is
-        truncated, which keeps the output exact).
+        truncated, which keeps the output exact). On CUDA with it given, offsets and parents
+        are trusted (not read back); CPU inputs are always checked.
     out : optional TreeVerifyResult of tensors to write into (shapes and dtypes as returned).
 
     Returns
