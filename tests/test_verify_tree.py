@@ -362,7 +362,7 @@ ptr = {"logits_ptr": "*bf16", "row_req_ptr": "*i32", "inv_temp_ptr": "*fp32", "t
 target = GPUTarget("cuda", 90, 32)
 for fn, consts in [
     (sampling._filter_threshold_kernel, {"BLOCK": 256}),
-    (tree._row_stats_kernel, {"BLOCK": 1024}),
+    (sampling._row_stats_kernel, {"BLOCK": 1024}),
     (tree._tree_walk_kernel, {"HAS_Q": True, "BLOCK": 1024, "T_PAD": 128, "W_PAD": 16, "EPS": 1e-5}),
     (tree._tree_walk_kernel, {"HAS_Q": False, "BLOCK": 1024, "T_PAD": 128, "W_PAD": 16, "EPS": 1e-5}),
     (tree._final_mass_kernel, {"HAS_Q": True, "BLOCK": 1024, "T_PAD": 128}),

@@ -1,5 +1,5 @@
-"""Pieces shared by the sampling and verification ops: counter-based uniforms and the
-temperature / top-k / top-p filter.
+"""Pieces shared by the sampling and verification ops: counter-based uniforms, the
+temperature / top-k / top-p filter, and the target distribution over vocabulary tiles.
 
 Uniforms. Every random number is a pure function of ``(seed, offset, counter)``:
 a 32-bit integer hash folded over the two 32-bit halves of the request's seed and
@@ -19,6 +19,11 @@ smallest head of the sorted distribution holding ``top_p`` of it, ties included
 one threshold ``thr`` per row, ``-inf`` when off and for greedy rows (``T <= 0``).
 The Triton path finds it by a binary search over the fp32 values' ordered integer
 keys (8 streaming passes over the row, each testing 16 candidates; no sort); the reference sorts.
+
+Tiles. ``_row_stats_kernel`` (rows x tiles) reduces every tile of every row to its kept
+maximum, ``sum exp(s - max)``, first argmax and count of NaN/+inf; ``combine_row_tl`` merges a
+row's tiles into ``(max, Z, argmax, bad)`` and ``tile_mass_tl`` evaluates ``p = exp(s - max) / Z``
+(or ``max(0, p - C q)``) on one tile, so no program ever holds a whole row.
 """
 
 from __future__ import annotations
@@ -182,6 +187,95 @@ def filter_thresholds_triton(
             logits, row_req, inv_temperature, top_k, top_p, thr, vocab, logits.stride(0), BLOCK=block
         )
     return thr
+
+
+# ----------------------------------------------------------------------------- per-tile statistics of the target
+
+
+@triton.jit
+def _row_stats_kernel(
+    logits_ptr,  # [R, V] fp32/fp16/bf16
+    row_req_ptr,  # [R] int32, request of each row
+    inv_temp_ptr,  # [B] fp32: 1/T, -1 for greedy
+    thr_ptr,  # [R] fp32 filter threshold on s
+    max_ptr,  # [R, n_tiles] fp32 out: max of kept s in the tile
+    sum_ptr,  # [R, n_tiles] fp32 out: sum exp(s - tile max) over kept entries
+    arg_ptr,  # [R, n_tiles] int32 out: first index of the tile max
+    bad_ptr,  # [R, n_tiles] int32 out: number of NaN/+inf entries
+    V,
+    n_tiles,
+    stride_row,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    tile = tl.program_id(1)
+    inv_t = tl.load(inv_temp_ptr + tl.load(row_req_ptr + row))
+    inv_t = tl.where(inv_t < 0, 1.0, inv_t)  # greedy rows keep the raw logits
+    thr = tl.load(thr_ptr + row)
+    cols = tile * BLOCK + tl.arange(0, BLOCK)
+    inb = cols < V
+    s = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=inb, other=float("-inf")).to(tl.float32)
+    s = s * inv_t
+    bad = (s != s) | (s == float("inf"))
+    kept = inb & (s >= thr) & ~bad
+    sk = tl.where(kept, s, float("-inf"))
+    m = tl.max(sk, 0)
+    e = tl.where(kept & (sk > float("-inf")), tl.exp(sk - m), 0.0)
+    arg = tl.min(tl.where(kept & (sk == m), cols, 2147483647), 0)
+    out = row.to(tl.int64) * n_tiles + tile
+    tl.store(max_ptr + out, m)
+    tl.store(sum_ptr + out, tl.sum(e, 0))
+    tl.store(arg_ptr + out, arg)
+    tl.store(bad_ptr + out, tl.sum(bad.to(tl.int32), 0))
+
+
+@triton.jit
+def combine_row_tl(max_ptr, sum_ptr, arg_ptr, bad_ptr, row, n_tiles, T_PAD: tl.constexpr):
+    # Row max m, normaliser Z = sum exp(s - m), argmax and "cannot be sampled" from the tile partials.
+    c = tl.arange(0, T_PAD)
+    ok = c < n_tiles
+    base = row.to(tl.int64) * n_tiles
+    mc = tl.load(max_ptr + base + c, mask=ok, other=float("-inf"))
+    sc = tl.load(sum_ptr + base + c, mask=ok, other=0.0)
+    ac = tl.load(arg_ptr + base + c, mask=ok, other=2147483647)
+    bc = tl.load(bad_ptr + base + c, mask=ok, other=0)
+    m = tl.max(mc, 0)
+    z = tl.sum(tl.where(mc > float("-inf"), sc * tl.exp(mc - m), 0.0), 0)
+    arg = tl.min(tl.where((mc == m) & ok, ac, 2147483647), 0)
+    bad = (tl.sum(bc, 0) > 0) | (m == float("-inf"))
+    return m, z, arg, bad
+
+
+@triton.jit
+def tile_mass_tl(row_ptr, q_ptr, cols, V, inv_t, thr, m, z, c, HAS_Q: tl.constexpr):
+    # One tile of the node's target p and of the unnormalised mass of its current distribution:
+    # p itself, or max(0, p - c q) under the stochastic rule.
+    inb = cols < V
+    s = tl.load(row_ptr + cols, mask=inb, other=float("-inf")).to(tl.float32) * inv_t
+    kept = inb & (s >= thr) & (s > float("-inf"))
+    p = tl.where(kept, tl.exp(s - m) / z, 0.0)
+    mass = p
+    if HAS_Q:
+        q = tl.load(q_ptr + cols, mask=inb, other=0.0).to(tl.float32)
+        q = tl.where((q >= 0) & (q < float("inf")), q, 0.0)
+        mass = tl.maximum(p - c * q, 0.0)
+    return p, mass
+
+
+def row_stats_triton(logits, row_req, inv_temperature, thr, block):
+    """Tile partials (max, sum exp, argmax, bad count), each ``[R, cdiv(V, block)]`` (launcher, no checks)."""
+    rows, vocab = logits.shape
+    n_tiles = triton.cdiv(vocab, block)
+    part_max = torch.empty(rows, n_tiles, dtype=torch.float32, device=logits.device)
+    part_sum = torch.empty_like(part_max)
+    part_arg = torch.empty(rows, n_tiles, dtype=torch.int32, device=logits.device)
+    part_bad = torch.empty_like(part_arg)
+    if rows:
+        _row_stats_kernel[(rows, n_tiles)](
+            logits, row_req, inv_temperature, thr, part_max, part_sum, part_arg, part_bad,
+            vocab, n_tiles, logits.stride(0), BLOCK=block,
+        )  # fmt: skip
+    return part_max, part_sum, part_arg, part_bad
 
 
 # ----------------------------------------------------------------------------- PyTorch references

@@ -24,8 +24,8 @@ accepted and p >= q always is.
 
 Kernels (no host synchronisation; the vocabulary is always split into tiles):
 ``sampling._filter_threshold_kernel`` (one program per row, only filtered rows work) finds
-the top-k/top-p threshold; ``_row_stats_kernel`` (rows x tiles) reduces each tile of each
-row to (max, sum exp, argmax, bad count); ``_tree_walk_kernel`` (one program per request)
+the top-k/top-p threshold; ``sampling._row_stats_kernel`` (rows x tiles) reduces each tile
+of each row to (max, sum exp, argmax, bad count); ``_tree_walk_kernel`` (one program per request)
 combines a row's tiles, walks the tree with scalar loads and writes the accepted path and
 greedy tokens; it streams a row only to find S before trying another sibling after a
 stochastic rejection. ``_final_mass_kernel`` (requests x tiles) sums the final
@@ -44,20 +44,22 @@ import triton.language as tl
 from specdec import _backend
 from specdec.kernels._checks import check_offsets, check_tensor
 from specdec.kernels.sampling import (
+    combine_row_tl,
     counter_uniform_tl,
     filter_thresholds_reference,
     filter_thresholds_triton,
     inverse_cdf_reference,
     inverse_temperature,
     request_key,
+    row_stats_triton,
     sanitize_draft_probs,
     scaled_logits,
     target_probs_reference,
+    tile_mass_tl,
     uniform_from_key,
 )
 
 RESIDUAL_EPS = 1e-5  # a residual with less mass is rounding noise: sample from p instead
-_INT_MAX = 2**31 - 1
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -72,76 +74,6 @@ class TreeVerifyResult(NamedTuple):
 
 
 @triton.jit
-def _row_stats_kernel(
-    logits_ptr,  # [R, V] fp32/fp16/bf16
-    row_req_ptr,  # [R] int32, request of each row
-    inv_temp_ptr,  # [B] fp32: 1/T, -1 for greedy
-    thr_ptr,  # [R] fp32 filter threshold on s
-    max_ptr,  # [R, n_tiles] fp32 out: max of kept s in the tile
-    sum_ptr,  # [R, n_tiles] fp32 out: sum exp(s - tile max) over kept entries
-    arg_ptr,  # [R, n_tiles] int32 out: first index of the tile max
-    bad_ptr,  # [R, n_tiles] int32 out: number of NaN/+inf entries
-    V,
-    n_tiles,
-    stride_row,
-    BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0)
-    tile = tl.program_id(1)
-    inv_t = tl.load(inv_temp_ptr + tl.load(row_req_ptr + row))
-    inv_t = tl.where(inv_t < 0, 1.0, inv_t)  # greedy rows keep the raw logits
-    thr = tl.load(thr_ptr + row)
-    cols = tile * BLOCK + tl.arange(0, BLOCK)
-    inb = cols < V
-    s = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=inb, other=float("-inf")).to(tl.float32)
-    s = s * inv_t
-    bad = (s != s) | (s == float("inf"))
-    kept = inb & (s >= thr) & ~bad
-    sk = tl.where(kept, s, float("-inf"))
-    m = tl.max(sk, 0)
-    e = tl.where(kept & (sk > float("-inf")), tl.exp(sk - m), 0.0)
-    arg = tl.min(tl.where(kept & (sk == m), cols, 2147483647), 0)
-    out = row.to(tl.int64) * n_tiles + tile
-    tl.store(max_ptr + out, m)
-    tl.store(sum_ptr + out, tl.sum(e, 0))
-    tl.store(arg_ptr + out, arg)
-    tl.store(bad_ptr + out, tl.sum(bad.to(tl.int32), 0))
-
-
-@triton.jit
-def _combine_row(max_ptr, sum_ptr, arg_ptr, bad_ptr, row, n_tiles, T_PAD: tl.constexpr):
-    # Row max m, normaliser Z = sum exp(s - m), argmax and "cannot be sampled" from the tile partials.
-    c = tl.arange(0, T_PAD)
-    ok = c < n_tiles
-    base = row.to(tl.int64) * n_tiles
-    mc = tl.load(max_ptr + base + c, mask=ok, other=float("-inf"))
-    sc = tl.load(sum_ptr + base + c, mask=ok, other=0.0)
-    ac = tl.load(arg_ptr + base + c, mask=ok, other=2147483647)
-    bc = tl.load(bad_ptr + base + c, mask=ok, other=0)
-    m = tl.max(mc, 0)
-    z = tl.sum(tl.where(mc > float("-inf"), sc * tl.exp(mc - m), 0.0), 0)
-    arg = tl.min(tl.where((mc == m) & ok, ac, 2147483647), 0)
-    bad = (tl.sum(bc, 0) > 0) | (m == float("-inf"))
-    return m, z, arg, bad
-
-
-@triton.jit
-def _tile_mass(row_ptr, q_ptr, cols, V, inv_t, thr, m, z, c, HAS_Q: tl.constexpr):
-    # One tile of the node's target p and of the unnormalised mass of its current distribution:
-    # p itself, or max(0, p - c q) under the stochastic rule.
-    inb = cols < V
-    s = tl.load(row_ptr + cols, mask=inb, other=float("-inf")).to(tl.float32) * inv_t
-    kept = inb & (s >= thr) & (s > float("-inf"))
-    p = tl.where(kept, tl.exp(s - m) / z, 0.0)
-    mass = p
-    if HAS_Q:
-        q = tl.load(q_ptr + cols, mask=inb, other=0.0).to(tl.float32)
-        q = tl.where((q >= 0) & (q < float("inf")), q, 0.0)
-        mass = tl.maximum(p - c * q, 0.0)
-    return p, mass
-
-
-@triton.jit
 def _tree_walk_kernel(
     logits_ptr,  # [R, V] target logits, one row per node
     tokens_ptr,  # [R] int32 node tokens (root's ignored)
@@ -150,7 +82,7 @@ def _tree_walk_kernel(
     q_ptr,  # [Q, V] draft probabilities (unused without HAS_Q)
     q_row_ptr,  # [R] int32 draft row of each node's children (unused without HAS_Q)
     thr_ptr,  # [R] fp32 filter thresholds
-    max_ptr,  # [R, n_tiles] tile partials from _row_stats_kernel
+    max_ptr,  # [R, n_tiles] tile partials from sampling.row_stats_triton
     sum_ptr,
     arg_ptr,
     bad_ptr,
@@ -206,7 +138,7 @@ def _tree_walk_kernel(
     s_res = 1.0 + t
     pending = n < 0  # S not yet computed for the current C (needed only if another sibling is tried)
     x_rej = t  # deterministic: target mass of distinct rejected siblings
-    m, z, am, _bad = _combine_row(max_ptr, sum_ptr, arg_ptr, bad_ptr, start, n_tiles, T_PAD)
+    m, z, am, _bad = combine_row_tl(max_ptr, sum_ptr, arg_ptr, bad_ptr, start, n_tiles, T_PAD)
     for j in range(1, n_walk):
         par = tl.load(parents_ptr + start + j)
         if (par == cur) & (depth < W - 1):
@@ -226,7 +158,7 @@ def _tree_walk_kernel(
                     acc = tl.zeros([BLOCK], dtype=tl.float32)
                     for v0 in range(0, V, BLOCK):
                         cols = v0 + tl.arange(0, BLOCK)
-                        _p, mass = _tile_mass(
+                        _p, mass = tile_mass_tl(
                             logits_ptr + row * stride_l,
                             q_ptr + q_row * stride_q,
                             cols,
@@ -263,7 +195,7 @@ def _tree_walk_kernel(
                 c_res = t
                 s_res = 1.0 + t
                 x_rej = t
-                m, z, am, _bad = _combine_row(max_ptr, sum_ptr, arg_ptr, bad_ptr, start + j, n_tiles, T_PAD)
+                m, z, am, _bad = combine_row_tl(max_ptr, sum_ptr, arg_ptr, bad_ptr, start + j, n_tiles, T_PAD)
                 pending = n < 0
             elif not greedy:
                 if HAS_Q:
@@ -306,11 +238,11 @@ def _final_tile(
     HAS_Q: tl.constexpr, T_PAD: tl.constexpr,
 ):  # fmt: skip
     # (p, mass) of the final distribution on one tile, rejected children excluded in mode 2.
-    m, z, _a, _b = _combine_row(max_ptr, sum_ptr, arg_ptr, bad_ptr, row, n_tiles, T_PAD)
+    m, z, _a, _b = combine_row_tl(max_ptr, sum_ptr, arg_ptr, bad_ptr, row, n_tiles, T_PAD)
     q_row = row * 0
     if HAS_Q:
         q_row = tl.load(q_row_ptr + row).to(tl.int64)
-    p, mass = _tile_mass(
+    p, mass = tile_mass_tl(
         logits_ptr + row * stride_l, q_ptr + q_row * stride_q, cols, V, inv_t, tl.load(thr_ptr + row), m, z, c, HAS_Q
     )
     if mode == 2:  # deterministic rule: every child of this node was rejected
@@ -418,15 +350,7 @@ def verify_tree_triton(
     row_req = torch.searchsorted(offsets[1:], row_ids, right=True).to(torch.int32).clamp_max_(max(batch - 1, 0))
     inv_temp = inverse_temperature(temperature)
     thr = filter_thresholds_triton(logits, row_req, inv_temp, top_k, top_p, block)
-    part_max = torch.empty(rows, n_tiles, dtype=torch.float32, device=device)
-    part_sum = torch.empty_like(part_max)
-    part_arg = torch.empty(rows, n_tiles, dtype=torch.int32, device=device)
-    part_bad = torch.empty_like(part_arg)
-    if rows:
-        _row_stats_kernel[(rows, n_tiles)](
-            logits, row_req, inv_temp, thr, part_max, part_sum, part_arg, part_bad,
-            vocab, n_tiles, logits.stride(0), BLOCK=block,
-        )  # fmt: skip
+    part_max, part_sum, part_arg, part_bad = row_stats_triton(logits, row_req, inv_temp, thr, block)
     out_tok, out_path, num_acc, invalid = out
     has_q = draft_probs is not None
     q = draft_probs if has_q else logits
