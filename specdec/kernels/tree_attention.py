@@ -105,6 +105,7 @@ def _tree_attention_kernel(
     WRITE_LSE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    tl.static_assert(BLOCK_N <= 64, "a KV tile may span at most two mask words")
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -171,14 +172,18 @@ def _tree_attention_kernel(
         # prefix positions are always visible; tree position j by mask bit j (or j <= query)
         j = pos - prefix
         if TREE:
+            # a tile of BLOCK_N <= 64 columns spans at most two mask words per row: load those two
+            # [BLOCK_M] vectors (none for a tile inside the prefix) and pick each column's word
             jj = tl.maximum(j, 0)
-            word_ok = (j >= 0) & (jj < MASK_WORDS * 64) & pos_ok
-            words = tl.load(
-                mask_ptr + q_row[:, None] * stride_mt + (jj // 64)[None, :],
-                mask=row_ok[:, None] & word_ok[None, :],
-                other=0,
-            )
-            in_tree = ((words >> (jj % 64).to(tl.int64)[None, :]) & 1) != 0
+            w0 = tl.maximum(start - prefix, 0) // 64
+            # (scalar conditions enter the masks through tl.where: Triton 3.9's interpreter rejects
+            # a vector & scalar-tensor mask)
+            rows_in_tile = tl.where(start + BLOCK_N > prefix, row_ok, False)
+            row_words = mask_ptr + q_row * stride_mt + w0
+            word0 = tl.load(row_words, mask=tl.where(w0 < MASK_WORDS, rows_in_tile, False), other=0)
+            word1 = tl.load(row_words + 1, mask=tl.where(w0 + 1 < MASK_WORDS, rows_in_tile, False), other=0)
+            word = tl.where((jj // 64 == w0)[None, :], word0[:, None], word1[:, None])
+            in_tree = ((word >> (jj % 64).to(tl.int64)[None, :]) & 1) != 0
         else:
             in_tree = j[None, :] <= tok[:, None]
         allowed = ((j < 0)[None, :] | in_tree) & pos_ok[None, :] & row_ok[:, None]
