@@ -57,6 +57,9 @@ def _chain_as_tree(draft_tokens: torch.Tensor, draft_offsets: torch.Tensor, rows
     device = draft_offsets.device
     batch = draft_offsets.numel() - 1
     total = draft_tokens.numel()
+    if total == 0:  # every request just samples (``sample``): one root per request
+        zeros = torch.zeros(rows, dtype=torch.int32, device=device)
+        return zeros, zeros - 1, torch.arange(batch + 1, dtype=torch.int32, device=device), zeros
     node_offsets = draft_offsets + torch.arange(batch + 1, dtype=torch.int32, device=device)
     node = torch.arange(rows, dtype=torch.int32, device=device)
     req = torch.searchsorted(node_offsets[1:], node, right=True).clamp_max_(max(batch - 1, 0))
