@@ -270,20 +270,35 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
 
 
-def _tree_attention_triton(
-    q, k_cache, v_cache, q_offsets, prefix_lens, tree_mask, block_table, scale, out, lse, splits
-):
-    """Pick tile sizes and the split count, launch, merge the splits. Sizes come from shapes only (no sync)."""
-    tokens, heads, head_dim = q.shape
-    batch, kv_heads = prefix_lens.numel(), k_cache.shape[2]
-    group = heads // kv_heads
+def _tile_config(tokens: int, batch: int, group: int, head_dim: int) -> dict:
+    """Tile sizes and warps for the main kernel, from shapes only."""
     block_d = _next_pow2(head_dim)
     # Rows are (query token, head of the group) pairs; size the tile to the mean request, so
     # decode and trees up to BLOCK_Q nodes read each KV tile once per (request, KV head).
     mean_q = -(-tokens // batch)
     block_m = max(16, min(128 if block_d <= 128 else 64, _next_pow2(mean_q * group)), _next_pow2(group))
-    block_q = block_m // group
-    block_n = 64 if block_d <= 128 else 32
+    return dict(
+        BLOCK_M=block_m,
+        BLOCK_Q=block_m // group,
+        BLOCK_N=64 if block_d <= 128 else 32,
+        BLOCK_D=block_d,
+        num_warps=8 if block_m >= 128 else 4,
+    )
+
+
+def _tree_attention_triton(*args) -> None:
+    """Launch the kernel, then the split merge if the context was split (args as ``_plan_launches``)."""
+    for kernel, grid, kernel_args, meta in _plan_launches(*args):
+        kernel[grid](*kernel_args, **meta)
+
+
+def _plan_launches(q, k_cache, v_cache, q_offsets, prefix_lens, tree_mask, block_table, scale, out, lse, splits):
+    """[(kernel, grid, args, meta)]: tile sizes and split count from shapes only (no sync), buffers allocated."""
+    tokens, heads, head_dim = q.shape
+    batch, kv_heads = prefix_lens.numel(), k_cache.shape[2]
+    group = heads // kv_heads
+    tile = _tile_config(tokens, batch, group, head_dim)
+    block_q, block_n, block_d = tile["BLOCK_Q"], tile["BLOCK_N"], tile["BLOCK_D"]
     tiles = tokens // block_q + batch
     paged = block_table is not None
     if splits is None:
@@ -303,7 +318,7 @@ def _tree_attention_triton(
     dummy = q_offsets
     mask = tree_mask.contiguous() if tree_mask is not None else dummy
     table = block_table.contiguous() if paged else dummy
-    _tree_attention_kernel[(tiles, kv_heads, splits)](
+    main_args = (
         q, k_cache, v_cache, q_offsets, prefix_lens, mask, table, dest_out,
         dest_lse if dest_lse is not None else dummy,
         batch, group, head_dim, mask.shape[-1] if tree_mask is not None else 1, k_cache.shape[1],
@@ -313,19 +328,22 @@ def _tree_attention_triton(
         mask.stride(0) if tree_mask is not None else 0, table.stride(0) if paged else 0,
         dest_out.stride(0), dest_out.stride(1), dest_out.stride(2),
         *((dest_lse.stride(0), dest_lse.stride(1), dest_lse.stride(2)) if dest_lse is not None else (0, 0, 0)),
-        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_D=block_d, SEARCH_STEPS=max(1, batch.bit_length()),
-        PAGED=paged, TREE=tree_mask is not None, WRITE_LSE=dest_lse is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=8 if block_m >= 128 else 4,
     )  # fmt: skip
+    main_meta = dict(
+        **tile, SEARCH_STEPS=max(1, batch.bit_length()), PAGED=paged, TREE=tree_mask is not None,
+        WRITE_LSE=dest_lse is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+    launches = [(_tree_attention_kernel, (tiles, kv_heads, splits), main_args, main_meta)]
     if splits > 1:
-        _merge_splits_kernel[(tokens, heads)](
+        merge_args = (
             part_out, part_lse, out, lse if lse is not None else dummy, splits, head_dim,
             part_out.stride(0), part_out.stride(1), part_out.stride(2),
             part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
             out.stride(0), out.stride(1), *((lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)),
-            BLOCK_S=_next_pow2(splits), BLOCK_D=block_d, WRITE_LSE=lse is not None,
         )  # fmt: skip
+        merge_meta = dict(BLOCK_S=_next_pow2(splits), BLOCK_D=block_d, WRITE_LSE=lse is not None)
+        launches.append((_merge_splits_kernel, (tokens, heads), merge_args, merge_meta))
+    return launches
 
 
 # --------------------------------------------------------------------------------------------
