@@ -113,6 +113,9 @@ def flex_runner(c, device):
     def mask_mod(b, h, q_idx, kv_idx):
         return mask[q_idx, kv_idx]
 
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = 64  # one compile per shape; past the limit Flex would run unfused
     try:
         block_mask = create_block_mask(mask_mod, None, None, c["n"], c["length"], device=device)
         compiled = torch.compile(flex_attention, dynamic=False)
