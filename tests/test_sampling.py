@@ -13,7 +13,6 @@ from specdec.kernels.sampling import (
     counter_uniform_tl,
     filter_thresholds_reference,
     filter_thresholds_triton,
-    inverse_temperature,
     scaled_logits,
     target_probs_reference,
 )
@@ -98,15 +97,11 @@ def test_filter_thresholds_triton_match_reference(dtype):
     temp = torch.tensor([1.0, 0.5, 1.0, 1.0, 0.0, 2.0, 1.0, 1.0, 0.9, 1.0])
     top_k = torch.tensor([12, 30, 5, 5, 3, 0, 77, 1, 9, 0], dtype=torch.int32)
     top_p = torch.tensor([1.0, 0.9, 0.5, 0.5, 0.5, 0.3, 1.0, 1.0, 0.75, -0.5])
-    row_req = torch.arange(rows, dtype=torch.int32)
-    got = filter_thresholds_triton(
-        logits.to(DEVICE),
-        row_req.to(DEVICE),
-        inverse_temperature(temp).to(DEVICE),
-        top_k.to(DEVICE),
-        top_p.to(DEVICE),
-        32,
+    offsets = torch.arange(rows + 1, dtype=torch.int32)  # one row per request
+    got, inv_row = filter_thresholds_triton(
+        logits.to(DEVICE), offsets.to(DEVICE), temp.to(DEVICE), top_k.to(DEVICE), top_p.to(DEVICE), 32
     )
+    assert torch.equal(inv_row.cpu(), torch.where(temp > 0, 1.0 / temp, 1.0))
     _, expected = _thresholds(logits, temp, top_k, top_p)
     assert torch.equal(got.cpu(), expected), f"{got}\n{expected}"
     assert got[9] == logits[9].float().max()  # top_p <= 0 keeps the maximum only

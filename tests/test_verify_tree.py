@@ -353,7 +353,7 @@ sampling, tree = sys.modules["specdec.kernels.sampling"], sys.modules["specdec.k
 def types(fn, given, consts):
     return {name: given.get(name, "constexpr" if name in consts else "i32") for name in fn.arg_names}
 
-ptr = {"logits_ptr": "*bf16", "row_req_ptr": "*i32", "inv_temp_ptr": "*fp32", "top_k_ptr": "*i32",
+ptr = {"logits_ptr": "*bf16", "inv_row_ptr": "*fp32", "temp_ptr": "*fp32", "top_k_ptr": "*i32",
        "top_p_ptr": "*fp32", "thr_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32", "arg_ptr": "*i32",
        "bad_ptr": "*i32", "tokens_ptr": "*i32", "parents_ptr": "*i32", "offsets_ptr": "*i32", "q_ptr": "*fp16",
        "q_row_ptr": "*i32", "seed_ptr": "*i64", "offset_ptr": "*i64", "out_tok_ptr": "*i32",

@@ -132,20 +132,32 @@ def _threshold_search(row_ptr, V, inv_t, m, floor, target, BY_COUNT: tl.constexp
 @triton.jit
 def _filter_threshold_kernel(
     logits_ptr,  # [R, V] fp32/fp16/bf16, row stride stride_row
-    row_req_ptr,  # [R] int32, request of each row
-    inv_temp_ptr,  # [B] fp32: 1/T, or -1 for greedy requests (see inverse_temperature)
+    offsets_ptr,  # [B+1] int32, request b owns rows offsets[b] .. offsets[b+1]-1 (each at least one)
+    temp_ptr,  # [B] fp32
     top_k_ptr,  # [B] int32
     top_p_ptr,  # [B] fp32
     thr_ptr,  # [R] fp32 out: keep s >= thr (-inf = keep all)
+    inv_row_ptr,  # [R] fp32 out: the row's scale 1/T (1 for greedy rows)
+    n_req,
     V,
     stride_row,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
-    req = tl.load(row_req_ptr + row)
-    inv_t = tl.load(inv_temp_ptr + req)
-    k = tl.load(top_k_ptr + req)
-    top_p = tl.load(top_p_ptr + req)
+    # ---- the row's request: bisect the offsets (offsets[lo] <= row < offsets[hi])
+    lo = row * 0
+    hi = lo + n_req
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        go = tl.load(offsets_ptr + mid) <= row
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    t = tl.load(temp_ptr + lo)
+    # 1/T correctly rounded, as torch computes it; -1 marks greedy; a NaN temperature stays NaN
+    inv_t = tl.where(t <= 0, -1.0, tl.math.div_rn(1.0, tl.where(t <= 0, 1.0, t)))
+    tl.store(inv_row_ptr + row, tl.where(inv_t < 0, 1.0, inv_t))
+    k = tl.load(top_k_ptr + lo)
+    top_p = tl.load(top_p_ptr + lo)
     use_k = (inv_t > 0) & (k > 0) & (k < V)
     use_p = (inv_t > 0) & (top_p < 1)
     thr = tl.where(use_k, float("-inf"), float("-inf"))  # an fp32 scalar tensor
@@ -172,21 +184,23 @@ def _filter_threshold_kernel(
 
 def filter_thresholds_triton(
     logits: torch.Tensor,
-    row_req: torch.Tensor,
-    inv_temperature: torch.Tensor,
+    offsets: torch.Tensor,
+    temperature: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     block: int,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Per-row threshold ``thr [R]`` fp32 of the filter (Triton launcher, no checks)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row threshold ``thr [R]`` fp32 of the filter and the row's scale ``1/T [R]`` fp32 (1 for
+    greedy rows), for requests owning rows by int32 ``offsets [B+1]`` (Triton launcher, no checks)."""
     rows, vocab = logits.shape
-    thr = torch.empty(rows, dtype=torch.float32, device=logits.device) if out is None else out
+    thr = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    inv_row = torch.empty_like(thr)
     if rows:
         _filter_threshold_kernel[(rows,)](
-            logits, row_req, inv_temperature, top_k, top_p, thr, vocab, logits.stride(0), BLOCK=block
-        )
-    return thr
+            logits, offsets, temperature, top_k, top_p, thr, inv_row, offsets.numel() - 1, vocab, logits.stride(0),
+            BLOCK=block,
+        )  # fmt: skip
+    return thr, inv_row
 
 
 # ----------------------------------------------------------------------------- per-tile statistics of the target
@@ -195,8 +209,7 @@ def filter_thresholds_triton(
 @triton.jit
 def _row_stats_kernel(
     logits_ptr,  # [R, V] fp32/fp16/bf16
-    row_req_ptr,  # [R] int32, request of each row
-    inv_temp_ptr,  # [B] fp32: 1/T, -1 for greedy
+    inv_row_ptr,  # [R] fp32 scale of the row (1/T; 1 for greedy rows)
     thr_ptr,  # [R] fp32 filter threshold on s
     max_ptr,  # [R, n_tiles] fp32 out: max of kept s in the tile
     sum_ptr,  # [R, n_tiles] fp32 out: sum exp(s - tile max) over kept entries
@@ -209,8 +222,7 @@ def _row_stats_kernel(
 ):
     row = tl.program_id(0)
     tile = tl.program_id(1)
-    inv_t = tl.load(inv_temp_ptr + tl.load(row_req_ptr + row))
-    inv_t = tl.where(inv_t < 0, 1.0, inv_t)  # greedy rows keep the raw logits
+    inv_t = tl.load(inv_row_ptr + row)
     thr = tl.load(thr_ptr + row)
     cols = tile * BLOCK + tl.arange(0, BLOCK)
     inb = cols < V
@@ -262,7 +274,7 @@ def tile_mass_tl(row_ptr, q_ptr, cols, V, inv_t, thr, m, z, c, HAS_Q: tl.constex
     return p, mass
 
 
-def row_stats_triton(logits, row_req, inv_temperature, thr, block):
+def row_stats_triton(logits, inv_row, thr, block):
     """Tile partials (max, sum exp, argmax, bad count), each ``[R, cdiv(V, block)]`` (launcher, no checks)."""
     rows, vocab = logits.shape
     n_tiles = triton.cdiv(vocab, block)
@@ -272,7 +284,7 @@ def row_stats_triton(logits, row_req, inv_temperature, thr, block):
     part_bad = torch.empty_like(part_arg)
     if rows:
         _row_stats_kernel[(rows, n_tiles)](
-            logits, row_req, inv_temperature, thr, part_max, part_sum, part_arg, part_bad,
+            logits, inv_row, thr, part_max, part_sum, part_arg, part_bad,
             vocab, n_tiles, logits.stride(0), BLOCK=block,
         )  # fmt: skip
     return part_max, part_sum, part_arg, part_bad

@@ -49,7 +49,6 @@ from specdec.kernels.sampling import (
     filter_thresholds_reference,
     filter_thresholds_triton,
     inverse_cdf_reference,
-    inverse_temperature,
     request_key,
     row_stats_triton,
     sanitize_draft_probs,
@@ -86,7 +85,7 @@ def _tree_walk_kernel(
     sum_ptr,
     arg_ptr,
     bad_ptr,
-    inv_temp_ptr,  # [B] fp32: 1/T, -1 for greedy
+    temp_ptr,  # [B] fp32
     seed_ptr,  # [B] int64
     offset_ptr,  # [B] int64
     out_tok_ptr,  # [B, W] int32 out: accepted tokens, then the sampled one, -1 padded
@@ -111,9 +110,9 @@ def _tree_walk_kernel(
     b = tl.program_id(0)
     start = tl.load(offsets_ptr + b)
     n = tl.load(offsets_ptr + b + 1) - start
-    inv_t = tl.load(inv_temp_ptr + b)
-    greedy = inv_t < 0
-    inv_t = tl.where(greedy, 1.0, inv_t)
+    t = tl.load(temp_ptr + b)
+    greedy = t <= 0
+    inv_t = tl.where(greedy, 1.0, tl.math.div_rn(1.0, tl.where(greedy, 1.0, t)))  # as torch rounds 1/T
     t = inv_t * 0.0  # an fp32 zero for loop-carried scalars
     seed = tl.load(seed_ptr + b)
     off = tl.load(offset_ptr + b)
@@ -255,7 +254,7 @@ def _final_tile(
 @triton.jit
 def _final_mass_kernel(
     logits_ptr, tokens_ptr, parents_ptr, offsets_ptr, q_ptr, q_row_ptr, thr_ptr,
-    max_ptr, sum_ptr, arg_ptr, bad_ptr, inv_temp_ptr,
+    max_ptr, sum_ptr, arg_ptr, bad_ptr, temp_ptr,
     fin_i_ptr,  # [B, 4] int32 from the walk
     fin_f_ptr,  # [B, 2] fp32 from the walk
     mass_ptr,  # [B, n_tiles] fp32 out: mass of the final distribution per tile
@@ -269,10 +268,11 @@ def _final_mass_kernel(
     if mode > 0:
         row = tl.load(fin_i_ptr + 4 * b).to(tl.int64)
         cols = tile * BLOCK + tl.arange(0, BLOCK)
+        inv_t = tl.math.div_rn(1.0, tl.load(temp_ptr + b))  # mode > 0: a sampled request, T > 0
         p, mass = _final_tile(
             logits_ptr, tokens_ptr, parents_ptr, q_ptr, q_row_ptr, thr_ptr, max_ptr, sum_ptr, arg_ptr, bad_ptr,
             b, tl.load(offsets_ptr + b), row, tl.load(fin_i_ptr + 4 * b + 2), tl.load(fin_i_ptr + 4 * b + 3), mode,
-            tl.load(fin_f_ptr + 2 * b), tl.load(inv_temp_ptr + b), cols, V, n_tiles, stride_l, stride_q, HAS_Q, T_PAD,
+            tl.load(fin_f_ptr + 2 * b), inv_t, cols, V, n_tiles, stride_l, stride_q, HAS_Q, T_PAD,
         )  # fmt: skip
         out = b.to(tl.int64) * n_tiles + tile
         tl.store(mass_ptr + out, tl.sum(mass, 0))
@@ -282,7 +282,7 @@ def _final_mass_kernel(
 @triton.jit
 def _final_sample_kernel(
     logits_ptr, tokens_ptr, parents_ptr, offsets_ptr, q_ptr, q_row_ptr, thr_ptr,
-    max_ptr, sum_ptr, arg_ptr, bad_ptr, inv_temp_ptr, seed_ptr, offset_ptr,
+    max_ptr, sum_ptr, arg_ptr, bad_ptr, temp_ptr, seed_ptr, offset_ptr,
     fin_i_ptr, fin_f_ptr, mass_ptr, p_ptr,
     out_tok_ptr,  # [B, W] int32: the sampled token goes after the accepted ones
     num_acc_ptr,  # [B] int32
@@ -316,7 +316,7 @@ def _final_sample_kernel(
         p, mass = _final_tile(
             logits_ptr, tokens_ptr, parents_ptr, q_ptr, q_row_ptr, thr_ptr, max_ptr, sum_ptr, arg_ptr, bad_ptr,
             b, tl.load(offsets_ptr + b), row, cur, tl.load(fin_i_ptr + 4 * b + 3), mode,
-            c, tl.load(inv_temp_ptr + b), cols, V, n_tiles, stride_l, stride_q, HAS_Q, T_PAD,
+            c, tl.math.div_rn(1.0, tl.load(temp_ptr + b)), cols, V, n_tiles, stride_l, stride_q, HAS_Q, T_PAD,
         )  # fmt: skip
         hit = ((run + tl.cumsum(mass, 0)) > target) & (mass > 0)
         found = tl.min(tl.where(hit, cols, 2147483647), 0)
@@ -346,11 +346,8 @@ def verify_tree_triton(
     n_tiles = triton.cdiv(vocab, block)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    row_ids = torch.arange(rows, device=device, dtype=torch.int32)
-    row_req = torch.searchsorted(offsets[1:], row_ids, right=True).to(torch.int32).clamp_max_(max(batch - 1, 0))
-    inv_temp = inverse_temperature(temperature)
-    thr = filter_thresholds_triton(logits, row_req, inv_temp, top_k, top_p, block)
-    part_max, part_sum, part_arg, part_bad = row_stats_triton(logits, row_req, inv_temp, thr, block)
+    thr, inv_row = filter_thresholds_triton(logits, offsets, temperature, top_k, top_p, block)
+    part_max, part_sum, part_arg, part_bad = row_stats_triton(logits, inv_row, thr, block)
     out_tok, out_path, num_acc, invalid = out
     has_q = draft_probs is not None
     q = draft_probs if has_q else logits
@@ -365,12 +362,12 @@ def verify_tree_triton(
     if batch:
         _tree_walk_kernel[(batch,)](
             logits, tokens, parents, offsets, q, q_rows, thr,
-            part_max, part_sum, part_arg, part_bad, inv_temp, seed, offset,
+            part_max, part_sum, part_arg, part_bad, temperature, seed, offset,
             out_tok, out_path, num_acc, invalid, fin_i, fin_f,
             vocab, n_tiles, width, logits.stride(0), q.stride(0), out_tok.stride(0), out_path.stride(0),
             HAS_Q=has_q, BLOCK=block, T_PAD=t_pad, W_PAD=triton.next_power_of_2(width), EPS=RESIDUAL_EPS,
         )  # fmt: skip
-        common = (logits, tokens, parents, offsets, q, q_rows, thr, part_max, part_sum, part_arg, part_bad, inv_temp)
+        common = (logits, tokens, parents, offsets, q, q_rows, thr, part_max, part_sum, part_arg, part_bad, temperature)
         _final_mass_kernel[(batch, n_tiles)](
             *common, fin_i, fin_f, tile_mass, tile_p, vocab, n_tiles, logits.stride(0), q.stride(0),
             HAS_Q=has_q, BLOCK=block, T_PAD=t_pad,
