@@ -115,7 +115,9 @@ def flex_runner(c, device):
 
     import torch._dynamo
 
-    torch._dynamo.config.recompile_limit = 64  # one compile per shape; past the limit Flex would run unfused
+    # one compile per shape; past dynamo's recompile limit Flex would silently run unfused
+    cfg = torch._dynamo.config
+    setattr(cfg, "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit", 64)
     try:
         block_mask = create_block_mask(mask_mod, None, None, c["n"], c["length"], device=device)
         compiled = torch.compile(flex_attention, dynamic=False)
