@@ -247,8 +247,8 @@ def _cuobjdump() -> Path | None:
     return tool if tool.exists() else None
 
 
-def sm90_resources(kernel, args, meta) -> tuple[int, int]:
-    """(spill stack bytes, shared memory bytes) of one launch compiled for sm_90 as Triton's JIT would."""
+def sm90_resources(kernel, args, meta) -> tuple[int, int, int]:
+    """(registers, spill stack bytes, shared memory bytes) of one launch compiled for sm_90 as the JIT would."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -285,8 +285,8 @@ def sm90_resources(kernel, args, meta) -> tuple[int, int]:
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
         usage = subprocess.run([str(_cuobjdump()), "--dump-resource-usage", str(cubin)], capture_output=True, text=True)
-    stack = int(re.search(r"STACK:(\d+)", usage.stdout).group(1))
-    return stack, compiled.metadata.shared
+    regs, stack = (int(re.search(rf"{key}:(\d+)", usage.stdout).group(1)) for key in ("REG", "STACK"))
+    return regs, stack, compiled.metadata.shared
 
 
 SM90_CASES = {
@@ -300,7 +300,7 @@ SM90_CASES = {
 
 
 def sm90_report() -> dict:
-    """{case: [(kernel, spill bytes, shared bytes)]} of the launches the launcher plans (no interpreter)."""
+    """{case: [(kernel, registers, spill bytes, shared bytes)]} of the launches the launcher plans."""
     report = {}
     for name, (n, batch, hq, hkv, d, dtype, paged, tree, splits) in SM90_CASES.items():
         tokens = n * batch
@@ -335,7 +335,7 @@ def test_kernels_fit_an_h200(sm90, case):
     # memory within one H100/H200 block's 227 KB, so a launch on the GPU cannot fail for resources.
     launches = sm90[case]
     assert len(launches) == (2 if SM90_CASES[case][-1] > 1 else 1)
-    for kernel, stack, shared in launches:
+    for kernel, _regs, stack, shared in launches:
         assert stack == 0, f"{kernel}: {stack} bytes of register spills"
         assert shared <= 227 * 1024, f"{kernel}: {shared} bytes of shared memory"
 
