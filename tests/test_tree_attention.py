@@ -164,6 +164,13 @@ def test_tree_over_256_nodes(backend, device):
     check(batch, what="300-node tree")
 
 
+def test_whole_64_node_tree_in_one_tile(backend, device):
+    # 64 nodes x 4 heads per request: the launcher picks one 256-row tile with 32-wide KV steps
+    trees = [random_tree(64), random_tree(50)]
+    batch = Batch([40, 3], trees, hq=8, hkv=2, d=64, dtype=torch.float16, device=device, paged=True)
+    check(batch, what="256-row tile")
+
+
 def test_long_prefill_chunk_causal(backend, device):
     batch = Batch([30, 0], [chain(150), chain(70)], hq=2, hkv=1, d=64, dtype=torch.float32, device=device, paged=True)
     check(batch, causal=True, what="prefill chunk")
@@ -293,7 +300,9 @@ SM90_CASES = {
     # id: (queries per request, requests, Hq, Hkv, D, dtype, paged, tree, splits)
     "decode": (1, 8, 32, 8, 128, torch.float16, True, False, 1),
     "decode-split": (1, 1, 32, 8, 128, torch.float16, True, False, 8),  # batch-1 decode: split context + merge
-    "tree64-bf16": (64, 4, 32, 8, 128, torch.bfloat16, False, True, 1),
+    "tree64-bf16": (64, 4, 32, 8, 128, torch.bfloat16, False, True, 1),  # 256 rows: a whole tree x 4 heads
+    "tree64-fp16-split": (64, 2, 32, 8, 128, torch.float16, True, True, 2),
+    "tree32-gqa8": (32, 8, 32, 4, 128, torch.float16, True, True, 1),
     "prefill4k": (4096, 1, 32, 8, 128, torch.float16, True, False, 1),
     "d80-tree-split": (32, 2, 16, 4, 80, torch.float16, True, True, 3),  # padded head dim, lse
 }

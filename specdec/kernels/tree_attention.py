@@ -12,9 +12,9 @@ A chain mask is causal prefill; a single node is decode. With s = scale * q.k,
 out = sum_j softmax(s)_j v_j and lse = log sum_j exp(s_j) over the allowed positions.
 
 The Triton kernel processes, per program, a tile of BLOCK_Q query tokens of one
-request times the G query heads sharing one KV head (BLOCK_M = BLOCK_Q * G <= 128
+request times the G query heads sharing one KV head (BLOCK_M = BLOCK_Q * G <= 256
 rows), so each KV tile is read once per (request, KV head, query tile): for decode and
-trees of up to 128 / G nodes, once per (request, KV head). Mask rows are read as packed
+trees of up to 256 / G nodes (64 for Llama-3-8B's G = 4), once per (request, KV head). Mask rows are read as packed
 64-bit words, only for the KV tiles that overlap the tree. Long contexts with few such
 tiles are split across programs (flash-decoding) and merged by their log-sum-exp.
 The op is registered as ``torch.ops.specdec.tree_attention`` (writes ``out``/``lse``),
@@ -275,12 +275,18 @@ def _tile_config(tokens: int, batch: int, group: int, head_dim: int) -> dict:
     block_d = _next_pow2(head_dim)
     # Rows are (query token, head of the group) pairs; size the tile to the mean request, so
     # decode and trees up to BLOCK_Q nodes read each KV tile once per (request, KV head).
-    mean_q = -(-tokens // batch)
-    block_m = max(16, min(128 if block_d <= 128 else 64, _next_pow2(mean_q * group)), _next_pow2(group))
+    rows = _next_pow2(-(-tokens // batch) * group)
+    if block_d <= 128 and 128 < rows <= 256:
+        # e.g. a 64-node tree x 4 heads: 256 rows in one tile with 32-wide KV steps (255 registers,
+        # no spills on sm_90) rather than two 128-row tiles that would each read the context
+        block_m, block_n = 256, 32
+    else:
+        block_m = max(16, min(128 if block_d <= 128 else 64, rows), _next_pow2(group))
+        block_n = 64 if block_d <= 128 else 32
     return dict(
         BLOCK_M=block_m,
         BLOCK_Q=block_m // group,
-        BLOCK_N=64 if block_d <= 128 else 32,
+        BLOCK_N=block_n,
         BLOCK_D=block_d,
         num_warps=8 if block_m >= 128 else 4,
     )
