@@ -59,6 +59,19 @@ def random_batch(ks, vocab, *, stochastic=True, dtype=torch.float32, device="cpu
     return logits.to(device), tokens.to(device), offsets.to(device), (q.to(device) if stochastic else None)
 
 
+def chain_as_tree(tokens, offsets):
+    """The tree view of a chain batch: (node_tokens, parents, node_offsets, q_rows), on the host."""
+    node_tokens, parents, q_rows, node_offsets = [], [], [], [0]
+    for b in range(offsets.numel() - 1):
+        lo, hi = int(offsets[b]), int(offsets[b + 1])
+        node_tokens += [0] + tokens[lo:hi].tolist()
+        parents += list(range(-1, hi - lo))
+        q_rows += [min(lo + j, max(tokens.numel() - 1, 0)) for j in range(hi - lo + 1)]  # node j's child: draft lo + j
+        node_offsets.append(node_offsets[-1] + hi - lo + 1)
+    as_int = lambda x: torch.tensor(x, dtype=torch.int32)
+    return as_int(node_tokens), as_int(parents), as_int(node_offsets), as_int(q_rows)
+
+
 def run(backend, *args, **kwargs):
     with _backend.use_backend(backend):
         return verify_chain(*args, **kwargs)
@@ -200,7 +213,6 @@ def test_triton_matches_reference_bf16_large_vocab(stochastic):
 
 def test_reference_is_the_tree_engine_on_a_chain():
     """The chain reference (written from the chain math) and the tree reference agree on chains."""
-    from specdec.kernels.verify_chain import _chain_as_tree
     from specdec.kernels.verify_tree import verify_tree_reference
 
     ks = [3, 0, 5, 1, 2]
@@ -209,7 +221,7 @@ def test_reference_is_the_tree_engine_on_a_chain():
         tokens[::3] = -1 if stochastic else 45  # invalid ids take the same route in both
         p = params(5, 0.9, 7, 0.95)
         chain = verify_chain_reference(logits, tokens, offsets, q, *p, max_draft_len=5)
-        node_tokens, parents, node_offsets, q_rows = _chain_as_tree(tokens, offsets, logits.shape[0])
+        node_tokens, parents, node_offsets, q_rows = chain_as_tree(tokens, offsets)
         tree = verify_tree_reference(logits, node_tokens, parents, node_offsets, q, *p, max_depth=5, q_rows=q_rows)
         assert torch.equal(chain.output_tokens, tree.output_tokens)
         assert torch.equal(chain.num_accepted, tree.num_accepted)

@@ -361,14 +361,18 @@ ptr = {"logits_ptr": "*bf16", "inv_row_ptr": "*fp32", "temp_ptr": "*fp32", "top_
        "fin_f_ptr": "*fp32", "mass_ptr": "*fp32", "p_ptr": "*fp32"}
 target = GPUTarget("cuda", 90, 32)
 for fn, consts in [
-    (sampling._filter_threshold_kernel, {"BLOCK": 256}),
+    (sampling._filter_threshold_kernel, {"BLOCK": 256, "CHAIN": True}),
+    (sampling._filter_threshold_kernel, {"BLOCK": 256, "CHAIN": False}),
     (sampling._row_stats_kernel, {"BLOCK": 1024}),
-    (tree._tree_walk_kernel, {"HAS_Q": True, "BLOCK": 1024, "T_PAD": 128, "W_PAD": 16, "EPS": 1e-5}),
-    (tree._tree_walk_kernel, {"HAS_Q": False, "BLOCK": 1024, "T_PAD": 128, "W_PAD": 16, "EPS": 1e-5}),
-    (tree._final_mass_kernel, {"HAS_Q": True, "BLOCK": 1024, "T_PAD": 128}),
-    (tree._final_mass_kernel, {"HAS_Q": False, "BLOCK": 1024, "T_PAD": 128}),
-    (tree._final_sample_kernel, {"HAS_Q": True, "BLOCK": 1024, "T_PAD": 128, "EPS": 1e-5}),
-    (tree._final_sample_kernel, {"HAS_Q": False, "BLOCK": 1024, "T_PAD": 128, "EPS": 1e-5}),
+] + [
+    (kernel, {"HAS_Q": has_q, "CHAIN": chain, "BLOCK": 1024, "T_PAD": 128, **extra})
+    for kernel, extra in [
+        (tree._tree_walk_kernel, {"W_PAD": 16, "EPS": 1e-5}),
+        (tree._final_mass_kernel, {}),
+        (tree._final_sample_kernel, {"EPS": 1e-5}),
+    ]
+    for has_q in (True, False)
+    for chain in (True, False)
 ]:
     triton.compile(ASTSource(fn=fn, signature=types(fn, ptr, consts), constexprs=consts), target=target)
     print("compiled", fn.__name__)
@@ -390,7 +394,7 @@ def test_kernels_compile_for_sm90():
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 8
+    assert done.stdout.count("compiled") == 15
 
 
 def test_custom_op_passes_opcheck():
@@ -401,6 +405,6 @@ def test_custom_op_passes_opcheck():
     logits, tokens, parents, offsets, q = random_trees([3, 2], 20)
     outs = (torch.empty(2, 3, dtype=torch.int32), torch.empty(2, 3, dtype=torch.int32),
             torch.empty(2, dtype=torch.int32), torch.empty(2, dtype=torch.bool))  # fmt: skip
-    args = (logits, tokens, parents, offsets, q, torch.arange(5, dtype=torch.int32), *params(2), 3, *outs)
+    args = (logits, tokens, parents, offsets, q, torch.arange(5, dtype=torch.int32), *params(2), 3, False, *outs)
     args = tuple(a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args)
     torch.library.opcheck(op, args)

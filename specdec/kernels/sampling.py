@@ -132,7 +132,8 @@ def _threshold_search(row_ptr, V, inv_t, m, floor, target, BY_COUNT: tl.constexp
 @triton.jit
 def _filter_threshold_kernel(
     logits_ptr,  # [R, V] fp32/fp16/bf16, row stride stride_row
-    offsets_ptr,  # [B+1] int32, request b owns rows offsets[b] .. offsets[b+1]-1 (each at least one)
+    offsets_ptr,  # [B+1] int32: request b owns rows offsets[b] .. offsets[b+1]-1 (each at least one);
+    #               CHAIN: draft offsets, request b owns rows offsets[b]+b .. offsets[b+1]+b
     temp_ptr,  # [B] fp32
     top_k_ptr,  # [B] int32
     top_p_ptr,  # [B] fp32
@@ -141,6 +142,7 @@ def _filter_threshold_kernel(
     n_req,
     V,
     stride_row,
+    CHAIN: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -149,7 +151,7 @@ def _filter_threshold_kernel(
     hi = lo + n_req
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        go = tl.load(offsets_ptr + mid) <= row
+        go = tl.load(offsets_ptr + mid) + (mid if CHAIN else 0) <= row
         lo = tl.where(go, mid, lo)
         hi = tl.where(go, hi, mid)
     t = tl.load(temp_ptr + lo)
@@ -189,16 +191,18 @@ def filter_thresholds_triton(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     block: int,
+    chain: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row threshold ``thr [R]`` fp32 of the filter and the row's scale ``1/T [R]`` fp32 (1 for
-    greedy rows), for requests owning rows by int32 ``offsets [B+1]`` (Triton launcher, no checks)."""
+    greedy rows), for requests owning rows by int32 ``offsets [B+1]`` (``chain``: draft offsets,
+    K_b + 1 rows per request). Triton launcher, no checks."""
     rows, vocab = logits.shape
     thr = torch.empty(rows, dtype=torch.float32, device=logits.device)
     inv_row = torch.empty_like(thr)
     if rows:
         _filter_threshold_kernel[(rows,)](
             logits, offsets, temperature, top_k, top_p, thr, inv_row, offsets.numel() - 1, vocab, logits.stride(0),
-            BLOCK=block,
+            CHAIN=chain, BLOCK=block,
         )  # fmt: skip
     return thr, inv_row
 

@@ -1,9 +1,10 @@
 """Chain verification (draft-model / n-gram / top-1-head speculation) and plain sampling.
 
 A chain of K draft tokens is the token tree whose parents are ``i - 1``, so the Triton
-path reuses ``verify_tree``'s kernels: this module only builds the tree view of the
-chain on the device (small index arrays, no host synchronisation) and launches
-them. The PyTorch reference below is written from the chain math itself
+path reuses ``verify_tree``'s kernels in their chain mode, where the kernels derive the
+tree view (node j > 0 of request b is draft ``draft_offsets[b] + j - 1``, its parent is
+j - 1) from the draft offsets themselves: no extra tensors, no host synchronisation.
+The PyTorch reference below is written from the chain math itself
 (Leviathan et al. 2022; Chen et al. 2023), independently of the tree engine, so the
 two paths check each other token for token.
 
@@ -47,30 +48,6 @@ class ChainVerifyResult(NamedTuple):
     output_tokens: torch.Tensor
     num_accepted: torch.Tensor
     invalid: torch.Tensor
-
-
-# ----------------------------------------------------------------------------- launcher (tree view of a chain)
-
-
-def _chain_as_tree(draft_tokens: torch.Tensor, draft_offsets: torch.Tensor, rows: int):
-    """(node_tokens, parents, node_offsets, q_rows) of the chains, computed on the device."""
-    device = draft_offsets.device
-    batch = draft_offsets.numel() - 1
-    total = draft_tokens.numel()
-    if total == 0:  # every request just samples (``sample``): one root per request
-        zeros = torch.zeros(rows, dtype=torch.int32, device=device)
-        return zeros, zeros - 1, torch.arange(batch + 1, dtype=torch.int32, device=device), zeros
-    node_offsets = draft_offsets + torch.arange(batch + 1, dtype=torch.int32, device=device)
-    node = torch.arange(rows, dtype=torch.int32, device=device)
-    req = torch.searchsorted(node_offsets[1:], node, right=True).clamp_max_(max(batch - 1, 0))
-    local = node - node_offsets[req]
-    parents = (local - 1).to(torch.int32)
-    child_draft = (node - req).clamp(0, max(total - 1, 0)).to(torch.int32)  # draft index of node's child
-    if total:
-        tokens = torch.where(local >= 1, draft_tokens[(node - req - 1).clamp(0, total - 1)], 0).to(torch.int32)
-    else:
-        tokens = torch.zeros(rows, dtype=torch.int32, device=device)
-    return tokens, parents, node_offsets, child_draft
 
 
 # ----------------------------------------------------------------------------- public ops
@@ -152,10 +129,10 @@ def verify_chain(
     buffers = None if out is None else (out.output_tokens, out.num_accepted, None, out.invalid)
     tokens, path, num_acc, invalid = _check_out(buffers, batch, width, device)
     if _backend.select_backend(target_logits) == "triton":
-        node_tokens, parents, node_offsets, q_rows = _chain_as_tree(draft_tokens.contiguous(), draft_offsets, rows)
+        draft_tokens = draft_tokens.contiguous()
         _verify_tree_op(
-            target_logits, node_tokens, parents, node_offsets, draft_probs, q_rows,
-            temperature, top_k, top_p, seed, offset, width, tokens, path, num_acc, invalid,
+            target_logits, draft_tokens, draft_tokens, draft_offsets, draft_probs, None,
+            temperature, top_k, top_p, seed, offset, width, True, tokens, path, num_acc, invalid,
         )  # fmt: skip
     else:
         ref = verify_chain_reference(

@@ -75,11 +75,11 @@ class TreeVerifyResult(NamedTuple):
 @triton.jit
 def _tree_walk_kernel(
     logits_ptr,  # [R, V] target logits, one row per node
-    tokens_ptr,  # [R] int32 node tokens (root's ignored)
-    parents_ptr,  # [R] int32 local parents, -1 at each root
-    offsets_ptr,  # [B+1] int32 node offsets
+    tokens_ptr,  # [R] int32 node tokens (root's ignored); CHAIN: [T] draft tokens
+    parents_ptr,  # [R] int32 local parents, -1 at each root (unused with CHAIN: parent = node - 1)
+    offsets_ptr,  # [B+1] int32 node offsets; CHAIN: draft offsets (node offsets are offsets[b] + b)
     q_ptr,  # [Q, V] draft probabilities (unused without HAS_Q)
-    q_row_ptr,  # [R] int32 draft row of each node's children (unused without HAS_Q)
+    q_row_ptr,  # [R] int32 draft row of each node's children (unused without HAS_Q; CHAIN: offsets[b] + node)
     thr_ptr,  # [R] fp32 filter thresholds
     max_ptr,  # [R, n_tiles] tile partials from sampling.row_stats_triton
     sum_ptr,
@@ -102,14 +102,21 @@ def _tree_walk_kernel(
     stride_tok,
     stride_path,
     HAS_Q: tl.constexpr,
+    CHAIN: tl.constexpr,
     BLOCK: tl.constexpr,
     T_PAD: tl.constexpr,
     W_PAD: tl.constexpr,
     EPS: tl.constexpr,
 ):
     b = tl.program_id(0)
-    start = tl.load(offsets_ptr + b)
-    n = tl.load(offsets_ptr + b + 1) - start
+    if CHAIN:  # the chain's tree view, computed here: node j > 0 is draft offsets[b] + j - 1
+        tok_base = tl.load(offsets_ptr + b) - 1
+        start = tok_base + 1 + b
+        n = tl.load(offsets_ptr + b + 1) - tok_base
+    else:
+        start = tl.load(offsets_ptr + b)
+        n = tl.load(offsets_ptr + b + 1) - start
+        tok_base = start
     t = tl.load(temp_ptr + b)
     greedy = t <= 0
     inv_t = tl.where(greedy, 1.0, tl.math.div_rn(1.0, tl.where(greedy, 1.0, t)))  # as torch rounds 1/T
@@ -139,10 +146,13 @@ def _tree_walk_kernel(
     x_rej = t  # deterministic: target mass of distinct rejected siblings
     m, z, am, _bad = combine_row_tl(max_ptr, sum_ptr, arg_ptr, bad_ptr, start, n_tiles, T_PAD)
     for j in range(1, n_walk):
-        par = tl.load(parents_ptr + start + j)
+        if CHAIN:
+            par = j - 1
+        else:
+            par = tl.load(parents_ptr + start + j)
         if (par == cur) & (depth < W - 1):
             row = (start + cur).to(tl.int64)
-            tok = tl.load(tokens_ptr + start + j)
+            tok = tl.load(tokens_ptr + tok_base + j)
             valid = (tok >= 0) & (tok < V)
             safe = tl.where(valid, tok, 0)  # never index with an out-of-range id
             s = tl.load(logits_ptr + row * stride_l + safe).to(tl.float32) * inv_t
@@ -150,7 +160,10 @@ def _tree_walk_kernel(
             u = counter_uniform_tl(seed, off, off * 0 + 2 * j)
             dup = j < 0
             if HAS_Q:
-                q_row = tl.load(q_row_ptr + row).to(tl.int64)
+                if CHAIN:
+                    q_row = (tok_base + 1 + cur).to(tl.int64)
+                else:
+                    q_row = tl.load(q_row_ptr + row).to(tl.int64)
                 if pending & ~greedy:
                     # one pass over the row: S = mass of max(0, p - C q) after earlier rejections
                     thr = tl.load(thr_ptr + row)
@@ -180,9 +193,10 @@ def _tree_walk_kernel(
                 res = tl.maximum(px - c_res * qc, 0.0)
                 accept = valid & (qx > 0) & (qx <= 1) & (res > 0) & (u * qx * s_res < res)
             else:
-                for i in range(cur + 1, j):  # a token equal to a rejected sibling has p = 0 now
-                    same = (tl.load(parents_ptr + start + i) == cur) & (tl.load(tokens_ptr + start + i) == tok)
-                    dup = dup | same
+                if not CHAIN:  # (a chain node has one child: no siblings)
+                    for i in range(cur + 1, j):  # a token equal to a rejected sibling has p = 0 now
+                        same = (tl.load(parents_ptr + start + i) == cur) & (tl.load(tokens_ptr + start + i) == tok)
+                        dup = dup | same
                 px = tl.where(dup, 0.0, px)
                 accept = (px > 0) & (u * (1.0 - x_rej) < px)
             accept = tl.where(greedy, valid & (tok == am), accept)
@@ -233,21 +247,28 @@ def _tree_walk_kernel(
 @triton.jit
 def _final_tile(
     logits_ptr, tokens_ptr, parents_ptr, q_ptr, q_row_ptr, thr_ptr, max_ptr, sum_ptr, arg_ptr, bad_ptr,
-    b, start, row, cur, n, mode, c, inv_t, cols, V, n_tiles, stride_l, stride_q,
-    HAS_Q: tl.constexpr, T_PAD: tl.constexpr,
+    b, row, cur, n, mode, c, inv_t, cols, V, n_tiles, stride_l, stride_q,
+    HAS_Q: tl.constexpr, CHAIN: tl.constexpr, T_PAD: tl.constexpr,
 ):  # fmt: skip
     # (p, mass) of the final distribution on one tile, rejected children excluded in mode 2.
     m, z, _a, _b = combine_row_tl(max_ptr, sum_ptr, arg_ptr, bad_ptr, row, n_tiles, T_PAD)
+    start = row - cur  # the request's first node
     q_row = row * 0
     if HAS_Q:
-        q_row = tl.load(q_row_ptr + row).to(tl.int64)
+        if CHAIN:
+            q_row = row - b  # node cur's child is draft offsets[b] + cur = row - b
+        else:
+            q_row = tl.load(q_row_ptr + row).to(tl.int64)
     p, mass = tile_mass_tl(
         logits_ptr + row * stride_l, q_ptr + q_row * stride_q, cols, V, inv_t, tl.load(thr_ptr + row), m, z, c, HAS_Q
     )
     if mode == 2:  # deterministic rule: every child of this node was rejected
-        for i in range(cur + 1, n):
-            if tl.load(parents_ptr + start + i) == cur:
-                mass = tl.where(cols == tl.load(tokens_ptr + start + i), 0.0, mass)
+        if CHAIN:  # its one child, node cur + 1, is draft offsets[b] + cur = row - b
+            mass = tl.where(cols == tl.load(tokens_ptr + row - b), 0.0, mass)
+        else:
+            for i in range(cur + 1, n):
+                if tl.load(parents_ptr + start + i) == cur:
+                    mass = tl.where(cols == tl.load(tokens_ptr + start + i), 0.0, mass)
     return p, mass
 
 
@@ -260,7 +281,7 @@ def _final_mass_kernel(
     mass_ptr,  # [B, n_tiles] fp32 out: mass of the final distribution per tile
     p_ptr,  # [B, n_tiles] fp32 out: mass of p per tile (the fallback when the residual is ~0)
     V, n_tiles, stride_l, stride_q,
-    HAS_Q: tl.constexpr, BLOCK: tl.constexpr, T_PAD: tl.constexpr,
+    HAS_Q: tl.constexpr, CHAIN: tl.constexpr, BLOCK: tl.constexpr, T_PAD: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     tile = tl.program_id(1)
@@ -271,8 +292,8 @@ def _final_mass_kernel(
         inv_t = tl.math.div_rn(1.0, tl.load(temp_ptr + b))  # mode > 0: a sampled request, T > 0
         p, mass = _final_tile(
             logits_ptr, tokens_ptr, parents_ptr, q_ptr, q_row_ptr, thr_ptr, max_ptr, sum_ptr, arg_ptr, bad_ptr,
-            b, tl.load(offsets_ptr + b), row, tl.load(fin_i_ptr + 4 * b + 2), tl.load(fin_i_ptr + 4 * b + 3), mode,
-            tl.load(fin_f_ptr + 2 * b), inv_t, cols, V, n_tiles, stride_l, stride_q, HAS_Q, T_PAD,
+            b, row, tl.load(fin_i_ptr + 4 * b + 2), tl.load(fin_i_ptr + 4 * b + 3), mode,
+            tl.load(fin_f_ptr + 2 * b), inv_t, cols, V, n_tiles, stride_l, stride_q, HAS_Q, CHAIN, T_PAD,
         )  # fmt: skip
         out = b.to(tl.int64) * n_tiles + tile
         tl.store(mass_ptr + out, tl.sum(mass, 0))
@@ -287,7 +308,7 @@ def _final_sample_kernel(
     out_tok_ptr,  # [B, W] int32: the sampled token goes after the accepted ones
     num_acc_ptr,  # [B] int32
     V, n_tiles, stride_l, stride_q, stride_tok,
-    HAS_Q: tl.constexpr, BLOCK: tl.constexpr, T_PAD: tl.constexpr, EPS: tl.constexpr,
+    HAS_Q: tl.constexpr, CHAIN: tl.constexpr, BLOCK: tl.constexpr, T_PAD: tl.constexpr, EPS: tl.constexpr,
 ):  # fmt: skip
     # Inverse CDF in two levels: the tile whose running mass passes u * total, then the entry in it.
     b = tl.program_id(0)
@@ -315,8 +336,8 @@ def _final_sample_kernel(
         cols = tile * BLOCK + tl.arange(0, BLOCK)
         p, mass = _final_tile(
             logits_ptr, tokens_ptr, parents_ptr, q_ptr, q_row_ptr, thr_ptr, max_ptr, sum_ptr, arg_ptr, bad_ptr,
-            b, tl.load(offsets_ptr + b), row, cur, tl.load(fin_i_ptr + 4 * b + 3), mode,
-            c, tl.math.div_rn(1.0, tl.load(temp_ptr + b)), cols, V, n_tiles, stride_l, stride_q, HAS_Q, T_PAD,
+            b, row, cur, tl.load(fin_i_ptr + 4 * b + 3), mode,
+            c, tl.math.div_rn(1.0, tl.load(temp_ptr + b)), cols, V, n_tiles, stride_l, stride_q, HAS_Q, CHAIN, T_PAD,
         )  # fmt: skip
         hit = ((run + tl.cumsum(mass, 0)) > target) & (mass > 0)
         found = tl.min(tl.where(hit, cols, 2147483647), 0)
@@ -333,11 +354,14 @@ def _pick_block(vocab: int) -> int:
 
 
 def verify_tree_triton(
-    logits, tokens, parents, offsets, draft_probs, q_rows, temperature, top_k, top_p, seed, offset, width, out
-):
+    logits, tokens, parents, offsets, draft_probs, q_rows, temperature, top_k, top_p, seed, offset, width, out,
+    chain=False,
+):  # fmt: skip
     """Launch filter, tile statistics, walk and the two-level final sample.
 
-    ``out`` = (tokens, path, num_accepted, invalid) buffers, written in place.
+    ``out`` = (tokens, path, num_accepted, invalid) buffers, written in place. With ``chain``,
+    ``tokens`` and ``offsets`` are a chain batch's draft tokens and draft offsets, and the
+    kernels derive the tree view themselves (``parents`` and ``q_rows`` are not read).
     """
     rows, vocab = logits.shape
     batch = offsets.numel() - 1
@@ -346,7 +370,7 @@ def verify_tree_triton(
     n_tiles = triton.cdiv(vocab, block)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    thr, inv_row = filter_thresholds_triton(logits, offsets, temperature, top_k, top_p, block)
+    thr, inv_row = filter_thresholds_triton(logits, offsets, temperature, top_k, top_p, block, chain)
     part_max, part_sum, part_arg, part_bad = row_stats_triton(logits, inv_row, thr, block)
     out_tok, out_path, num_acc, invalid = out
     has_q = draft_probs is not None
@@ -365,17 +389,18 @@ def verify_tree_triton(
             part_max, part_sum, part_arg, part_bad, temperature, seed, offset,
             out_tok, out_path, num_acc, invalid, fin_i, fin_f,
             vocab, n_tiles, width, logits.stride(0), q.stride(0), out_tok.stride(0), out_path.stride(0),
-            HAS_Q=has_q, BLOCK=block, T_PAD=t_pad, W_PAD=triton.next_power_of_2(width), EPS=RESIDUAL_EPS,
+            HAS_Q=has_q, CHAIN=chain, BLOCK=block, T_PAD=t_pad, W_PAD=triton.next_power_of_2(width),
+            EPS=RESIDUAL_EPS,
         )  # fmt: skip
         common = (logits, tokens, parents, offsets, q, q_rows, thr, part_max, part_sum, part_arg, part_bad, temperature)
         _final_mass_kernel[(batch, n_tiles)](
             *common, fin_i, fin_f, tile_mass, tile_p, vocab, n_tiles, logits.stride(0), q.stride(0),
-            HAS_Q=has_q, BLOCK=block, T_PAD=t_pad,
+            HAS_Q=has_q, CHAIN=chain, BLOCK=block, T_PAD=t_pad,
         )  # fmt: skip
         _final_sample_kernel[(batch,)](
             *common, seed, offset, fin_i, fin_f, tile_mass, tile_p, out_tok, num_acc,
             vocab, n_tiles, logits.stride(0), q.stride(0), out_tok.stride(0),
-            HAS_Q=has_q, BLOCK=block, T_PAD=t_pad, EPS=RESIDUAL_EPS,
+            HAS_Q=has_q, CHAIN=chain, BLOCK=block, T_PAD=t_pad, EPS=RESIDUAL_EPS,
         )  # fmt: skip
     return out
 
@@ -394,6 +419,7 @@ def _verify_tree_op(
     seed: torch.Tensor,
     offset: torch.Tensor,
     width: int,
+    chain: bool,
     out_tokens: torch.Tensor,
     out_path: torch.Tensor,
     num_accepted: torch.Tensor,
@@ -402,12 +428,14 @@ def _verify_tree_op(
     """The Triton path as torch.compile and CUDA graphs see it: writes the four outputs in place."""
     verify_tree_triton(
         logits, tokens, parents, offsets, draft_probs, q_rows, temperature, top_k, top_p, seed, offset, width,
-        (out_tokens, out_path, num_accepted, invalid),
+        (out_tokens, out_path, num_accepted, invalid), chain,
     )  # fmt: skip
 
 
 @_verify_tree_op.register_fake
-def _(logits, tokens, parents, offsets, draft_probs, q_rows, temperature, top_k, top_p, seed, offset, width, *outs):
+def _(
+    logits, tokens, parents, offsets, draft_probs, q_rows, temperature, top_k, top_p, seed, offset, width, chain, *outs
+):
     return None
 
 
@@ -501,7 +529,7 @@ def verify_tree(
         _verify_tree_op(
             target_logits, node_tokens.contiguous(), parents.contiguous(), node_offsets.contiguous(), draft_probs,
             None if draft_probs is None else torch.arange(n, dtype=torch.int32, device=device),
-            temperature, top_k, top_p, seed, offset, max_depth + 1, *out,
+            temperature, top_k, top_p, seed, offset, max_depth + 1, False, *out,
         )  # fmt: skip
         return TreeVerifyResult(out[0], out[2], out[1], out[3])
     ref = verify_tree_reference(
