@@ -1,0 +1,174 @@
+"""End-to-end speculative decoding with the embedded pair: specdec vs HuggingFace, one run, same prompts.
+
+Greedy (temperature 0), batch 1, each held-out prompt decoded alone for N new tokens
+(EOS does not stop early), float32 weights from ``specdec/assets/pair`` for both libraries:
+
+  specdec autoregressive | chain K=5 | tree 4,2,2,1 (deterministic rule) | n-gram K=5
+  HF generate (greedy) | HF assisted generation (assistant_model = the draft) | HF prompt lookup (5 tokens)
+
+tokens/s = generated tokens / wall time summed over prompts (prefill included);
+tau = tokens per target forward (HF: counted with a forward hook on the target);
+"identical" = every prompt's tokens equal specdec's autoregressive greedy tokens.
+Then a temperature-1 run (specdec strategies, HF sampling and HF assisted sampling):
+tokens/s and tau. A PNG bar chart of the greedy tokens/s goes to ``--out`` when
+matplotlib is importable.
+
+    python bench/bench_e2e.py --quick            # CPU smoke run: 2 prompts, 32 tokens
+    python bench/bench_e2e.py --out OUT          # 6 prompts, 96 tokens (CPU: one thread)
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import Table, bench_args  # noqa: E402
+
+from specdec.demo import ASSETS, Run, decode_all, first_difference, heldout_prompts, load_pair, strategies  # noqa: E402
+
+
+class ForwardCounter:
+    """Counts forward calls of a transformers model (HF does not report its target forwards)."""
+
+    def __init__(self, model):
+        self.calls = 0
+        model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        self.calls += 1
+
+
+def hf_run(label, hf, counter, prompts, new_tokens, device, **kwargs) -> Run:
+    """HuggingFace ``generate`` on each prompt alone; tau from the target's forward count."""
+    tokens, seconds, forwards = [], 0.0, 0
+    for ids in prompts:
+        x = torch.tensor([ids], device=device)
+        counter.calls = 0
+        start = time.perf_counter()
+        with torch.inference_mode():
+            y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, **kwargs)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        seconds += time.perf_counter() - start
+        forwards += counter.calls
+        tokens.append(y[0, len(ids) :].tolist())
+    generated = sum(map(len, tokens))
+    return Run(label, tokens, seconds, generated, forwards, 0, 0)
+
+
+def load_hf(directory: Path, device: str):
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).to(device).eval()
+    # Same stopping rule as the specdec runs: exactly N tokens, EOS does not end a completion.
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = model.config.pad_token_id
+    return model
+
+
+def chart(runs: list[Run], baseline: Run, path: Path) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no chart (pip install matplotlib)"
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    names = [r.label for r in runs]
+    speeds = [r.tokens_per_s for r in runs]
+    colors = ["#4c72b0" if not r.label.startswith("HF") else "#dd8452" for r in runs]
+    bars = ax.barh(names[::-1], speeds[::-1], color=colors[::-1])
+    for bar, r in zip(bars, runs[::-1]):
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {r.tokens_per_s / baseline.tokens_per_s:.2f}x")
+    ax.set_xlabel("tokens/s (greedy, batch 1)")
+    ax.set_title("Embedded pair: specdec (blue) vs HuggingFace (orange)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    return f"chart written to {path}"
+
+
+def main() -> None:
+    args = bench_args(__doc__.splitlines()[0])
+    device = args.device
+    if not device.startswith("cuda"):
+        torch.set_num_threads(1)  # the pair is small: intra-op threads only add overhead on a shared CPU
+    num_prompts, new_tokens = (2, 32) if args.quick else (6, 96)
+    target, draft, tokenizer = load_pair(device, assets=ASSETS)
+    target_dir, draft_dir = ASSETS / "target", ASSETS / "draft"
+    hf_target, hf_draft = load_hf(target_dir, device), load_hf(draft_dir, device)
+    counter = ForwardCounter(hf_target)
+    prompts = [tokenizer.encode(p["text"]).ids for p in heldout_prompts(ASSETS)[:num_prompts]]
+    plan = strategies(draft)
+    hf_plan = [
+        ("HF generate greedy", {"do_sample": False}),
+        ("HF assisted (draft)", {"do_sample": False, "assistant_model": hf_draft}),
+        ("HF prompt lookup", {"do_sample": False, "prompt_lookup_num_tokens": 5}),
+    ]
+    for label, strategy in plan:  # warm-up: one-off allocation and dispatch costs
+        decode_all(target, strategy, label, prompts[:1], 8)
+    for label, kwargs in hf_plan:
+        hf_run(label, hf_target, counter, prompts[:1], 8, device, **kwargs)
+
+    runs = [decode_all(target, strategy, label, prompts, new_tokens) for label, strategy in plan]
+    runs += [hf_run(label, hf_target, counter, prompts, new_tokens, device, **kw) for label, kw in hf_plan]
+    base, hf_base, hf_assist = runs[0], runs[len(plan)], runs[len(plan) + 1]
+    title = (
+        f"End-to-end greedy decoding, embedded pair, {device}, batch 1, {num_prompts} held-out prompts x "
+        f"{new_tokens} tokens"
+    )
+    table = Table(
+        title,
+        ["decoding", "tokens/s", "vs specdec AR", "vs HF greedy", "vs HF assisted", "tau", "acceptance", "identical"],
+    )
+    for r in runs:
+        same = all(first_difference(a, b) is None for a, b in zip(r.tokens, base.tokens))
+        table.add(
+            r.label, r.tokens_per_s, f"{r.tokens_per_s / base.tokens_per_s:.2f}x",
+            f"{r.tokens_per_s / hf_base.tokens_per_s:.2f}x", f"{r.tokens_per_s / hf_assist.tokens_per_s:.2f}x",
+            f"{r.tau:.2f}", "-" if r.acceptance is None else f"{r.acceptance:.2f}", "yes" if same else "NO",
+        )  # fmt: skip
+    table.write(args.out, "e2e_greedy")
+    if args.out is not None:
+        print(chart(runs, base, args.out / "e2e_greedy.png"))
+    else:
+        print("no --out: chart not written")
+
+    # Temperature 1: exact sampling, so tokens differ run to run; speed and tau only.
+    sampled = [decode_all(target, strategy, label, prompts, new_tokens, temperature=1.0) for label, strategy in plan]
+    sample_kw = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    torch.manual_seed(0)
+    sampled.append(hf_run("HF sampling", hf_target, counter, prompts, new_tokens, device, **sample_kw))
+    sampled.append(
+        hf_run(
+            "HF assisted sampling",
+            hf_target,
+            counter,
+            prompts,
+            new_tokens,
+            device,
+            assistant_model=hf_draft,
+            **sample_kw,
+        )
+    )
+    t1 = Table(
+        f"Temperature 1 (top-k/top-p off), embedded pair, {device}, batch 1, "
+        f"{num_prompts} prompts x {new_tokens} tokens",
+        ["decoding", "tokens/s", "vs specdec AR", "vs HF assisted", "tau", "acceptance"],
+    )
+    for r in sampled:
+        t1.add(
+            r.label, r.tokens_per_s, f"{r.tokens_per_s / sampled[0].tokens_per_s:.2f}x",
+            f"{r.tokens_per_s / sampled[-1].tokens_per_s:.2f}x", f"{r.tau:.2f}",
+            "-" if r.acceptance is None else f"{r.acceptance:.2f}",
+        )  # fmt: skip
+    t1.write(args.out, "e2e_temperature1")
+
+
+if __name__ == "__main__":
+    main()

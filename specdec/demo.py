@@ -1,0 +1,248 @@
+"""``python -m specdec demo``: speculative decoding with the embedded model pair, end to end.
+
+The pair (``specdec/assets/pair``) is a small LLaMA target and a one-layer draft distilled
+from it, both trained on the Python standard library by ``scripts/train_embedded_pair.py``.
+The demo completes held-out code prompts with plain autoregressive decoding, a greedy draft
+chain, a draft token tree and n-gram (prompt lookup) drafts; checks that every speculative
+output equals the target's own greedy output token for token; and prints tokens/s,
+speedup, tau (tokens per target forward) and the draft acceptance rate.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ASSETS = Path(__file__).resolve().parent / "assets" / "pair"
+CHAIN = 5
+TREE = (4, 2, 2, 1)
+
+
+def pair_dirs(assets: str | Path = ASSETS) -> tuple[Path, Path]:
+    """(target directory, draft directory) of the embedded pair; FileNotFoundError naming what is missing."""
+    assets = Path(assets)
+    dirs = (assets / "target", assets / "draft")
+    for d in dirs:
+        for name in ("config.json", "model.safetensors", "tokenizer.json"):
+            if not (d / name).is_file():
+                raise FileNotFoundError(
+                    f"{d / name} is missing: the embedded pair is not installed "
+                    "(rebuild it with python scripts/train_embedded_pair.py)"
+                )
+    return dirs
+
+
+def load_pair(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, assets: str | Path = ASSETS):
+    """(target, draft, tokenizer): the embedded pair as specdec ``LlamaModel``s and its ``tokenizers.Tokenizer``."""
+    from specdec.generate_cli import load_tokenizer
+    from specdec.model.llama import LlamaModel
+
+    target_dir, draft_dir = pair_dirs(assets)
+    target = LlamaModel.from_pretrained(target_dir, dtype=dtype, device=device)
+    draft = LlamaModel.from_pretrained(draft_dir, dtype=dtype, device=device)
+    return target, draft, load_tokenizer(target_dir)
+
+
+def heldout_prompts(assets: str | Path = ASSETS) -> list[dict]:
+    """The held-out prompts saved by the training script: dicts with 'file', 'line' and 'text'."""
+    return json.loads((Path(assets) / "eval" / "prompts.json").read_text())
+
+
+def strategies(draft) -> list[tuple[str, object]]:
+    """(label, strategy) for each way of decoding the demo compares; the first is the baseline."""
+    from specdec.decoding import DraftModelStrategy, NgramStrategy
+
+    return [
+        ("autoregressive", None),
+        (f"draft chain K={CHAIN}", DraftModelStrategy(draft, (1,) * CHAIN)),
+        (f"draft tree {','.join(map(str, TREE))}", DraftModelStrategy(draft, TREE, rule="deterministic")),
+        (f"n-gram K={CHAIN}", NgramStrategy(num_draft=CHAIN, max_ngram=3)),
+    ]
+
+
+@dataclass
+class Run:
+    """One strategy over every prompt: tokens per prompt, wall time, and the engine's counters summed."""
+
+    label: str
+    tokens: list[list[int]]
+    seconds: float
+    generated: int
+    forwards: int
+    drafted: int
+    accepted: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated / self.seconds
+
+    @property
+    def tau(self) -> float:
+        return self.generated / self.forwards
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+
+class Progress:
+    """A one-line progress bar on a terminal (nothing when the stream is not a TTY, e.g. in logs)."""
+
+    def __init__(self, total: int, stream=sys.stderr, width: int = 30):
+        self.total, self.done, self.stream, self.width = total, 0, stream, width
+        self.live = hasattr(stream, "isatty") and stream.isatty()
+        self.start = time.perf_counter()
+
+    def advance(self, what: str) -> None:
+        self.done += 1
+        if self.live:
+            filled = self.width * self.done // self.total
+            bar = "#" * filled + "." * (self.width - filled)
+            elapsed = time.perf_counter() - self.start
+            self.stream.write(f"\r[{bar}] {self.done}/{self.total} {elapsed:4.0f}s {what:<28}")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.live:
+            self.stream.write("\r" + " " * (self.width + 48) + "\r")
+            self.stream.flush()
+
+
+def decode_all(target, strategy, label, prompts, max_new_tokens, progress=None, temperature=0.0) -> Run:
+    """Decode each prompt on its own (batch 1, the latency case speculation is for); prompt i uses seed i."""
+    from specdec.decoding import SpeculativeDecoder
+
+    decoder = SpeculativeDecoder(target, strategy)
+    cuda = next(target.parameters()).is_cuda
+    tokens, seconds, totals = [], 0.0, [0, 0, 0, 0]
+    for i, ids in enumerate(prompts):
+        start = time.perf_counter()
+        result = decoder.generate(
+            [ids], max_new_tokens=max_new_tokens, temperature=temperature, seed=i, eos_token_id=None
+        )
+        if cuda:
+            torch.cuda.synchronize()
+        seconds += time.perf_counter() - start
+        s = result.stats[0]
+        tokens.append(result.tokens[0])
+        for i, value in enumerate((s.generated, s.target_forwards, s.drafted, s.accepted)):
+            totals[i] += value
+        if progress is not None:
+            progress.advance(label)
+    return Run(label, tokens, seconds, *totals)
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (or of the shorter end), None when equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def table(runs: list[Run], baseline: Run, identical: dict[str, bool]) -> str:
+    rows = [
+        "| decoding | tokens/s | speedup | tau | acceptance | identical to greedy |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for r in runs:
+        acc = "-" if r.acceptance is None else f"{r.acceptance:.2f}"
+        same = "baseline" if r is baseline else ("yes" if identical[r.label] else "NO")
+        rows.append(
+            f"| {r.label} | {r.tokens_per_s:.1f} | {r.tokens_per_s / baseline.tokens_per_s:.2f}x "
+            f"| {r.tau:.2f} | {acc} | {same} |"
+        )
+    return "\n".join(rows)
+
+
+def run_demo(
+    device: str = "cpu",
+    *,
+    num_prompts: int = 3,
+    max_new_tokens: int = 96,
+    show: int = 2,
+    assets: str | Path = ASSETS,
+    out=None,
+) -> int:
+    """Run the demo; returns 0 when every speculative output equals the target's greedy output, else 1.
+
+    Parameters
+    ----------
+    device : "cpu" or "cuda"; the models run in float32 (they are small; it keeps greedy ties rare).
+    num_prompts : held-out prompts to complete (each decoded alone, batch 1).
+    max_new_tokens : tokens generated per prompt (EOS does not stop early, so every run does equal work).
+    show : how many of the completions to print.
+    assets : the pair's directory (the embedded one by default).
+    out : text stream for the report (stdout by default); the progress bar goes to stderr.
+    """
+    out = out or sys.stdout
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print("--device cuda asked for, but CUDA is not available here", file=sys.stderr)
+        return 2
+    threads = torch.get_num_threads()
+    if not device.startswith("cuda"):
+        # The pair is small: intra-op threads cost more than they save, and on a busy machine
+        # OpenMP's spinning threads slow every op down many times over.
+        torch.set_num_threads(1)
+    try:
+        return _demo(device, num_prompts, max_new_tokens, show, assets, out)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _demo(device, num_prompts, max_new_tokens, show, assets, out) -> int:
+    target, draft, tokenizer = load_pair(device, assets=assets)
+    params = sum(p.numel() for p in target.parameters()), sum(p.numel() for p in draft.parameters())
+    cfg_t, cfg_d = target.config, draft.config
+    print(
+        f"specdec demo on {device}: target {params[0] / 1e6:.1f}M parameters ({cfg_t.num_layers} layers, "
+        f"hidden {cfg_t.hidden_size}), draft {params[1] / 1e6:.2f}M ({cfg_d.num_layers} layer, "
+        f"hidden {cfg_d.hidden_size}), trained on the Python standard library",
+        file=out,
+    )
+    prompts = heldout_prompts(assets)[:num_prompts]
+    ids = [tokenizer.encode(p["text"]).ids for p in prompts]
+    print(
+        f"{len(prompts)} held-out prompts, {max_new_tokens} greedy tokens each; "
+        "every output is checked against the target's own greedy decoding\n",
+        file=out,
+    )
+    plan = strategies(draft)
+    # Warm-up: first calls pay one-off costs (allocations, kernel selection) that are not decoding speed.
+    for _, strategy in plan:
+        decode_all(target, strategy, "", ids[:1], 8)
+    progress = Progress(len(plan) * len(ids))
+    runs = [decode_all(target, strategy, label, ids, max_new_tokens, progress) for label, strategy in plan]
+    progress.close()
+    baseline = runs[0]
+    identical = {}
+    for r in runs[1:]:
+        diffs = [first_difference(a, b) for a, b in zip(r.tokens, baseline.tokens)]
+        identical[r.label] = all(d is None for d in diffs)
+    for i, p in enumerate(prompts[:show]):
+        print(f"--- prompt {i + 1}: {p['file']} line {p['line']} (held out) ---", file=out)
+        print(p["text"].rstrip("\n")[-400:], file=out)
+        print(f"--- completion ({max_new_tokens} tokens, target greedy) ---", file=out)
+        print(tokenizer.decode(baseline.tokens[i]), file=out)
+        print(file=out)
+    for r in runs[1:]:
+        if identical[r.label]:
+            print(f"{r.label}: all {len(ids)} outputs identical to target-only greedy decoding", file=out)
+        else:
+            where = [first_difference(a, b) for a, b in zip(r.tokens, baseline.tokens)]
+            print(
+                f"{r.label}: DIFFERS from target-only greedy decoding (first difference per prompt: {where})", file=out
+            )
+    print(file=out)
+    print(table(runs, baseline, identical), file=out)
+    print(
+        "\ntau = tokens per target forward; acceptance = accepted / proposed draft tokens; "
+        "speedup = tokens/s over autoregressive decoding in this run.",
+        file=out,
+    )
+    return 0 if all(identical.values()) else 1
