@@ -236,7 +236,8 @@ def _row_stats_kernel(
     kept = inb & (s >= thr) & ~bad
     sk = tl.where(kept, s, float("-inf"))
     m = tl.max(sk, 0)
-    e = tl.where(kept & (sk > float("-inf")), tl.exp(sk - m), 0.0)
+    m_safe = tl.where(m > float("-inf"), m, 0.0)  # an all -inf tile: no (-inf) - (-inf)
+    e = tl.where(kept & (sk > float("-inf")), tl.exp(sk - m_safe), 0.0)
     arg = tl.min(tl.where(kept & (sk == m), cols, 2147483647), 0)
     out = row.to(tl.int64) * n_tiles + tile
     tl.store(max_ptr + out, m)
@@ -256,7 +257,7 @@ def combine_row_tl(max_ptr, sum_ptr, arg_ptr, bad_ptr, row, n_tiles, T_PAD: tl.c
     ac = tl.load(arg_ptr + base + c, mask=ok, other=2147483647)
     bc = tl.load(bad_ptr + base + c, mask=ok, other=0)
     m = tl.max(mc, 0)
-    z = tl.sum(tl.where(mc > float("-inf"), sc * tl.exp(mc - m), 0.0), 0)
+    z = tl.sum(tl.where(mc > float("-inf"), sc * tl.exp(mc - tl.where(m > float("-inf"), m, 0.0)), 0.0), 0)
     arg = tl.min(tl.where((mc == m) & ok, ac, 2147483647), 0)
     bad = (tl.sum(bc, 0) > 0) | (m == float("-inf"))
     return m, z, arg, bad
