@@ -567,7 +567,7 @@ def _check_values(q_offsets, prefix_lens, tokens, k_cache, tree_mask, block_tabl
 # --------------------------------------------------------------------------------------------
 
 
-REFERENCE_SCORE_BUDGET = 1 << 25  # padded float32 scores one reference step may hold
+REFERENCE_SCORE_BUDGET = 1 << 25  # float32 scores one reference step may hold
 
 
 def tree_attention_reference(
@@ -582,73 +582,46 @@ def tree_attention_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Readable PyTorch tree attention (the CPU path); returns (out like q, lse [Tq, Hq] float32).
 
-    Requests are padded to a common query count and context and computed together in float32,
-    in groups whose padded scores fit ``REFERENCE_SCORE_BUDGET``; a request too large for it
-    alone (a long prefill chunk) is computed in query chunks. ``tree_mask=None`` means causal.
+    Vectorised per request in float32; queries are processed in chunks so a long prefill
+    chunk never holds more than ``REFERENCE_SCORE_BUDGET`` scores at once. ``tree_mask=None``
+    means causal. (Padding all requests into one batched product was tried: on the CPU it
+    was up to 5x slower at long contexts, the padded K/V no longer staying in cache.)
     """
     tokens, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    group = heads // kv_heads
     out = torch.zeros(tokens, heads, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.full((tokens, heads), -math.inf, dtype=torch.float32, device=q.device)
     bounds, prefixes = q_offsets.tolist(), prefix_lens.tolist()
-    sizes = [bounds[b + 1] - bounds[b] for b in range(len(prefixes))]
-    group, n_max, l_max = [], 0, 0
-    for b in range(len(prefixes)):
-        if sizes[b] == 0:
+    for b, prefix in enumerate(prefixes):
+        start, n = bounds[b], bounds[b + 1] - bounds[b]
+        if n == 0:
             continue
-        n_new, l_new = max(n_max, sizes[b]), max(l_max, prefixes[b] + sizes[b])
-        if group and (len(group) + 1) * n_new * l_new * heads > REFERENCE_SCORE_BUDGET:
-            _reference_group(group, n_max, l_max, q, k_cache, v_cache, bounds, prefixes, tree_mask, block_table,
-                             softmax_scale, out, lse)  # fmt: skip
-            group, n_new, l_new = [], sizes[b], prefixes[b] + sizes[b]
-        group, n_max, l_max = group + [b], n_new, l_new
-    if group:
-        _reference_group(group, n_max, l_max, q, k_cache, v_cache, bounds, prefixes, tree_mask, block_table,
-                         softmax_scale, out, lse)  # fmt: skip
+        length = prefix + n
+        if block_table is None:
+            k, v = k_cache[b, :length], v_cache[b, :length]  # [L, Hkv, D]
+        else:  # gather whole blocks, then trim: [blocks, block_size, Hkv, D] -> [L, Hkv, D]
+            blocks = block_table[b, : -(-length // k_cache.shape[1])].long()
+            k, v = k_cache[blocks].flatten(0, 1)[:length], v_cache[blocks].flatten(0, 1)[:length]
+        k, v = k.float(), v.float()
+        nodes = torch.arange(n, device=q.device)
+        if tree_mask is not None:
+            allowed = unpack_mask_rows(tree_mask[start : start + n], n)  # [n, n] local node bits
+            allowed = torch.nn.functional.pad(allowed, (0, n - allowed.shape[1]))  # bits past W*64 are unset
+        qb = q[start : start + n].float().view(n, kv_heads, group, head_dim)
+        chunk = max(1, REFERENCE_SCORE_BUDGET // (heads * length))
+        for c0 in range(0, n, chunk):
+            c1 = min(n, c0 + chunk)
+            s = torch.einsum("nhgd,lhd->hgnl", qb[c0:c1], k).mul_(softmax_scale)  # [Hkv, G, c, L]
+            # causal: compare indices per chunk instead of building an [n, n] mask for a long prefill
+            rows = allowed[c0:c1] if tree_mask is not None else nodes[c0:c1, None] >= nodes
+            s[..., prefix:].masked_fill_(~rows, -math.inf)
+            # softmax by hand to get the lse too; a row with nothing allowed has max -inf: use 0
+            row_max = s.amax(-1, keepdim=True).nan_to_num_(neginf=0.0)
+            p = s.sub_(row_max).exp_()
+            row_sum = p.sum(-1)  # [Hkv, G, c]
+            o = torch.einsum("hgnl,lhd->nhgd", p, v) / row_sum.clamp_min(1e-30).permute(2, 0, 1).unsqueeze(-1)
+            out[start + c0 : start + c1] = o.reshape(c1 - c0, heads, head_dim)
+            row_lse = row_max.squeeze(-1) + row_sum.log()  # log 0 = -inf for an empty row
+            lse[start + c0 : start + c1] = row_lse.permute(2, 0, 1).reshape(c1 - c0, heads)
     return out.to(q.dtype), lse
-
-
-def _reference_group(
-    reqs, n_max, l_max, q, k_cache, v_cache, bounds, prefixes, tree_mask, block_table, scale, out, lse
-):
-    """Requests ``reqs`` padded to n_max queries over l_max cache positions; writes their rows of out, lse."""
-    device, heads = q.device, q.shape[1]
-    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    g = len(reqs)
-    if block_table is None:  # consecutive requests (the usual case) are a view, not a copy
-        picked = slice(reqs[0], reqs[-1] + 1) if reqs[-1] - reqs[0] == g - 1 else torch.tensor(reqs, device=device)
-        k, v = k_cache[picked, :l_max], v_cache[picked, :l_max]  # [g, L, Hkv, D]
-    else:  # whole blocks, trimmed; columns past a request's own blocks may hold anything: clamp, mask later
-        blocks = block_table[torch.tensor(reqs, device=device), : -(-l_max // k_cache.shape[1])].long()
-        blocks = blocks.clamp(0, k_cache.shape[0] - 1)
-        k, v = k_cache[blocks].flatten(1, 2)[:, :l_max], v_cache[blocks].flatten(1, 2)[:, :l_max]
-    k, v = k.float(), v.float()
-    start = torch.tensor([bounds[b] for b in reqs], device=device)
-    count = torch.tensor([bounds[b + 1] - bounds[b] for b in reqs], device=device)
-    prefix = torch.tensor([prefixes[b] for b in reqs], device=device)
-    node = torch.arange(n_max, device=device)
-    tree_pos = torch.arange(l_max, device=device) - prefix[:, None]  # [g, L] node index j; < 0 in the prefix
-    chunk = max(1, REFERENCE_SCORE_BUDGET // (g * heads * l_max))
-    for c0 in range(0, n_max, chunk):
-        c1 = min(n_max, c0 + chunk)
-        valid = node[c0:c1] < count[:, None]  # [g, c] real (not padding) query rows
-        rows = (start[:, None] + node[c0:c1]).clamp(max=q.shape[0] - 1)  # padding reads some row, dropped below
-        allowed = (tree_pos < 0)[:, None, :].repeat(1, c1 - c0, 1)  # [g, c, L]: every query sees the prefix
-        if tree_mask is None:
-            allowed |= (tree_pos[:, None, :] >= 0) & (tree_pos[:, None, :] <= node[None, c0:c1, None])
-        else:
-            bits = unpack_mask_rows(tree_mask[rows.flatten()], n_max)  # bits past W*64 are unset
-            bits = torch.nn.functional.pad(bits, (0, n_max - bits.shape[1])).view(g, c1 - c0, n_max)
-            for t, b in enumerate(reqs):
-                p, n = prefixes[b], bounds[b + 1] - bounds[b]
-                allowed[t, :, p : p + n] |= bits[t, :, :n]
-        qb = q[rows].float().view(g, c1 - c0, kv_heads, heads // kv_heads, head_dim)
-        s = torch.einsum("bnhgd,blhd->bhgnl", qb, k).mul_(scale)  # [g, Hkv, G, c, L]
-        s.masked_fill_(~allowed[:, None, None], -math.inf)
-        # softmax by hand to get the lse too; a row with nothing allowed has max -inf: use 0
-        row_max = s.amax(-1, keepdim=True).nan_to_num_(neginf=0.0)
-        p = s.sub_(row_max).exp_()
-        row_sum = p.sum(-1)  # [g, Hkv, G, c]
-        o = torch.einsum("bhgnl,blhd->bnhgd", p, v) / row_sum.clamp_min(1e-30).permute(0, 3, 1, 2).unsqueeze(-1)
-        row_lse = (row_max.squeeze(-1) + row_sum.log()).permute(0, 3, 1, 2)  # [g, c, Hkv, G]; log 0 = -inf
-        out[rows[valid]] = o[valid].reshape(-1, heads, head_dim)
-        lse[rows[valid]] = row_lse[valid].reshape(-1, heads)
