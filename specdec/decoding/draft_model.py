@@ -178,12 +178,19 @@ class DraftModelStrategy:
                     tokens[:, 1 + c] = _sample_from(q_node, step.params, step.offset, counter)
             else:
                 scores = scaled_logits(logits.view(rows, width, -1)[:, f], step.params["temperature"])
-                scores = torch.where(q_node > 0, scores, float("-inf"))
+                # Children come from q's support; greedy rows (q one-hot) take the draft's top-k instead,
+                # since the target's argmax may be any of them.
+                greedy = (step.params["temperature"] <= 0)[:, None]
+                scores = torch.where((q_node > 0) | greedy, scores, float("-inf"))
                 top = scores.topk(len(children), dim=-1).indices
                 for j, c in enumerate(children):
                     tokens[:, 1 + c] = top[:, j]
 
     def _sample(self, logits, step, counter) -> tuple[torch.Tensor, torch.Tensor]:
+        if step.greedy:  # q is one-hot at the argmax: skip the filtering and the draft's uniforms
+            s = logits.float()
+            token = torch.where(torch.isnan(s), float("-inf"), s).argmax(-1)
+            return torch.nn.functional.one_hot(token, s.shape[-1]).float(), token
         q = _draft_distribution(logits, step.params)
         return q, _sample_from(q, step.params, step.offset, counter)
 

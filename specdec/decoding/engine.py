@@ -92,6 +92,7 @@ class StepContext:
     max_depth: list[int]  # longest path a tree may have: remaining tokens - 1
     params: dict[str, torch.Tensor]  # temperature, top_k, top_p, seed: [R] device tensors
     offset: torch.Tensor  # [R] int64: tokens generated so far
+    greedy: bool = False  # every running request has temperature 0 (known on the host)
 
     def full_counts(self, per_request: int | Sequence[int]) -> list[int]:
         """Rows per batch slot: ``per_request`` for running requests (in running order), 0 elsewhere."""
@@ -222,6 +223,7 @@ class _Run:
             max_depth=[self.req.max_new_tokens[b] - self.generated[b] - 1 for b in self.running],
             params=params,
             offset=self._offset(),
+            greedy=all(self.req.temperature[b] <= 0 for b in self.running),
         )
         if self.strategy is None:
             proposal = Proposal(to_device(context.roots, torch.int64, self.device), [[-1]] * len(self.running))
