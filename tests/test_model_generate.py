@@ -93,7 +93,7 @@ def test_eos_and_per_request_limits_leave_others_undisturbed(model):
         expected = truncate(full[b], eos, limits[b])
         assert got[b] == expected, f"request {b}"
         assert reasons[b] == ("eos" if expected[-1] in eos else "length"), f"request {b}"
-    assert got[4] == [] and 4 not in reasons  # max_new_tokens = 0: never runs
+    assert got[4] == [] and reasons[4] == "length"  # max_new_tokens = 0: ends at once, emitting nothing
     assert len(steps) == max(len(g) for g in got)
     assert got[0][-1] in eos and len(got[0]) <= 7
     # the model config's EOS ids are the default
@@ -190,9 +190,10 @@ def test_sliding_window_limit_is_enforced():
         sliding_window=8, architecture="MistralForCausalLM",
     )  # fmt: skip
     model = LlamaModel(config).requires_grad_(False)
-    assert len(generate(model, [[1, 2, 3]], max_new_tokens=5)[0]) == 5
+    # The last token is sampled, never attended to: 3 + 6 - 1 positions fit a window of 8.
+    assert len(generate(model, [[1, 2, 3]], max_new_tokens=6)[0]) == 6
     with pytest.raises(ValueError, match="exceeds the model's sliding_window 8"):
-        generate(model, [[1, 2, 3]], max_new_tokens=6)
+        generate(model, [[1, 2, 3]], max_new_tokens=7)
 
 
 @pytest.mark.gpu

@@ -166,12 +166,12 @@ class SpeculativeDecoder:
         done = {b: "length" for b in range(req.batch_size) if req.max_new_tokens[b] == 0}
         for b in done:
             self.stats[b].finish_reason = "length"
-        if done:
-            yield StepOutput((), (), done)
         if not running:
+            yield StepOutput((), (), done)
             return
         run = _Run(self, req, running)
-        yield run.prefill()
+        first = run.prefill()
+        yield StepOutput(first.requests, first.tokens, {**done, **first.finished})  # 0-token requests end here
         while run.running:
             yield run.step()
 
@@ -184,8 +184,8 @@ class _Run:
         self.target, self.strategy, self.stats = decoder.target, decoder.strategy, decoder.stats
         self.device = self.target.device
         widest = 1 if self.strategy is None else self.strategy.max_nodes
-        # Room for the prompt, every new token and one whole tree past the last of them.
-        self.max_len = max(len(p) + m for p, m in zip(req.prompts, req.max_new_tokens)) + widest + 1
+        # The last step starts with prompt + max_new - 2 tokens cached and writes one tree after them.
+        self.max_len = max(len(p) + max(m - 2, 0) + widest for p, m in zip(req.prompts, req.max_new_tokens))
         self.cache = self.target.new_cache(req.batch_size, self.max_len, **decoder.cache_options)
         self.params = req.device_params(self.device)
         self.texts = [list(p) for p in req.prompts]
