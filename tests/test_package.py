@@ -85,3 +85,28 @@ def test_bad_backend_name_is_refused(monkeypatch):
     monkeypatch.setenv("SPECDEC_BACKEND", "fast")
     with pytest.raises(ValueError, match="SPECDEC_BACKEND must be one of"):
         _backend.forced_backend()
+
+
+def test_package_works_without_triton():
+    code = textwrap.dedent(
+        """
+        import importlib.abc, sys
+
+        class HideTriton(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name == "triton" or name.startswith("triton."):
+                    raise ImportError("triton hidden by the test")
+                return None
+
+        sys.meta_path.insert(0, HideTriton())
+        import torch
+        from specdec import _backend
+        from specdec.kernels import sample
+        assert _backend.select_backend(torch.zeros(1)) == "torch"
+        tokens, invalid = sample(torch.tensor([[0.0, 3.0, 1.0]]), torch.zeros(1), torch.zeros(1, dtype=torch.int32),
+                                 torch.ones(1), torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+        assert tokens.tolist() == [1] and invalid.tolist() == [False]
+        """
+    )
+    result = run_python(code, TRITON_INTERPRET="1")
+    assert result.returncode == 0, result.stderr

@@ -29,16 +29,7 @@ import torch
 
 from specdec import _backend
 from specdec.kernels._checks import check_offsets, check_same_device, check_tensor
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # triton is optional: select_backend then always picks the references below
-    triton = None
-
-    class tl:  # noqa: N801  (stands in for triton.language so the kernel signatures still parse)
-        constexpr = int
-
+from specdec.kernels._triton import jit, tl, triton
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The kernels copy raw bits through an integer view of the same width.
@@ -46,16 +37,12 @@ _BITS_VIEW = {2: torch.int16, 4: torch.int32}
 _MAX_ROW_BLOCK = 1024
 
 
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
-
-
 # --------------------------------------------------------------------------------------------
 # Triton kernels
 # --------------------------------------------------------------------------------------------
 
 
-@_jit
+@jit
 def _kv_append_kernel(
     # k, v: [T, Hkv, D] (last dim contiguous); data: the layer's [2, ...] slab, integer view
     k_ptr,
@@ -113,7 +100,7 @@ def _kv_append_kernel(
     tl.store(data_ptr + stride_kv + dst + e, v_row, mask=emask)
 
 
-@_jit
+@jit
 def _kv_compact_kernel(
     data_ptr,  # stacked cache, integer view; slab s = layer * 2 + kv
     seq_lens_ptr,  # [B] int32, advanced in place by the last program of each request

@@ -29,8 +29,8 @@ row's tiles into ``(max, Z, argmax, bad)`` and ``tile_mass_tl`` evaluates ``p = 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from specdec.kernels._triton import jit, tl, triton
 
 _MASK32 = 0xFFFFFFFF
 _HASH_START = 0x243F6A88
@@ -42,7 +42,7 @@ _U24 = 1.0 / 16777216.0
 # ----------------------------------------------------------------------------- Triton helpers
 
 
-@triton.jit
+@jit
 def counter_uniform_tl(seed, offset, counter):
     """Uniform in [0, 1) for int64 scalars (seed, offset) and an integer counter."""
     # Fold the 32-bit words seed_lo, seed_hi, offset_lo, offset_hi, counter, 0 into h with the
@@ -70,20 +70,20 @@ def counter_uniform_tl(seed, offset, counter):
     return (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
 
 
-@triton.jit
+@jit
 def _ordered_key(x):
     # fp32 -> int32 whose signed order is the float order (for non-NaN values).
     bits = x.to(tl.int32, bitcast=True)
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
-@triton.jit
+@jit
 def _key_to_float(key):
     bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)
     return bits.to(tl.float32, bitcast=True)
 
 
-@triton.jit
+@jit
 def _mass_above(row_ptr, V, inv_t, m, t, BLOCK: tl.constexpr):
     # Mass sum exp(s - m) of the entries with s >= t, summed in the same order as one column of
     # the search below, so the search's lower bound passes its own test exactly.
@@ -96,7 +96,7 @@ def _mass_above(row_ptr, V, inv_t, m, t, BLOCK: tl.constexpr):
     return tl.sum(tl.sum(acc, 0), 0)
 
 
-@triton.jit
+@jit
 def _threshold_search(row_ptr, V, inv_t, m, floor, target, BY_COUNT: tl.constexpr, BLOCK: tl.constexpr):
     # Largest t with mass_above(t) >= target. The answer's key lies in [lo, hi): mass_above(floor)
     # >= target by construction and nothing lies above m. Each pass tests WAYS candidates at once
@@ -129,7 +129,7 @@ def _threshold_search(row_ptr, V, inv_t, m, floor, target, BY_COUNT: tl.constexp
 # ----------------------------------------------------------------------------- filter kernel
 
 
-@triton.jit
+@jit
 def _filter_threshold_kernel(
     logits_ptr,  # [R, V] fp32/fp16/bf16, row stride stride_row
     offsets_ptr,  # [B+1] int32: request b owns rows offsets[b] .. offsets[b+1]-1 (each at least one);
@@ -210,7 +210,7 @@ def filter_thresholds_triton(
 # ----------------------------------------------------------------------------- per-tile statistics of the target
 
 
-@triton.jit
+@jit
 def _row_stats_kernel(
     logits_ptr,  # [R, V] fp32/fp16/bf16
     inv_row_ptr,  # [R] fp32 scale of the row (1/T; 1 for greedy rows)
@@ -246,7 +246,7 @@ def _row_stats_kernel(
     tl.store(bad_ptr + out, tl.sum(bad.to(tl.int32), 0))
 
 
-@triton.jit
+@jit
 def combine_row_tl(max_ptr, sum_ptr, arg_ptr, bad_ptr, row, n_tiles, T_PAD: tl.constexpr):
     # Row max m, normaliser Z = sum exp(s - m), argmax and "cannot be sampled" from the tile partials.
     c = tl.arange(0, T_PAD)
@@ -263,7 +263,7 @@ def combine_row_tl(max_ptr, sum_ptr, arg_ptr, bad_ptr, row, n_tiles, T_PAD: tl.c
     return m, z, arg, bad
 
 
-@triton.jit
+@jit
 def tile_mass_tl(row_ptr, q_ptr, cols, V, inv_t, thr, m, z, c, HAS_Q: tl.constexpr):
     # One tile of the node's target p and of the unnormalised mass of its current distribution:
     # p itself, or max(0, p - c q) under the stochastic rule.

@@ -29,25 +29,12 @@ import torch
 
 from specdec import _backend
 from specdec.kernels._checks import check_offsets, check_same_device, check_tensor
+from specdec.kernels._triton import jit, tl
 from specdec.kernels.tree_metadata import MASK_WORD_BITS, unpack_mask_rows
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # triton is optional: select_backend then always picks the reference below
-    triton = None
-
-    class tl:  # noqa: N801  (stands in for triton.language so the kernel signatures still parse)
-        constexpr = int
-
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 LN2 = math.log(2.0)
-
-
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
 
 
 # --------------------------------------------------------------------------------------------
@@ -55,7 +42,7 @@ def _jit(fn):
 # --------------------------------------------------------------------------------------------
 
 
-@_jit
+@jit
 def _tree_attention_kernel(
     # q [Tq, Hq, D]; k, v [B', max_len, Hkv, D] or paged [num_blocks, PAGE, Hkv, D] (last dim contiguous)
     # out [S, Tq, Hq, D] and lse [S, Tq, Hq]: per-split partials (fp32) when NUM_SPLITS > 1, else the results
@@ -215,7 +202,7 @@ def _tree_attention_kernel(
         tl.store(lse_ptr + split64 * stride_ls + q_row * stride_lt + head * stride_lh, lse, mask=row_ok)
 
 
-@_jit
+@jit
 def _merge_splits_kernel(
     # part_out [S, Tq, Hq, D] fp32, part_lse [S, Tq, Hq] fp32 -> out [Tq, Hq, D], lse [Tq, Hq]
     part_out_ptr,

@@ -38,11 +38,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
 
 from specdec import _backend
 from specdec.kernels._checks import check_offsets, check_tensor
+from specdec.kernels._triton import jit, tl, triton
 from specdec.kernels.sampling import (
     combine_row_tl,
     counter_uniform_tl,
@@ -72,7 +71,7 @@ class TreeVerifyResult(NamedTuple):
 # ----------------------------------------------------------------------------- Triton kernels
 
 
-@triton.jit
+@jit
 def _tree_walk_kernel(
     logits_ptr,  # [R, V] target logits, one row per node
     tokens_ptr,  # [R] int32 node tokens (root's ignored); CHAIN: [T] draft tokens
@@ -244,7 +243,7 @@ def _tree_walk_kernel(
     tl.store(invalid_ptr + b, invalid)
 
 
-@triton.jit
+@jit
 def _final_tile(
     logits_ptr, tokens_ptr, parents_ptr, q_ptr, q_row_ptr, thr_ptr, max_ptr, sum_ptr, arg_ptr, bad_ptr,
     b, row, cur, n, mode, c, inv_t, cols, V, n_tiles, stride_l, stride_q,
@@ -272,7 +271,7 @@ def _final_tile(
     return p, mass
 
 
-@triton.jit
+@jit
 def _final_mass_kernel(
     logits_ptr, tokens_ptr, parents_ptr, offsets_ptr, q_ptr, q_row_ptr, thr_ptr,
     max_ptr, sum_ptr, arg_ptr, bad_ptr, temp_ptr,
@@ -300,7 +299,7 @@ def _final_mass_kernel(
         tl.store(p_ptr + out, tl.sum(p, 0))
 
 
-@triton.jit
+@jit
 def _final_sample_kernel(
     logits_ptr, tokens_ptr, parents_ptr, offsets_ptr, q_ptr, q_row_ptr, thr_ptr,
     max_ptr, sum_ptr, arg_ptr, bad_ptr, temp_ptr, seed_ptr, offset_ptr,
