@@ -44,7 +44,7 @@ def extension_modules():
 
     cap_parallel_jobs()
     sources = sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("*.cpp"))
-    cxx_flags = ["-O3", "-std=c++17"]
+    cxx_flags = ["-O3"]  # the C++ standard is the one torch's cpp_extension picks for its headers
     use_cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None and not flag("SPECDEC_CPU_ONLY")
     if use_cuda:
         archs = os.environ.get("SPECDEC_CUDA_ARCHS", "9.0;8.0")
@@ -53,7 +53,7 @@ def extension_modules():
         ext = cpp_extension.CUDAExtension(
             "specdec._C",
             sources,
-            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr"]},
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--expt-relaxed-constexpr"]},
         )
     else:
         ext = cpp_extension.CppExtension("specdec._C", sources, extra_compile_args={"cxx": cxx_flags})

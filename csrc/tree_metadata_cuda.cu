@@ -6,8 +6,9 @@
 // fill its depth, its mask row and, for leaves, its path.
 
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <limits>
@@ -76,7 +77,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> tree_metadata_cuda(co
   const at::Tensor offsets_host = offsets.cpu();
   check_offsets_host(offsets_host.data_ptr<int32_t>(), num_trees, num_nodes, max_nodes);
 
-  auto stream = at::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int blocks = static_cast<int>((num_nodes + kThreads - 1) / kThreads);
   at::Tensor has_child = at::zeros({num_nodes}, parents.options());
   at::Tensor first_bad = at::full({1}, std::numeric_limits<int64_t>::max(), parents.options().dtype(at::kLong));
