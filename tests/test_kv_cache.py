@@ -354,6 +354,19 @@ def test_loose_bounds_are_settled_by_one_sync(backend, device):
         cache.reserve([0, 12])
 
 
+def test_known_lengths_tighten_bounds_and_free_pages_without_a_device_read():
+    gen = torch.Generator().manual_seed(9)
+    cache = KVCache(1, 2, 1, 2, max_len=12, dtype=torch.float16, device="cpu", layout="paged", block_size=2)
+    write_step(cache, [8, 8], gen)
+    cache.compact(pad([[0, 3], [0]], 8))
+    held = cache.allocator.num_free
+    cache.known_lengths([2, 1])  # what the caller's own read-back said
+    assert cache.length_bounds() == [2, 1] and cache.room() == [10, 11]
+    assert cache.allocator.num_free == held + 6  # 4 + 4 blocks held for the bounds, 1 + 1 needed now
+    with pytest.raises(ValueError, match=r"lengths\[0\] = 3 must lie in \[0, 2\]"):
+        cache.known_lengths([3, 1])
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
 def test_generation_up_to_capacity(backend, device, layout):
     """Trees shortened to the guaranteed room fill every request exactly to max_len, nothing spills."""

@@ -295,6 +295,8 @@ class _Run:
         done = list(finished)
         if done:
             self.cache.release(done)
+        # The host knows every committed length exactly: bounds tighten, pages free, no device read.
+        self.cache.known_lengths([len(t) - 1 if b in self.running else 0 for b, t in enumerate(self.texts)])
         if self.strategy is not None:
             self.strategy.commit([len(t) - 1 for t in self.texts], done)
         return StepOutput(tuple(requests), tuple(tokens), finished)

@@ -358,10 +358,22 @@ class KVCache:
     def sync_lengths(self) -> list[int]:
         """Read ``seq_lens`` to the host (one sync), make the bounds exact and free blocks past them."""
         lengths = self.seq_lens.tolist()
+        self.known_lengths(lengths)
+        return list(lengths)
+
+    def known_lengths(self, lengths: Sequence[int]) -> None:
+        """Tell the cache the exact ``seq_lens`` the caller already knows (e.g. from its own read-back).
+
+        No device access: the host bounds become exact and, paged, blocks past them return to
+        the free list. Each value must not exceed the current bound (it is a tightening).
+        """
+        lengths = self._host_ints("lengths", lengths)
+        for b, (n, bound) in enumerate(zip(lengths, self._bound)):
+            if not 0 <= n <= bound:
+                raise ValueError(f"lengths[{b}] = {n} must lie in [0, {bound}] (the cache's bound for request {b})")
         self._bound = lengths
         if self.layout == "paged":
             self._trim_pages()
-        return list(lengths)
 
     # ---- internals ----------------------------------------------------------------------------
 
