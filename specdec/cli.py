@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
+    gen.add_argument("--threads", type=int, help="CPU intra-op threads (default: torch's; 1 suits small models)")
     gen.set_defaults(func=cmd_generate)
     args = parser.parse_args(argv)
     return args.func(args)

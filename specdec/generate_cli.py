@@ -46,6 +46,10 @@ def run_generate(args: argparse.Namespace) -> int:
     from specdec.decoding import SpeculativeDecoder
     from specdec.model.llama import LlamaModel
 
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     tokenizer = load_tokenizer(args.target)
     target = LlamaModel.from_pretrained(args.target, dtype=dtype, device=args.device)

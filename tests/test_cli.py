@@ -1,0 +1,41 @@
+"""``python -m specdec generate`` on the embedded pair: streams text, ends with a summary line."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PAIR = Path(__file__).resolve().parents[1] / "specdec" / "assets" / "pair"
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "specdec", *args], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "strategy,label",
+    [
+        (["--draft", str(PAIR / "draft")], "[draft chain (K=3)]"),
+        (["--draft", str(PAIR / "draft"), "--tree", "2,2"], "[draft tree (7 nodes, deterministic)]"),
+        (["--ngram", "3"], "[n-gram (K=3, n<=3)]"),
+        ([], "[autoregressive]"),
+    ],
+)
+def test_generate_streams_and_summarises(strategy, label):
+    result = run_cli(
+        "generate", "--target", str(PAIR / "target"), *strategy, "-k", "3",
+        "--prompt", "def add(a, b):", "--max-new-tokens", "12", "--threads", "1",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary = result.stdout.strip().splitlines()[-1]
+    assert summary.startswith(label) and "12 tokens" in summary and "tau" in summary
+
+
+def test_generate_refuses_a_tree_without_a_draft():
+    result = run_cli("generate", "--target", str(PAIR / "target"), "--ngram", "2", "--tree", "2,2", "--prompt", "x")
+    assert result.returncode != 0 and "--tree needs --draft" in result.stderr
