@@ -8,7 +8,7 @@ from specdec.kernels import build_tree_metadata, pack_mask_rows, unpack_mask_row
 from specdec.kernels.tree_metadata import tree_metadata_reference
 
 HAS_EXT = _backend.extension_status()[0] is not None
-needs_ext = pytest.mark.skipif(not HAS_EXT, reason="specdec._C is not built")
+needs_ext = pytest.mark.skipif(not HAS_EXT, reason=f"specdec._C unavailable: {_backend.extension_status()[1]}")
 
 
 def random_tree(n: int, gen: torch.Generator) -> list[int]:
@@ -164,7 +164,7 @@ BAD_INPUTS = [
 @pytest.mark.parametrize("backend_name", ["torch", "cpp"])
 def test_malformed_input_is_refused(why, trees, offsets, max_nodes, match, backend_name):
     if backend_name == "cpp" and not HAS_EXT:
-        pytest.skip("specdec._C is not built")
+        pytest.skip(f"specdec._C unavailable: {_backend.extension_status()[1]}")
     parents, default_offsets = batch_of(trees)
     offsets = default_offsets if offsets is None else torch.tensor(offsets, dtype=torch.int32)
     width = max_nodes or max(len(t) for t in trees)
