@@ -9,8 +9,9 @@ Greedy (temperature 0), batch 1, each held-out prompt decoded alone for N new to
 tokens/s = generated tokens / wall time summed over prompts (prefill included);
 tau = tokens per target forward (HF: counted with a forward hook on the target);
 "identical" = every prompt's tokens equal specdec's autoregressive greedy tokens.
-Then a temperature-1 run (specdec strategies, HF sampling and HF assisted sampling):
-tokens/s and tau. A PNG bar chart of the greedy tokens/s goes to ``--out`` when
+Then a temperature-1 run (specdec strategies with the tree on the stochastic rule, HF
+sampling and HF assisted sampling): tokens/s and tau. Methods run interleaved prompt by
+prompt, so drifting background load on a shared machine hits them all alike. A PNG bar chart of the greedy tokens/s goes to ``--out`` when
 matplotlib is importable.
 
     python bench/bench_e2e.py --quick            # CPU smoke run: 2 prompts, 32 tokens
@@ -58,6 +59,21 @@ def hf_run(label, hf, counter, prompts, new_tokens, device, **kwargs) -> Run:
         tokens.append(y[0, len(ids) :].tolist())
     generated = sum(map(len, tokens))
     return Run(label, tokens, seconds, generated, forwards, 0, 0)
+
+
+def interleaved(methods, prompts) -> list[Run]:
+    """Run every method on prompt 1, then every method on prompt 2, ...; sum each method's runs.
+
+    On a shared machine the background load drifts over a run; interleaving spreads it
+    evenly over the methods, so the ratios between them stay meaningful.
+    """
+    parts = [[m([p]) for m in methods] for p in prompts]
+    runs = []
+    for i in range(len(methods)):
+        mine = [part[i] for part in parts]
+        total = [sum(getattr(r, f) for r in mine) for f in ("seconds", "generated", "forwards", "drafted", "accepted")]
+        runs.append(Run(mine[0].label, [t for r in mine for t in r.tokens], *total))
+    return runs
 
 
 def load_hf(directory: Path, device: str):
@@ -115,8 +131,12 @@ def main() -> None:
     for label, kwargs in hf_plan:
         hf_run(label, hf_target, counter, prompts[:1], 8, device, **kwargs)
 
-    runs = [decode_all(target, strategy, label, prompts, new_tokens) for label, strategy in plan]
-    runs += [hf_run(label, hf_target, counter, prompts, new_tokens, device, **kw) for label, kw in hf_plan]
+    methods = [lambda ps, s=s, label=label: decode_all(target, s, label, ps, new_tokens) for label, s in plan]
+    methods += [
+        lambda ps, kw=kw, label=label: hf_run(label, hf_target, counter, ps, new_tokens, device, **kw)
+        for label, kw in hf_plan
+    ]
+    runs = interleaved(methods, prompts)
     base, hf_base, hf_assist = runs[0], runs[len(plan)], runs[len(plan) + 1]
     title = (
         f"End-to-end greedy decoding, embedded pair, {device}, batch 1, {num_prompts} held-out prompts x "
@@ -140,22 +160,22 @@ def main() -> None:
         print("no --out: chart not written")
 
     # Temperature 1: exact sampling, so tokens differ run to run; speed and tau only.
-    sampled = [decode_all(target, strategy, label, prompts, new_tokens, temperature=1.0) for label, strategy in plan]
+    # The tree uses the stochastic rule here: children sampled from the draft (SpecInfer).
+    sample_plan = strategies(draft, tree_rule="stochastic")
     sample_kw = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    methods = [
+        lambda ps, s=s, label=label: decode_all(target, s, label, ps, new_tokens, temperature=1.0)
+        for label, s in sample_plan
+    ]
+    methods += [
+        lambda ps, kw=kw, label=label: hf_run(label, hf_target, counter, ps, new_tokens, device, **kw)
+        for label, kw in [
+            ("HF sampling", sample_kw),
+            ("HF assisted sampling", sample_kw | {"assistant_model": hf_draft}),
+        ]
+    ]
     torch.manual_seed(0)
-    sampled.append(hf_run("HF sampling", hf_target, counter, prompts, new_tokens, device, **sample_kw))
-    sampled.append(
-        hf_run(
-            "HF assisted sampling",
-            hf_target,
-            counter,
-            prompts,
-            new_tokens,
-            device,
-            assistant_model=hf_draft,
-            **sample_kw,
-        )
-    )
+    sampled = interleaved(methods, prompts)
     t1 = Table(
         f"Temperature 1 (top-k/top-p off), embedded pair, {device}, batch 1, "
         f"{num_prompts} prompts x {new_tokens} tokens",

@@ -53,14 +53,19 @@ def heldout_prompts(assets: str | Path = ASSETS) -> list[dict]:
     return json.loads((Path(assets) / "eval" / "prompts.json").read_text())
 
 
-def strategies(draft) -> list[tuple[str, object]]:
-    """(label, strategy) for each way of decoding the demo compares; the first is the baseline."""
+def strategies(draft, tree_rule: str = "deterministic") -> list[tuple[str, object]]:
+    """(label, strategy) for each way of decoding the demo compares; the first is the baseline.
+
+    ``tree_rule``: "deterministic" (top-k children; what greedy decoding wants) or "stochastic"
+    (children sampled from the draft; SpecInfer's rule for sampling at temperature > 0).
+    """
     from specdec.decoding import DraftModelStrategy, NgramStrategy
 
+    tree = ",".join(map(str, TREE)) + ("" if tree_rule == "deterministic" else f" ({tree_rule})")
     return [
         ("autoregressive", None),
         (f"draft chain K={CHAIN}", DraftModelStrategy(draft, (1,) * CHAIN)),
-        (f"draft tree {','.join(map(str, TREE))}", DraftModelStrategy(draft, TREE, rule="deterministic")),
+        (f"draft tree {tree}", DraftModelStrategy(draft, TREE, rule=tree_rule)),
         (f"n-gram K={CHAIN}", NgramStrategy(num_draft=CHAIN, max_ngram=3)),
     ]
 
