@@ -64,6 +64,7 @@ class DraftModelStrategy:
         self.parents = _template(branching, max_nodes)
         self.depth = depths(self.parents)
         self.cache = None
+        self.lengths: list[int] = []
 
     @property
     def name(self) -> str:
@@ -82,6 +83,7 @@ class DraftModelStrategy:
         device = self.draft.device
         self.cache = self.draft.new_cache(len(prompts), max_len, **cache_options)
         counts = [len(p) - 1 for p in prompts]
+        self.lengths = list(counts)  # host copy of the draft cache's committed lengths
         if sum(counts) == 0:
             return
         tokens = to_device([t for p in prompts for t in p[:-1]], torch.int64, device)
@@ -108,6 +110,10 @@ class DraftModelStrategy:
     def commit(self, lengths: list[int], finished: list[int]) -> None:
         """Cut the draft cache back to each request's committed length minus one; free finished slots."""
         self.cache.truncate([max(n - 1, 0) for n in lengths])
+        if self.is_chain:  # the chain's forwards advanced the cache past every accepted token
+            self.lengths = [max(n - 1, 0) for n in lengths]
+        else:  # tree levels are never advanced: the cache kept its length (the next step catches up)
+            self.lengths = [min(c, max(n - 1, 0)) for c, n in zip(self.lengths, lengths)]
         if finished:
             self.cache.release(finished)
 
@@ -139,6 +145,7 @@ class DraftModelStrategy:
         """[R, n] template tokens and ([R, n, V] child distributions or None), one forward per level."""
         device, rows = self.draft.device, len(step.running)
         parents, depth = self.parents[:n], self.depth[:n]
+        self._catch_up(step)
         # The fed tree: the last committed token on top, the template under it.
         ext_parents = [-1] + [p + 1 for p in parents]
         ext_depth, ext_mask = tree_metadata_on([ext_parents] * rows, device)
@@ -160,6 +167,23 @@ class DraftModelStrategy:
             logits, _ = self.draft(fed_tokens, positions, metadata, self.cache, logits_rows=frontier_rows.flatten())
             self._expand(logits, step, frontier, parents, tokens, probs)
         return tokens[:, 1:], probs
+
+    def _catch_up(self, step) -> None:
+        """Feed the tokens committed since the draft cache's last advance (the previous step's accepted
+        path, whose K/V the tree levels wrote out of order), so the cache again holds all but the last two."""
+        device = self.draft.device
+        missing = [h[self.lengths[b] : len(h) - 2] for b, h in zip(step.running, step.histories)]
+        if not any(missing):
+            return
+        counts = step.full_counts([len(m) for m in missing])
+        q_offsets = offsets_on(counts, device)
+        self.cache.reserve(counts)
+        tokens = to_device([t for m in missing for t in m], torch.int64, device)
+        positions = causal_positions(q_offsets, self.cache.seq_lens, tokens.numel())
+        self.draft(tokens, positions, AttentionMetadata(q_offsets), self.cache, logits_rows=_no_rows(device))
+        self.cache.advance(counts)
+        for b, m in zip(step.running, missing):
+            self.lengths[b] += len(m)
 
     def _expand(self, logits, step, frontier, parents, tokens, probs) -> None:
         """Give every frontier node its children (in template order) from the draft's logits."""
