@@ -3,7 +3,7 @@
 Greedy (temperature 0), batch 1, each held-out prompt decoded alone for N new tokens
 (EOS does not stop early), float32 weights from ``specdec/assets/pair`` for both libraries:
 
-  specdec autoregressive | chain K=5 | tree 4,2,2,1 (deterministic rule) | n-gram K=5
+  specdec autoregressive | chain K=5 | tree 3,2,1,1,1 (deterministic rule) | n-gram K=5
   HF generate (greedy) | HF assisted generation (assistant_model = the draft) | HF prompt lookup (5 tokens)
 
 tokens/s = generated tokens / wall time summed over prompts (prefill included);
@@ -11,8 +11,8 @@ tau = tokens per target forward (HF: counted with a forward hook on the target);
 "identical" = every prompt's tokens equal specdec's autoregressive greedy tokens.
 Then a temperature-1 run (specdec strategies with the tree on the stochastic rule, HF
 sampling and HF assisted sampling): tokens/s and tau. Methods run interleaved prompt by
-prompt, so drifting background load on a shared machine hits them all alike. A PNG bar chart of the greedy tokens/s goes to ``--out`` when
-matplotlib is importable.
+prompt, so drifting background load on a shared machine hits them all alike. A PNG bar
+chart of the greedy tokens/s goes to ``--out`` when matplotlib is importable.
 
     python bench/bench_e2e.py --quick            # CPU smoke run: 2 prompts, 32 tokens
     python bench/bench_e2e.py --out OUT          # 6 prompts, 96 tokens (CPU: one thread)
