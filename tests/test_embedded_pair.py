@@ -155,3 +155,17 @@ def test_greedy_tree_children_are_the_drafts_top_k(pair, prompt_ids):
         expected = hf(input_ids=torch.tensor([ids])).logits[0, -1].topk(4).indices.tolist()
     assert proposal.parents[0][:5] == [-1, 0, 0, 0, 0]
     assert sorted(proposal.tokens[1:5].tolist()) == sorted(expected)  # the order of near-ties may differ
+
+
+def test_tree_drafting_of_a_chain_template_matches_the_chain(pair, prompt_ids):
+    """The tree path must keep the draft's context: run on a one-child-per-level template it accepts
+    exactly what the chain path does (it once lost the previous steps' accepted tokens)."""
+    from specdec.decoding import DraftModelStrategy
+
+    target, draft, _ = pair
+    chain = demo.decode_all(target, DraftModelStrategy(draft, (1,) * 5), "chain", prompt_ids, NEW_TOKENS)
+    as_tree = DraftModelStrategy(draft, (1,) * 5, rule="deterministic")
+    as_tree.is_chain = False  # force the level-by-level tree drafting on the same template
+    tree = demo.decode_all(target, as_tree, "tree", prompt_ids, NEW_TOKENS)
+    assert tree.tokens == chain.tokens
+    assert (tree.forwards, tree.accepted) == (chain.forwards, chain.accepted)
