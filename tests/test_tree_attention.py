@@ -523,3 +523,30 @@ def test_device_mix():
         small(q=torch.randn(3, 4, 64, device="meta"))
     with pytest.raises(ValueError, match="tree_mask is on meta but q is on cpu"):
         small(tree_mask=torch.ones(3, 1, dtype=torch.int64, device="meta"))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_causal_fast_path_matches_the_reference(paged):
+    """Without lse and a tree mask the torch backend runs fused SDPA per request; same numbers."""
+    gen = torch.Generator().manual_seed(21)
+    sizes, prefixes = [1, 7, 0, 3], [5, 0, 9, 17]
+    heads, kv_heads, dim, max_len, page = 6, 2, 32, 24, 4
+    offsets = torch.tensor([0, *sizes], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    q = torch.randn(sum(sizes), heads, dim, generator=gen)
+    if paged:
+        blocks = len(sizes) * (max_len // page)
+        k = torch.randn(blocks, page, kv_heads, dim, generator=gen)
+        v = torch.randn(blocks, page, kv_heads, dim, generator=gen)
+        table = torch.randperm(blocks, generator=gen).view(len(sizes), -1).to(torch.int32)
+    else:
+        k = torch.randn(len(sizes), max_len, kv_heads, dim, generator=gen)
+        v = torch.randn(len(sizes), max_len, kv_heads, dim, generator=gen)
+        table = None
+    prefix = torch.tensor(prefixes, dtype=torch.int32)
+    expected, _ = tree_attention_module.tree_attention_reference(q, k, v, offsets, prefix, None, table, dim**-0.5)
+    fast = torch.full_like(q, float("nan"))
+    tree_attention_module.causal_attention_sdpa(q, k, v, offsets, prefix, table, dim**-0.5, fast)
+    torch.testing.assert_close(fast, expected, atol=1e-5, rtol=1e-5)
+    with _backend.use_backend("torch"):
+        public = tree_attention(q, k, v, offsets, prefix, causal=True, block_table=table)
+    torch.testing.assert_close(public, expected, atol=1e-5, rtol=1e-5)

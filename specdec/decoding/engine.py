@@ -235,7 +235,10 @@ class _Run:
         q_offsets = offsets_on(counts, self.device)
         self.cache.reserve(counts)
         positions = tree_positions(q_offsets, self.cache.seq_lens, depth)
-        logits, _ = self.target(proposal.tokens, positions, AttentionMetadata(q_offsets, mask), self.cache)
+        # Chains (plain decoding, draft chains, n-gram) need no mask: causal attention is the same thing.
+        chains = all(tree == list(range(-1, len(tree) - 1)) for tree in proposal.parents)
+        metadata = AttentionMetadata(q_offsets, None if chains else mask)
+        logits, _ = self.target(proposal.tokens, positions, metadata, self.cache)
         # Verify all trees at once, then commit the accepted paths' K/V.
         parents = to_device([p for tree in proposal.parents for p in tree], torch.int32, self.device)
         max_depth = proposal.max_depth()

@@ -500,6 +500,9 @@ def _tree_attention_op(
             num_splits or None,
         )  # fmt: skip
         return
+    if tree_mask is None and lse is None:  # prefill chunks, decode and chains: fused SDPA per request
+        causal_attention_sdpa(q, k_cache, v_cache, q_offsets, prefix_lens, block_table, softmax_scale, out)
+        return
     ref_out, ref_lse = tree_attention_reference(
         q, k_cache, v_cache, q_offsets, prefix_lens, tree_mask, block_table, softmax_scale
     )
@@ -612,3 +615,43 @@ def tree_attention_reference(
             row_lse = row_max.squeeze(-1) + row_sum.log()  # log 0 = -inf for an empty row
             lse[start + c0 : start + c1] = row_lse.permute(2, 0, 1).reshape(c1 - c0, heads)
     return out.to(q.dtype), lse
+
+
+def causal_attention_sdpa(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    q_offsets: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    softmax_scale: float,
+    out: torch.Tensor,
+) -> None:
+    """The causal case without the log-sum-exp, on PyTorch's fused SDPA (the CPU fast path).
+
+    Same contract as ``tree_attention_reference`` with ``tree_mask=None``: query i of request b
+    sees positions ``0 .. prefix_lens[b] + i``. Every row sees at least itself, so no row is empty.
+    One SDPA call per request instead of the reference's dozen small ops: on the CPU a decode
+    step is dominated by per-op overhead, not arithmetic.
+    """
+    heads, kv_heads = q.shape[1], k_cache.shape[2]
+    bounds, prefixes = q_offsets.tolist(), prefix_lens.tolist()
+    for b, prefix in enumerate(prefixes):
+        start, n = bounds[b], bounds[b + 1] - bounds[b]
+        if n == 0:
+            continue
+        length = prefix + n
+        if block_table is None:
+            k, v = k_cache[b, :length], v_cache[b, :length]  # [L, Hkv, D]
+        else:
+            blocks = block_table[b, : -(-length // k_cache.shape[1])].long()
+            k, v = k_cache[blocks].flatten(0, 1)[:length], v_cache[blocks].flatten(0, 1)[:length]
+        qb = q[start : start + n].transpose(0, 1)  # [Hq, n, D]
+        kb = k.transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)  # [Hq, L, D]
+        vb = v.transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
+        mask = None
+        if n > 1:
+            positions = torch.arange(length, device=q.device)
+            mask = positions[None, :] <= (prefix + torch.arange(n, device=q.device))[:, None]  # [n, L]
+        o = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=softmax_scale)
+        out[start : start + n] = o.transpose(0, 1)
