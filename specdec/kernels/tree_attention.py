@@ -557,6 +557,15 @@ def _check_values(q_offsets, prefix_lens, tokens, k_cache, tree_mask, block_tabl
 # --------------------------------------------------------------------------------------------
 
 
+def request_kv(k_cache, v_cache, block_table, b: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request b's first ``length`` cached K and V, ``[L, Hkv, D]`` each, from either layout."""
+    if block_table is None:
+        return k_cache[b, :length], v_cache[b, :length]
+    # paged: gather whole blocks, then trim: [blocks, block_size, Hkv, D] -> [L, Hkv, D]
+    blocks = block_table[b, : -(-length // k_cache.shape[1])].long()
+    return k_cache[blocks].flatten(0, 1)[:length], v_cache[blocks].flatten(0, 1)[:length]
+
+
 REFERENCE_SCORE_BUDGET = 1 << 25  # float32 scores one reference step may hold
 
 
@@ -588,11 +597,7 @@ def tree_attention_reference(
         if n == 0:
             continue
         length = prefix + n
-        if block_table is None:
-            k, v = k_cache[b, :length], v_cache[b, :length]  # [L, Hkv, D]
-        else:  # gather whole blocks, then trim: [blocks, block_size, Hkv, D] -> [L, Hkv, D]
-            blocks = block_table[b, : -(-length // k_cache.shape[1])].long()
-            k, v = k_cache[blocks].flatten(0, 1)[:length], v_cache[blocks].flatten(0, 1)[:length]
+        k, v = request_kv(k_cache, v_cache, block_table, b, length)
         k, v = k.float(), v.float()
         nodes = torch.arange(n, device=q.device)
         if tree_mask is not None:
@@ -641,11 +646,7 @@ def causal_attention_sdpa(
         if n == 0:
             continue
         length = prefix + n
-        if block_table is None:
-            k, v = k_cache[b, :length], v_cache[b, :length]  # [L, Hkv, D]
-        else:
-            blocks = block_table[b, : -(-length // k_cache.shape[1])].long()
-            k, v = k_cache[blocks].flatten(0, 1)[:length], v_cache[blocks].flatten(0, 1)[:length]
+        k, v = request_kv(k_cache, v_cache, block_table, b, length)
         qb = q[start : start + n].transpose(0, 1)  # [Hq, n, D]
         kb = k.transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)  # [Hq, L, D]
         vb = v.transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
