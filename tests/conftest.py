@@ -55,3 +55,10 @@ def backend(request):
 def device(backend):
     """Device of the tensors for the current backend (CUDA when there is one)."""
     return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.fixture
+def torch_backend():
+    """Force the PyTorch path of every op (for model/engine tests; the Triton kernels have their own)."""
+    with _backend.use_backend("torch"):
+        yield

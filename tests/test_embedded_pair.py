@@ -21,11 +21,8 @@ transformers = pytest.importorskip("transformers")
 NEW_TOKENS = 24
 
 
-@pytest.fixture(autouse=True)
-def _torch_backend():
-    """The demo's CPU path: PyTorch ops (the Triton kernels are covered on tiny models elsewhere)."""
-    with use_backend("torch"):
-        yield
+# The demo's CPU path: PyTorch ops (the Triton kernels are covered on tiny models elsewhere).
+pytestmark = pytest.mark.usefixtures("torch_backend")
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 
-from specdec import use_backend
 from specdec.decoding import DraftModelStrategy, NgramStrategy, SpeculativeDecoder, check_same_vocabulary
 from specdec.decoding.autoregressive import generate as autoregressive_generate
 from specdec.kernels.sampling import filter_thresholds_reference, scaled_logits, target_probs_reference
@@ -13,11 +12,7 @@ from specdec.model.attention_metadata import AttentionMetadata, causal_positions
 from specdec.model.config import ModelConfig
 from specdec.model.llama import LlamaModel
 
-
-@pytest.fixture(autouse=True)
-def _torch_backend():
-    with use_backend("torch"):
-        yield
+pytestmark = pytest.mark.usefixtures("torch_backend")
 
 
 def random_model(seed: int, vocab: int = 64, layers: int = 2, hidden: int = 32, scale: float = 1.0) -> LlamaModel:

@@ -16,20 +16,7 @@ from test_model_parity import build_checkpoint  # noqa: E402  (needs transformer
 PROMPT_LENS = (5, 17, 1, 9)
 
 
-@pytest.fixture(autouse=True)
-def _torch_backend_one_thread():
-    """The PyTorch path of every op (test_model_triton.py covers the Triton kernels on a tiny model).
-
-    One intra-op thread: these matrices are tiny, and on a shared 2-core machine OpenMP's
-    spinning threads made the same run ~50x slower.
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with use_backend("torch"):
-            yield
-    finally:
-        torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("torch_backend")
 
 
 @pytest.fixture(scope="module")

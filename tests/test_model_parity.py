@@ -10,7 +10,6 @@ test_model_triton.py runs a tiny model through the Triton kernels.
 import pytest
 import torch
 
-from specdec import use_backend
 from specdec.kernels import build_tree_metadata
 from specdec.model.attention_metadata import AttentionMetadata, causal_positions, tree_positions
 from specdec.model.llama import LlamaModel
@@ -20,20 +19,8 @@ transformers = pytest.importorskip("transformers")
 REL_TOL = 1e-4
 
 
-@pytest.fixture(autouse=True)
-def _torch_backend_one_thread():
-    """The PyTorch path of every op (test_model_triton.py covers the Triton kernels on a tiny model).
-
-    One intra-op thread: these matrices are tiny, and on a shared 2-core machine OpenMP's
-    spinning threads made the same run ~50x slower.
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with use_backend("torch"):
-            yield
-    finally:
-        torch.set_num_threads(threads)
+# The PyTorch path of every op (test_model_triton.py covers the Triton kernels on a tiny model).
+pytestmark = pytest.mark.usefixtures("torch_backend")
 
 
 COMMON = dict(

@@ -28,15 +28,6 @@ CONFIG = ModelConfig(
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matrices: one intra-op thread avoids OpenMP spinning on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tiny():
     torch.manual_seed(0)

@@ -27,16 +27,6 @@ from specdec.kernels.tree_attention import _plan_launches
 tree_attention_module = importlib.import_module("specdec.kernels.tree_attention")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # The oracle runs thousands of tiny ops; on a small shared CPU, intra-op threads make each one
-    # wait on the others' barriers (measured ~200x slower at load 5 on 2 cores).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (3e-3, 3e-3), torch.bfloat16: (2e-2, 2e-2)}
 
 
