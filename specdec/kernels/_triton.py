@@ -15,6 +15,10 @@ except ImportError:
         constexpr = int
 
 
+# Sentinel for "no index" in min-reductions over int32 indices (any real index is smaller).
+INT32_MAX = tl.constexpr(2147483647) if triton is not None else 2147483647
+
+
 def jit(fn):
     """``triton.jit`` (compiled, or interpreted under TRITON_INTERPRET=1), or the plain function."""
     return triton.jit(fn) if triton is not None else fn
