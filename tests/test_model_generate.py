@@ -73,8 +73,9 @@ def test_eos_and_per_request_limits_leave_others_undisturbed(model):
     for step in steps:
         assert len(set(step.requests)) == len(step.requests)
         assert not set(step.requests) & set(reasons), "a finished request emitted again"
-        for b, t in zip(step.requests, step.tokens):
-            got[b].append(t)
+        for b, tokens in zip(step.requests, step.tokens):
+            assert len(tokens) == 1, "plain decoding emits one token per request and step"
+            got[b].extend(tokens)
         reasons.update(step.finished)
     for b in range(len(prompts)):
         expected = truncate(full[b], eos, limits[b])
