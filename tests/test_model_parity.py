@@ -102,10 +102,13 @@ def test_checkpoint_tensors_load_unchanged(checkpoints, variant):
     if variant == "tied":
         assert model.lm_head is None
     if variant == "qwen2":
-        assert model.model.layers[0].self_attn.q_proj.bias is not None
+        assert model.model.layers[0].self_attn.qkv_proj.bias is not None
         assert model.model.layers[0].self_attn.o_proj.bias is None
     hf_state = hf.state_dict()
-    for name, t in model.state_dict().items():
+    ours = model.hf_state_dict()  # q/k/v and gate/up split back out of the fused projections
+    assert set(ours) == set(model.expected_tensors())
+    assert set(ours) == set(hf_state) - ({"lm_head.weight"} if variant == "tied" else set())
+    for name, t in ours.items():
         assert torch.equal(t, hf_state[name]), name
 
 
