@@ -12,8 +12,8 @@ import pytest
 import torch
 from helpers import assert_close
 
-from specdec import demo
 from specdec._backend import use_backend
+from specdec.cli import demo
 from specdec.model.attention_metadata import AttentionMetadata, causal_positions
 
 transformers = pytest.importorskip("transformers")
