@@ -182,10 +182,19 @@ class LlamaModel(nn.Module):
 
         Example
         -------
-        >>> meta = AttentionMetadata(torch.tensor([0, 5], dtype=torch.int32))       # one 5-token prompt
+        >>> from specdec.model import causal_positions
+        >>> config = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2,
+        ...                      num_heads=2, num_kv_heads=1, head_dim=16)
+        >>> model = LlamaModel(config).requires_grad_(False)                  # random weights
+        >>> cache = model.new_cache(batch_size=1, max_len=8)
+        >>> prompt = torch.tensor([1, 5, 9, 2, 7])
+        >>> meta = AttentionMetadata(torch.tensor([0, 5], dtype=torch.int32))  # one 5-token prompt
+        >>> cache.reserve([5])                                                # rows per request (host sizes)
         >>> positions = causal_positions(meta.q_offsets, cache.seq_lens, 5)
         >>> logits, hidden = model(prompt, positions, meta, cache, logits_rows=torch.tensor([4]))
-        >>> cache.advance(torch.tensor([5], dtype=torch.int32))
+        >>> cache.advance([5])                                                # commit the prompt's K/V
+        >>> logits.shape, hidden.shape, cache.seq_lens.tolist()
+        (torch.Size([1, 32]), torch.Size([5, 32]), [5])
         """
         device = self.device
         check_tensor("tokens", tokens, dtype=INDEX_DTYPES, ndim=1, device=device)
@@ -246,7 +255,12 @@ class LlamaModel(nn.Module):
 
         Example
         -------
-        >>> model = LlamaModel.from_pretrained("/models/TinyLlama-1.1B", dtype=torch.bfloat16, device="cuda")
+        >>> from pathlib import Path
+        >>> import specdec
+        >>> path = Path(specdec.__file__).parent / "assets" / "pair" / "target"   # the demo's embedded target
+        >>> model = LlamaModel.from_pretrained(path, dtype=torch.float32)
+        >>> model.config.num_layers, model.dtype, model.training
+        (9, torch.float32, False)
         """
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
