@@ -199,6 +199,7 @@ class _Run:
         self.max_len = max(len(p) + max(m - 2, 0) + widest for p, m in zip(req.prompts, req.max_new_tokens))
         self.cache = self.target.new_cache(req.batch_size, self.max_len, **decoder.cache_options)
         self.params = req.sampling_params(self.device)  # [B]; each step selects the running rows
+        self._rows: tuple[list[int], torch.Tensor, SamplingParams] | None = None  # see _running
         self.texts = [list(p) for p in req.prompts]
         self.generated = [0] * req.batch_size
 
@@ -251,7 +252,7 @@ class _Run:
         if compact:
             width = result.accepted_path.shape[1]
             path = torch.full((self.req.batch_size, width), -1, dtype=torch.int32, device=self.device)
-            path.index_copy_(0, to_device(self.running, torch.int64, self.device), result.accepted_path)
+            path.index_copy_(0, self._running()[0], result.accepted_path)
             self.cache.compact(path)
         host = torch.cat(  # HOST SYNC: the step's one read-back, to stream and decide termination
             (result.output_tokens.long(), result.num_accepted.long()[:, None], result.invalid.long()[:, None]), dim=1
@@ -328,11 +329,18 @@ class _Run:
             device=self.device,
         )
 
+    def _running(self) -> tuple[torch.Tensor, SamplingParams]:
+        """int64 ``[R]`` device indices of the running requests and their sampling parameters' rows,
+        sent again only when the running set changes (a request finished)."""
+        if self._rows is None or self._rows[0] != self.running:
+            rows = to_device(self.running, torch.int64, self.device)
+            self._rows = (list(self.running), rows, self.params.select(rows))
+        return self._rows[1], self._rows[2]
+
     def _running_params(self) -> SamplingParams:
-        """The running requests' rows of the sampling parameters; offset = tokens generated so far."""
-        rows = to_device(self.running, torch.int64, self.device)
+        """The running requests' sampling parameters; offset = tokens generated so far (sent each step)."""
         offset = to_device([self.generated[b] for b in self.running], torch.int64, self.device)
-        return self.params.select(rows)._replace(offset=offset)
+        return self._running()[1]._replace(offset=offset)
 
 
 def _grow(values: list[int], size: int) -> None:
