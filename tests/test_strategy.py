@@ -1,6 +1,7 @@
 """The strategy contract (specdec.decoding.strategy): a drafter written against it alone plugs into the
 engine, the engine refuses one that breaks it, and the shipped strategies honour per-request limits."""
 
+import dataclasses
 import random
 
 import pytest
@@ -204,3 +205,29 @@ def test_host_tree_metadata_equals_the_op():
     offsets = torch.tensor([0, *[len(t) for t in trees]]).cumsum(0).to(torch.int32)
     expected = build_tree_metadata(flat, offsets, max(len(t) for t in trees))
     assert torch.equal(depth, expected.depth) and torch.equal(mask, expected.ancestor_mask)
+
+
+class EveryOtherStepPlain:
+    """Wraps a strategy; every other step the limits allow one node per request (as an adaptive policy may)."""
+
+    def __init__(self, inner):
+        self.inner, self.steps = inner, 0
+        self.name, self.max_nodes, self.max_depth = inner.name, inner.max_nodes, inner.max_depth
+        self.attach, self.prefill, self.commit = inner.attach, inner.prefill, inner.commit
+
+    def propose(self, step):
+        self.steps += 1
+        if self.steps % 2:
+            step = dataclasses.replace(step, max_nodes=[1] * len(step.running))
+        return self.inner.propose(step)
+
+
+@pytest.mark.parametrize("branching, rule", [((1,) * 3, "stochastic"), ((2, 2, 1), "deterministic")])
+def test_a_draft_model_keeps_its_context_across_steps_that_draft_nothing(target, branching, rule):
+    """Draft = target, greedy: every drafted position is accepted, however the steps in between went."""
+    strategy = EveryOtherStepPlain(DraftModelStrategy(target, branching, rule=rule))
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    result = SpeculativeDecoder(target, strategy).generate(prompts, max_new_tokens=20, eos_token_id=None)
+    assert result.tokens == autoregressive_generate(target, prompts, max_new_tokens=20, eos_token_id=None)
+    for b, stats in enumerate(result.stats):
+        assert stats.drafted > 0 and stats.acceptance_by_position() == [1.0] * len(branching), f"request {b}"

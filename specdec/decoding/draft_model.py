@@ -5,7 +5,9 @@ text except the last committed token (length ``L - 1`` where the target holds ``
 its first forward re-feeds that token together with the new root, so each step has
 the same shape whatever was accepted last time (re-writing a cached token's K/V
 rewrites the same values). After verification the engine calls ``commit`` and the
-draft cache is cut back to ``L' - 1`` -- its rollback mirrors the target's.
+draft cache is cut back to ``L' - 1`` -- its rollback mirrors the target's. Tokens the
+cache missed (tree levels write their K/V out of order; a step may draft nothing) are fed
+before the next draft.
 
 Chains decode K tokens one forward at a time, each sampled from the draft's own
 filtered distribution ``q`` (recorded for verification; one-hot for greedy
@@ -114,19 +116,18 @@ class DraftModelStrategy:
             tokens, probs = self._draft_chain(step, widest - 1)
         else:
             tokens, probs = self._draft_tree(step, widest)
-        keep = to_device([r * widest + i for r, p in enumerate(parents) for i in range(len(p))], torch.int64,
-                         tokens.device)  # fmt: skip
+        rows = [r * widest + i for r, p in enumerate(parents) for i in range(len(p))]
+        keep = to_device(rows, torch.int64, tokens.device)
         flat_probs = None if probs is None else probs.flatten(0, 1).index_select(0, keep)
         return Proposal(tokens.flatten().index_select(0, keep), parents, rule=self.rule, draft_probs=flat_probs)
 
     def commit(self, result: StepResult) -> None:
         """Cut the draft cache back to each request's committed length minus one; free finished slots."""
-        lengths = result.lengths
-        self.cache.truncate([max(n - 1, 0) for n in lengths])
-        if self.is_chain:  # the chain's forwards advanced the cache past every accepted token
-            self.lengths = [max(n - 1, 0) for n in lengths]
-        else:  # tree levels are never advanced: the cache kept its length (the next step catches up)
-            self.lengths = [min(c, max(n - 1, 0)) for c, n in zip(self.lengths, lengths)]
+        lengths = [max(n - 1, 0) for n in result.lengths]
+        self.cache.truncate(lengths)
+        # A chain's forwards advanced the cache past every accepted token; tree levels (and steps that
+        # drafted nothing) did not advance it: it keeps its length and the next draft catches up.
+        self.lengths = [min(c, n) for c, n in zip(self.lengths, lengths)]
         if result.finished:
             self.cache.release(result.finished)
 
@@ -135,6 +136,7 @@ class DraftModelStrategy:
     def _draft_chain(self, step, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[R, k+1] tokens (root first) and [R, k+1, V] child distributions, one forward per token."""
         device, rows = self.draft.device, len(step.running)
+        self._catch_up(step)
         tokens = [to_device(step.roots, torch.int64, device)]
         probs = []
         feed = torch.stack((to_device(step.previous, torch.int64, device), tokens[0]), dim=1).flatten()
@@ -151,6 +153,8 @@ class DraftModelStrategy:
             probs.append(q)
             tokens.append(token)
             feed, per_request = token, 1
+        for b in step.running:
+            self.lengths[b] += k + 1  # previous, root and the first k - 1 drafts
         probs.append(torch.zeros_like(probs[0]))  # the last draft token has no children
         return torch.stack(tokens, dim=1), torch.stack(probs, dim=1)
 
@@ -185,7 +189,8 @@ class DraftModelStrategy:
 
     def _catch_up(self, step) -> None:
         """Feed the tokens committed since the draft cache's last advance (the previous step's accepted
-        path, whose K/V the tree levels wrote out of order), so the cache again holds all but the last two."""
+        path when tree levels wrote its K/V out of order, or a step that drafted nothing), so the cache
+        again holds all but the last two."""
         device = self.draft.device
         missing = [h[self.lengths[b] : len(h) - 2] for b, h in zip(step.running, step.histories)]
         if not any(missing):

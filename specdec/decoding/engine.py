@@ -26,6 +26,7 @@ request's tokens therefore depend on its own seed only, not on the batch.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -86,7 +87,9 @@ class GenerationResult:
     text: list[str] | None = None
 
 
-def verify(logits: torch.Tensor, proposal: Proposal, node_offsets: torch.Tensor, params: SamplingParams):
+def verify(
+    logits: torch.Tensor, proposal: Proposal, node_offsets: torch.Tensor, params: SamplingParams
+) -> TreeVerifyResult:
     """The engine's one call into verification: the prefill's first tokens and every step's trees.
 
     ``node_offsets [R+1]`` int32 splits ``logits [N, V]`` (one row per node) by tree. Returns a
@@ -123,8 +126,9 @@ class SpeculativeDecoder:
     (10, 10, True)
     """
 
-    def __init__(self, target, strategy: Strategy | None = None, *, cache_layout: str = "contiguous",
-                 block_size: int = 16):  # fmt: skip
+    def __init__(
+        self, target, strategy: Strategy | None = None, *, cache_layout: str = "contiguous", block_size: int = 16
+    ):
         strategy = NoDraft() if strategy is None else strategy
         if not isinstance(strategy, Strategy):
             raise TypeError(
@@ -213,7 +217,8 @@ class _Run:
         q_offsets = offsets_to_device(counts, self.device)
         self.cache.reserve(counts)
         positions = causal_positions(q_offsets, self.cache.seq_lens, tokens.numel())
-        last_rows = to_device([sum(counts[: b + 1]) - 1 for b in running], torch.int64, self.device)
+        ends = list(itertools.accumulate(counts))
+        last_rows = to_device([ends[b] - 1 for b in running], torch.int64, self.device)
         logits, hidden = self.target(tokens, positions, AttentionMetadata(q_offsets), self.cache, logits_rows=last_rows)
         self.cache.advance(counts)
         self.strategy.prefill(Prefill(prompts, self.max_len, self.decoder.cache_options, hidden, q_offsets))
@@ -248,7 +253,7 @@ class _Run:
         ``advance`` already committed its prompts.
         """
         node_offsets = offsets_to_device(proposal.counts, self.device)
-        result: TreeVerifyResult = verify(logits, proposal, node_offsets, params)
+        result = verify(logits, proposal, node_offsets, params)
         if compact:
             width = result.accepted_path.shape[1]
             path = torch.full((self.req.batch_size, width), -1, dtype=torch.int32, device=self.device)
