@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Table, bench_args  # noqa: E402
 
-from specdec.demo import ASSETS, Run, decode_all, first_difference, heldout_prompts, load_pair, strategies  # noqa: E402
+from specdec.cli.demo import ASSETS, Run, decode_all, first_difference, heldout_prompts, load_pair, strategies  # noqa: E402
 
 
 class ForwardCounter:

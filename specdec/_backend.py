@@ -1,6 +1,6 @@
 """Backend selection: which implementation of an op runs for given tensors.
 
-Rules (design.md, "Dispatch"):
+Rules:
   * CUDA tensors run the Triton kernel (the PyTorch reference if Triton is missing);
   * CPU tensors run the PyTorch reference, or the C++ op where one exists;
   * with ``TRITON_INTERPRET=1`` CPU tensors run the Triton kernels through Triton's

@@ -62,3 +62,21 @@ def torch_backend():
     """Force the PyTorch path of every op (for model/engine tests; the Triton kernels have their own)."""
     with _backend.use_backend("torch"):
         yield
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory):
+    """variant -> (path, transformers model): small random checkpoints (``helpers.HF_VARIANTS``) saved by
+    transformers, each built on first use and shared by every test of the session (needs transformers)."""
+    pytest.importorskip("transformers")
+    from helpers import build_hf_checkpoint
+
+    built = {}
+
+    def get(variant):
+        if variant not in built:
+            path = tmp_path_factory.mktemp(variant)
+            built[variant] = path, build_hf_checkpoint(path, variant)
+        return built[variant]
+
+    return get

@@ -1,6 +1,12 @@
-"""Assertions shared by the tests (import as `from helpers import ...`)."""
+"""Helpers shared by the tests (import as ``from helpers import ...``): assertions, small models, checkpoints."""
+
+import math
 
 import torch
+
+from specdec.model import AttentionMetadata, LlamaModel, ModelConfig, causal_positions
+
+# ---- assertions -------------------------------------------------------------------------------------
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float, what: str = "") -> None:
@@ -17,3 +23,126 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol
             f"{what}: mismatch at {idx}: got {actual[idx].item():.6g}, expected {expected[idx].item():.6g} "
             f"(atol={atol}, rtol={rtol}, max excess {err.max().item():.3g})"
         )
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest absolute difference relative to the largest expected magnitude (float64)."""
+    return ((actual.double() - expected.double()).abs().max() / expected.double().abs().max()).item()
+
+
+def i32(*values, device="cpu") -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+# ---- small random models ----------------------------------------------------------------------------
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    """A 2-layer GQA config (vocab 64, hidden 32, 2 query heads over 1 KV head of 16); ``overrides`` replace fields."""
+    fields = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16
+    )
+    return ModelConfig(**{**fields, **overrides})
+
+
+def random_model(config: ModelConfig, seed: int, scale: float = 1.0) -> LlamaModel:
+    """A model with weights large enough that its next-token distributions are far from uniform (eval, no grad).
+
+    Matrices ~ N(0, (2 * scale)^2 / fan_in); norm weights ~ 1 + N(0, 0.1^2); biases ~ N(0, 0.1^2).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    model = LlamaModel(config).requires_grad_(False)
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=gen)
+        if p.dim() > 1:
+            p.copy_(noise * 2 * scale / math.sqrt(p.shape[1]))
+        else:
+            p.copy_(noise * 0.1 + (1.0 if name.endswith("norm.weight") else 0.0))
+    return model.eval()
+
+
+def noisy_copy(model: LlamaModel, seed: int, noise: float) -> LlamaModel:
+    """A draft that resembles its target: same weights plus noise."""
+    gen = torch.Generator().manual_seed(seed)
+    draft = LlamaModel(model.config).requires_grad_(False)
+    draft.load_state_dict(model.state_dict())
+    for p in draft.parameters():
+        p.add_(noise * p.abs().mean() * torch.randn(p.shape, generator=gen))
+    return draft.eval()
+
+
+def random_prompts(lengths, vocab: int, seed: int | None = None) -> list[list[int]]:
+    """One random prompt per length; ``seed`` None draws from torch's generator (seeded per test)."""
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def forward_prompts(model: LlamaModel, prompts: list[list[int]], max_len: int | None = None):
+    """One ragged causal forward over ``prompts`` in a fresh cache, committed.
+
+    Returns (logits of each prompt's last token ``[B, V]``, hidden ``[T, H]``, the cache).
+    """
+    counts = [len(p) for p in prompts]
+    cache = model.new_cache(len(prompts), max_len or max(counts))
+    q_offsets = torch.tensor([0, *counts], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    tokens = torch.tensor([t for p in prompts for t in p], device=model.device)
+    q_offsets = q_offsets.to(model.device)
+    cache.reserve(counts)
+    positions = causal_positions(q_offsets, cache.seq_lens, tokens.numel())
+    logits, hidden = model(tokens, positions, AttentionMetadata(q_offsets), cache, logits_rows=q_offsets[1:].long() - 1)
+    cache.advance(counts)
+    return logits, hidden, cache
+
+
+# ---- checkpoints saved by transformers --------------------------------------------------------------
+
+HF_COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=112,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    rms_norm_eps=1e-5,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,  # short, so all three frequency bands act within the test lengths
+}
+HF_VARIANTS = {
+    "gqa": ("LlamaConfig", dict(num_key_value_heads=2, head_dim=32, rope_parameters={"rope_theta": 5000.0})),
+    "tied": ("LlamaConfig", dict(tie_word_embeddings=True)),
+    "llama3": ("LlamaConfig", dict(num_key_value_heads=1, rope_parameters=LLAMA3_ROPE)),
+    "bias": ("LlamaConfig", dict(num_key_value_heads=2, attention_bias=True, mlp_bias=True)),
+    "qwen2": ("Qwen2Config", dict(num_key_value_heads=2)),
+}
+
+
+def build_hf_checkpoint(path, variant: str, seed: int = 0):
+    """Save a random transformers model of ``variant`` to ``path``; returns the HF model (eval, float32).
+
+    Every parameter is re-drawn at a scale that spreads the logits (transformers initialises
+    biases to zero, which would let a forgotten bias pass). The GQA checkpoint is sharded, so
+    the index path is exercised against files transformers wrote.
+    """
+    import transformers
+
+    config_cls, extra = HF_VARIANTS[variant]
+    config = getattr(transformers, config_cls)(**dict(HF_COMMON, **extra))
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.1)
+    hf.save_pretrained(path, max_shard_size="100KB" if variant == "gqa" else "1GB")
+    return hf

@@ -12,8 +12,8 @@ import pytest
 import torch
 from helpers import assert_close
 
-from specdec import demo
 from specdec._backend import use_backend
+from specdec.cli import demo
 from specdec.model.attention_metadata import AttentionMetadata, causal_positions
 
 transformers = pytest.importorskip("transformers")
@@ -132,18 +132,19 @@ def test_demo_refuses_cuda_without_cuda():
 
 def test_greedy_tree_children_are_the_drafts_top_k(pair, prompt_ids):
     """A greedy tree's first level is the draft's 4 most likely tokens after the prompt (not one of them)."""
-    from specdec.decoding import DraftModelStrategy
-    from specdec.decoding.engine import StepContext
+    from specdec.decoding import DraftModelStrategy, Prefill, StepContext
     from specdec.decoding.requests import make_requests
 
     target, draft, _ = pair
     ids = prompt_ids[0]
     strategy = DraftModelStrategy(draft, (4, 2, 2, 1), rule="deterministic")
-    strategy.prefill([ids], len(ids) + 64, {"layout": "contiguous", "block_size": 16})
+    no_features = torch.zeros(0, draft.config.hidden_size)
+    cache_options = {"layout": "contiguous", "block_size": 16}
+    strategy.prefill(Prefill([ids], len(ids) + 64, cache_options, no_features, torch.tensor([0, 0], dtype=torch.int32)))
     req = make_requests([ids], vocab_size=draft.config.vocab_size, config_eos=(), temperature=0.0)
     step = StepContext(
         running=[0], batch_size=1, roots=[ids[-1]], previous=[ids[-2]], histories=[ids], max_depth=[10],
-        params=req.device_params(draft.device), offset=torch.zeros(1, dtype=torch.int64), greedy=True,
+        max_nodes=[strategy.max_nodes], params=req.sampling_params(draft.device), greedy=True, device=draft.device,
     )  # fmt: skip
     with torch.inference_mode():
         proposal = strategy.propose(step)

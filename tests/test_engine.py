@@ -4,48 +4,19 @@ import math
 
 import pytest
 import torch
+from helpers import forward_prompts, noisy_copy, random_model, tiny_config
 
 from specdec.decoding import DraftModelStrategy, NgramStrategy, SpeculativeDecoder, check_same_vocabulary
 from specdec.decoding.autoregressive import generate as autoregressive_generate
 from specdec.kernels.sampling import filter_thresholds_reference, scaled_logits, target_probs_reference
-from specdec.model.attention_metadata import AttentionMetadata, causal_positions
-from specdec.model.config import ModelConfig
 from specdec.model.llama import LlamaModel
 
 pytestmark = pytest.mark.usefixtures("torch_backend")
 
 
-def random_model(seed: int, vocab: int = 64, layers: int = 2, hidden: int = 32, scale: float = 1.0) -> LlamaModel:
-    """A small LLaMA with weights large enough that its next-token distributions are far from uniform."""
-    gen = torch.Generator().manual_seed(seed)
-    config = ModelConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_layers=layers,
-        num_heads=2, num_kv_heads=1, head_dim=hidden // 2,
-    )  # fmt: skip
-    model = LlamaModel(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.copy_(torch.randn(p.shape, generator=gen) * scale / math.sqrt(p.shape[1]) * 2)
-            else:
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
-    return model.eval()
-
-
-def noisy_copy(model: LlamaModel, seed: int, noise: float) -> LlamaModel:
-    """A draft that resembles its target: same weights plus noise."""
-    gen = torch.Generator().manual_seed(seed)
-    draft = LlamaModel(model.config)
-    draft.load_state_dict(model.state_dict())
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(noise * p.abs().mean() * torch.randn(p.shape, generator=gen))
-    return draft.eval()
-
-
 @pytest.fixture(scope="module")
 def pair():
-    target = random_model(0)
+    target = random_model(tiny_config(), seed=0)
     return target, noisy_copy(target, 1, 0.3)
 
 
@@ -155,11 +126,7 @@ def exact_joint(target: LlamaModel, prompt: list[int], steps: int, temperature: 
     contexts, probs = [[]], torch.ones(1)
     for _ in range(steps):
         texts = [prompt + c for c in contexts]
-        cache = target.new_cache(len(texts), len(prompt) + steps)
-        q_offsets = torch.tensor([0] + [len(t) for t in texts], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        tokens = torch.tensor([t for text in texts for t in text])
-        positions = causal_positions(q_offsets, cache.seq_lens, tokens.numel())
-        logits, _ = target(tokens, positions, AttentionMetadata(q_offsets), cache, logits_rows=q_offsets[1:].long() - 1)
+        logits, _, _ = forward_prompts(target, texts)
         rows = len(texts)
         t = torch.full((rows,), temperature)
         s = scaled_logits(logits, t)
@@ -180,8 +147,9 @@ def exact_joint(target: LlamaModel, prompt: list[int], steps: int, temperature: 
 )
 def test_first_tokens_follow_the_exact_target_joint(strategy, temperature, top_k, top_p):
     vocab, steps, draws = 4, 3, 20000
-    target = random_model(5, vocab=vocab, layers=1, scale=1.5)
-    draft = random_model(6, vocab=vocab, layers=1, scale=1.5)  # independent: far from the target
+    config = tiny_config(vocab_size=vocab, num_layers=1)
+    target = random_model(config, seed=5, scale=1.5)
+    draft = random_model(config, seed=6, scale=1.5)  # independent: far from the target
     make = {
         "chain": lambda: DraftModelStrategy(draft, (1, 1)),
         "tree-stochastic": lambda: DraftModelStrategy(draft, (2, 2), rule="stochastic"),
@@ -208,7 +176,7 @@ def test_first_tokens_follow_the_exact_target_joint(strategy, temperature, top_k
 
 def test_vocabulary_mismatch_is_refused(pair):
     target, _ = pair
-    other = random_model(3, vocab=32)
+    other = random_model(tiny_config(vocab_size=32), seed=3)
     with pytest.raises(ValueError, match="share a vocabulary: target has 64 tokens, draft has 32"):
         SpeculativeDecoder(target, DraftModelStrategy(other, (1, 1)))
     with pytest.raises(ValueError, match="share a vocabulary"):

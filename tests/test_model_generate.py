@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from helpers import forward_prompts, random_prompts
 
 from specdec import use_backend
 from specdec.decoding.autoregressive import generate, stream
@@ -11,41 +12,24 @@ from specdec.model.config import ModelConfig
 from specdec.model.llama import LlamaModel
 
 transformers = pytest.importorskip("transformers")
-from test_model_parity import build_checkpoint  # noqa: E402  (needs transformers)
 
 PROMPT_LENS = (5, 17, 1, 9)
+VOCAB = 256  # the hf_checkpoints vocabulary
 
 
 pytestmark = pytest.mark.usefixtures("torch_backend")
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    built = {}
-
-    def get(variant):
-        if variant not in built:
-            path = tmp_path_factory.mktemp(variant)
-            built[variant] = path, build_checkpoint(path, variant, seed=1)
-        return built[variant]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def model(checkpoints):
-    return LlamaModel.from_pretrained(checkpoints("gqa")[0])
-
-
-def random_prompts(lengths=PROMPT_LENS, vocab=256):
-    return [torch.randint(0, vocab, (n,)).tolist() for n in lengths]
+def model(hf_checkpoints):
+    return LlamaModel.from_pretrained(hf_checkpoints("gqa")[0])
 
 
 @pytest.mark.parametrize("variant, layout", [("gqa", "contiguous"), ("llama3", "paged"), ("tied", "contiguous")])
-def test_greedy_64_tokens_match_hf_generate(checkpoints, variant, layout):
-    path, hf = checkpoints(variant)
+def test_greedy_64_tokens_match_hf_generate(hf_checkpoints, variant, layout):
+    path, hf = hf_checkpoints(variant)
     model = LlamaModel.from_pretrained(path)
-    prompts = random_prompts()
+    prompts = random_prompts(PROMPT_LENS, VOCAB)
     out = generate(model, prompts, max_new_tokens=64, cache_layout=layout, block_size=8)
     for b, prompt in enumerate(prompts):
         with torch.no_grad():
@@ -63,7 +47,7 @@ def truncate(tokens, eos, limit):
 
 
 def test_eos_and_per_request_limits_leave_others_undisturbed(model):
-    prompts = random_prompts()
+    prompts = random_prompts(PROMPT_LENS, VOCAB)
     full = generate(model, prompts, max_new_tokens=24, eos_token_id=None)
     eos = {full[0][6], full[2][3]}  # two ids the run is known to produce
     limits = [24, 5, 24, 2]
@@ -73,8 +57,9 @@ def test_eos_and_per_request_limits_leave_others_undisturbed(model):
     for step in steps:
         assert len(set(step.requests)) == len(step.requests)
         assert not set(step.requests) & set(reasons), "a finished request emitted again"
-        for b, t in zip(step.requests, step.tokens):
-            got[b].append(t)
+        for b, tokens in zip(step.requests, step.tokens):
+            assert len(tokens) == 1, "plain decoding emits one token per request and step"
+            got[b].extend(tokens)
         reasons.update(step.finished)
     for b in range(len(prompts)):
         expected = truncate(full[b], eos, limits[b])
@@ -90,7 +75,7 @@ def test_eos_and_per_request_limits_leave_others_undisturbed(model):
 
 
 def test_sampling_is_seeded_per_request_and_batch_invariant(model):
-    prompts = random_prompts((4, 11, 7))
+    prompts = random_prompts((4, 11, 7), VOCAB)
     options = dict(max_new_tokens=12, temperature=[0.9, 0.0, 1.3], top_k=[20, 0, 0], top_p=[1.0, 1.0, 0.8])
     seeds = [101, 202, 303]
     batched = generate(model, prompts, seed=seeds, **options)
@@ -117,13 +102,11 @@ def test_sampling_is_seeded_per_request_and_batch_invariant(model):
 def test_first_sampled_token_follows_the_filtered_softmax(model):
     """Many requests share one prompt with different seeds: the first tokens follow softmax(top-8(l) / T)."""
     n, temperature, k = 1500, 0.7, 8
-    prompt = random_prompts((3,))[0]
+    prompt = random_prompts((3,), VOCAB)[0]
     firsts = generate(model, [prompt] * n, max_new_tokens=1, temperature=temperature, top_k=k, seed=12345)
     with torch.no_grad():
-        one = torch.tensor([0, 3], dtype=torch.int32)
-        cache = model.new_cache(1, 4)
-        logits, _ = model(torch.tensor(prompt), torch.arange(3), _meta(one), cache)
-    scaled = logits[-1].double() / temperature
+        logits, _, _ = forward_prompts(model, [prompt])
+    scaled = logits[0].double() / temperature
     keep = scaled >= scaled.topk(k).values[-1]
     exact = torch.where(keep, scaled, -math.inf).softmax(-1)
     counts = torch.bincount(torch.tensor([f[0] for f in firsts]), minlength=256).double()
@@ -133,18 +116,12 @@ def test_first_sampled_token_follows_the_filtered_softmax(model):
     assert tvd < 3 * expected, f"TVD {tvd:.4f} vs expected {expected:.4f}"
 
 
-def _meta(q_offsets):
-    from specdec.model.attention_metadata import AttentionMetadata
-
-    return AttentionMetadata(q_offsets)
-
-
 def test_invalid_logits_end_requests(model):
     broken = LlamaModel(model.config)
     broken.load_state_dict(model.state_dict())
     with torch.no_grad():
         broken.lm_head.weight[3] = float("nan")  # every row of logits holds a NaN
-    steps = list(stream(broken, random_prompts((2, 5)), max_new_tokens=4))
+    steps = list(stream(broken, random_prompts((2, 5), VOCAB), max_new_tokens=4))
     assert len(steps) == 1 and steps[0].requests == () and steps[0].finished == {0: "invalid", 1: "invalid"}
 
 
@@ -184,10 +161,10 @@ def test_sliding_window_limit_is_enforced():
 
 
 @pytest.mark.gpu
-def test_cuda_triton_greedy_matches_hf_and_bf16_loads(checkpoints):
+def test_cuda_triton_greedy_matches_hf_and_bf16_loads(hf_checkpoints):
     """The compiled kernels in float32 on the GPU against transformers on the CPU; bf16 loads and generates."""
-    path, hf = checkpoints("llama3")
-    prompts = random_prompts()
+    path, hf = hf_checkpoints("llama3")
+    prompts = random_prompts(PROMPT_LENS, VOCAB)
     with use_backend("triton"):
         model = LlamaModel.from_pretrained(path, device="cuda")
         out = generate(model, prompts, max_new_tokens=64, cache_layout="paged")

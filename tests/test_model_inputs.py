@@ -2,18 +2,13 @@
 
 import pytest
 import torch
+from helpers import i32, tiny_config
 
 from specdec import use_backend
-from specdec.model import AttentionMetadata, LlamaModel, ModelConfig, causal_positions, tree_positions
+from specdec.model import AttentionMetadata, LlamaModel, causal_positions, tree_positions
 from specdec.model.attention_metadata import request_index
 
-CONFIG = ModelConfig(
-    vocab_size=40, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16
-)
-
-
-def i32(*values):
-    return torch.tensor(values, dtype=torch.int32)
+CONFIG = tiny_config(vocab_size=40, num_layers=1)
 
 
 def test_positions_with_empty_requests():

@@ -1,14 +1,14 @@
 """The model against HuggingFace transformers on small random checkpoints that transformers itself saved.
 
-Variants: GQA with an explicit head_dim (saved sharded), tied embeddings, llama3 rope
-scaling, attention + MLP biases, and a Qwen2 checkpoint (q/k/v bias only). Every
-parameter is re-drawn at a scale that spreads the logits (transformers initialises
-biases to zero, which would let a forgotten bias pass). All in float32, PyTorch path;
-test_model_triton.py runs a tiny model through the Triton kernels.
+Variants (``helpers.HF_VARIANTS``, built by the ``hf_checkpoints`` fixture): GQA with an explicit
+head_dim (saved sharded), tied embeddings, llama3 rope scaling, attention + MLP biases, and a
+Qwen2 checkpoint (q/k/v bias only). All in float32, PyTorch path; test_model_triton.py runs a
+tiny model through the Triton kernels.
 """
 
 import pytest
 import torch
+from helpers import HF_VARIANTS, rel_err
 
 from specdec.kernels import build_tree_metadata
 from specdec.model.attention_metadata import AttentionMetadata, causal_positions, tree_positions
@@ -23,78 +23,14 @@ REL_TOL = 1e-4
 pytestmark = pytest.mark.usefixtures("torch_backend")
 
 
-COMMON = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=112,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    rms_norm_eps=1e-5,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
-)
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "rope_theta": 10000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 32,  # short, so all three frequency bands act within the test lengths
-}
-VARIANTS = {
-    "gqa": ("LlamaConfig", dict(num_key_value_heads=2, head_dim=32, rope_parameters={"rope_theta": 5000.0})),
-    "tied": ("LlamaConfig", dict(tie_word_embeddings=True)),
-    "llama3": ("LlamaConfig", dict(num_key_value_heads=1, rope_parameters=LLAMA3_ROPE)),
-    "bias": ("LlamaConfig", dict(num_key_value_heads=2, attention_bias=True, mlp_bias=True)),
-    "qwen2": ("Qwen2Config", dict(num_key_value_heads=2)),
-}
-
-
-def build_checkpoint(path, variant: str, seed: int = 0):
-    """Save a random transformers model of ``variant`` to ``path``; returns the HF model (eval, float32)."""
-    config_cls, extra = VARIANTS[variant]
-    config = getattr(transformers, config_cls)(**dict(COMMON, **extra))
-    torch.manual_seed(seed)
-    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0, 0.1)
-    # The GQA checkpoint is sharded, so the index path is exercised against files transformers wrote.
-    hf.save_pretrained(path, max_shard_size="100KB" if variant == "gqa" else "1GB")
-    return hf
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """variant -> (path, HF model), each built on first use and shared by the module's tests."""
-    built = {}
-
-    def get(variant):
-        if variant not in built:
-            path = tmp_path_factory.mktemp(variant)
-            built[variant] = path, build_checkpoint(path, variant)
-        return built[variant]
-
-    return get
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.double() - expected.double()).abs().max() / expected.double().abs().max()).item()
-
-
 def hf_logits(hf, ids) -> torch.Tensor:
     with torch.no_grad():
         return hf(torch.as_tensor(ids)[None]).logits[0]
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_checkpoint_tensors_load_unchanged(checkpoints, variant):
-    path, hf = checkpoints(variant)
+@pytest.mark.parametrize("variant", list(HF_VARIANTS))
+def test_checkpoint_tensors_load_unchanged(hf_checkpoints, variant):
+    path, hf = hf_checkpoints(variant)
     model = LlamaModel.from_pretrained(path)
     if variant == "gqa":
         assert len(list(path.glob("model-*.safetensors"))) > 1 and (path / "model.safetensors.index.json").is_file()
@@ -102,17 +38,20 @@ def test_checkpoint_tensors_load_unchanged(checkpoints, variant):
     if variant == "tied":
         assert model.lm_head is None
     if variant == "qwen2":
-        assert model.model.layers[0].self_attn.q_proj.bias is not None
+        assert model.model.layers[0].self_attn.qkv_proj.bias is not None
         assert model.model.layers[0].self_attn.o_proj.bias is None
     hf_state = hf.state_dict()
-    for name, t in model.state_dict().items():
+    ours = model.hf_state_dict()  # q/k/v and gate/up split back out of the fused projections
+    assert set(ours) == set(model.expected_tensors())
+    assert set(ours) == set(hf_state) - ({"lm_head.weight"} if variant == "tied" else set())
+    for name, t in ours.items():
         assert torch.equal(t, hf_state[name]), name
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_prefill_logits_match_hf(checkpoints, variant):
+@pytest.mark.parametrize("variant", list(HF_VARIANTS))
+def test_prefill_logits_match_hf(hf_checkpoints, variant):
     """One ragged prefill of three prompts; every row's logits against transformers on each prompt alone."""
-    path, hf = checkpoints(variant)
+    path, hf = hf_checkpoints(variant)
     model = LlamaModel.from_pretrained(path)
     prompts = [torch.randint(0, 256, (n,)) for n in (7, 1, 23)]
     cache = model.new_cache(3, 32)
@@ -134,11 +73,11 @@ def test_prefill_logits_match_hf(checkpoints, variant):
 
 
 @pytest.mark.parametrize(
-    "variant, layout", [(v, "contiguous") for v in VARIANTS] + [("gqa", "paged"), ("llama3", "paged")]
+    "variant, layout", [(v, "contiguous") for v in HF_VARIANTS] + [("gqa", "paged"), ("llama3", "paged")]
 )
-def test_decode_step_by_step_matches_hf(checkpoints, variant, layout):
+def test_decode_step_by_step_matches_hf(hf_checkpoints, variant, layout):
     """Prefill, then teacher-forced decode steps (request 1 stops early and sends no rows after)."""
-    path, hf = checkpoints(variant)
+    path, hf = hf_checkpoints(variant)
     model = LlamaModel.from_pretrained(path)
     steps, stop_1 = 12, 5
     seqs = [torch.randint(0, 256, (n + steps,)) for n in (3, 9)]
@@ -169,9 +108,9 @@ TREE_PARENTS = [[-1, 0, 0, 1, 1, 2, 3, 6], [-1, 0, 1, 0, 3]]
 
 
 @pytest.mark.parametrize("variant, layout", [("gqa", "paged"), ("llama3", "contiguous"), ("bias", "paged")])
-def test_tree_forward_matches_sequential_paths(checkpoints, variant, layout):
+def test_tree_forward_matches_sequential_paths(hf_checkpoints, variant, layout):
     """Each node's logits from one tree forward equal decoding its root-to-node path one token at a time."""
-    path, hf = checkpoints(variant)
+    path, hf = hf_checkpoints(variant)
     model = LlamaModel.from_pretrained(path)
     prompts = [torch.randint(0, 256, (n,)) for n in (6, 13)]
     sizes = [len(p) for p in TREE_PARENTS]
@@ -213,9 +152,9 @@ def test_tree_forward_matches_sequential_paths(checkpoints, variant, layout):
 
 
 @pytest.mark.parametrize("variant, layout", [("gqa", "paged"), ("bias", "contiguous")])
-def test_chunked_prefill_matches_hf(checkpoints, variant, layout):
+def test_chunked_prefill_matches_hf(hf_checkpoints, variant, layout):
     """Prompts prefilled in ragged chunks (a later chunk attends to the cached earlier ones)."""
-    path, hf = checkpoints(variant)
+    path, hf = hf_checkpoints(variant)
     model = LlamaModel.from_pretrained(path)
     prompts = [torch.randint(0, 256, (n,)) for n in (23, 9)]
     chunks = [(10, 4), (0, 5), (13, 0)]  # rows per request in each forward; request 1 sits out the last

@@ -8,36 +8,23 @@ interpreter.
 
 import pytest
 import torch
+from helpers import random_model, rel_err, tiny_config
 
 from specdec import use_backend
 from specdec.decoding.autoregressive import generate
 from specdec.kernels import build_tree_metadata
-from specdec.model import AttentionMetadata, LlamaModel, ModelConfig, causal_positions, tree_positions
+from specdec.model import AttentionMetadata, LlamaModel, causal_positions, tree_positions
 
 REL_TOL = 1e-4
-CONFIG = ModelConfig(
-    vocab_size=96,
-    hidden_size=48,
-    intermediate_size=80,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    qkv_bias=True,
+CONFIG = tiny_config(
+    vocab_size=96, hidden_size=48, intermediate_size=80, num_heads=4, num_kv_heads=2, qkv_bias=True,
     tie_word_embeddings=True,
-)
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.manual_seed(0)
-    model = LlamaModel(CONFIG).requires_grad_(False)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.copy_(1 + 0.2 * torch.randn_like(p))
-        else:
-            p.normal_(0, 0.15)
-    return model.to(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    return random_model(CONFIG, seed=0).to(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def run_steps(model, layout):
@@ -79,7 +66,7 @@ def test_prefill_decode_tree_match_torch_path(tiny, backend, layout):
     with use_backend("torch"):
         expected = run_steps(tiny, layout)
     for i, (g, e) in enumerate(zip(got, expected)):
-        err = ((g.double() - e.double()).abs().max() / e.double().abs().max()).item()
+        err = rel_err(g, e)
         assert err <= REL_TOL, f"output {i} ({backend}): relative error {err:.2e}"
 
 
@@ -104,7 +91,7 @@ def test_bf16_forward_close_to_float32(tiny):
     torch.manual_seed(3)
     got = run_steps(half, "paged")
     for i, (g, e) in enumerate(zip(got, expected)):
-        err = ((g.double() - e.double()).abs().max() / e.double().abs().max()).item()
+        err = rel_err(g, e)
         assert err <= 3e-2, f"output {i}: bf16 relative error {err:.2e}"
 
 

@@ -1,4 +1,4 @@
-"""The README's kernel tour runs as written."""
+"""The README's API tour runs as written: the kernel block, then the model-and-engine block."""
 
 from pathlib import Path
 
@@ -7,10 +7,13 @@ from specdec import use_backend
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
+def python_block(text: str, opening: str) -> str:
+    start = text.index("```python\n" + opening)
+    return text[start + len("```python\n") : text.index("```", start + 10)]
+
+
 def test_kernel_tour_runs():
-    text = README.read_text()
-    start = text.index("```python\nimport torch\nfrom specdec.kernels import")
-    code = text[start + len("```python\n") : text.index("```", start + 10)]
+    code = python_block(README.read_text(), "import torch\nfrom specdec.kernels import")
     scope: dict = {}
     with use_backend("torch"):
         exec(compile(code, str(README), "exec"), scope)
@@ -18,3 +21,16 @@ def test_kernel_tour_runs():
     assert scope["meta"].ancestor_mask.flatten().tolist() == [1, 3, 5, 11]
     assert tuple(scope["out"].shape) == (4, 8, 64)
     assert scope["result"].accepted_path[0, 0].item() == 0
+
+
+def test_engine_tour_runs():
+    code = python_block(README.read_text(), "from pathlib import Path\nimport specdec\n")
+    scope: dict = {}
+    with use_backend("torch"):
+        exec(compile("import torch\n" + code, str(README), "exec"), scope)
+        result = scope["result"]
+        assert [len(t) for t in result.tokens] == [32, 32]
+        plain = scope["SpeculativeDecoder"](scope["target"], scope["NoDraft"]())
+        greedy = plain.generate([[1, 15, 27]], max_new_tokens=32, seed=0)
+    assert result.tokens[0] == greedy.tokens[0], "the greedy request must equal plain greedy decoding"
+    assert result.stats[0].tau > 1, "the embedded draft gets tokens accepted"

@@ -1,27 +1,37 @@
-"""Speculative decoding: strategies and the engine loop (propose, verify, compact, emit).
+"""Speculative decoding: the strategy contract, the strategies, and the engine loop.
 
-``SpeculativeDecoder(target, strategy)`` runs batched generation; the strategy is
-``None`` (plain autoregressive decoding), ``DraftModelStrategy`` (a draft model's chain
-or token tree) or ``NgramStrategy`` (prompt lookup).
+``SpeculativeDecoder(target, strategy)`` runs batched generation with any ``Strategy``
+(``specdec.decoding.strategy``: the contract and how to add a drafter): ``NoDraft`` (plain
+autoregressive decoding; also what ``strategy=None`` means), ``DraftModelStrategy`` (a draft
+model's chain or token tree) or ``NgramStrategy`` (prompt lookup).
 """
 
 from specdec.decoding.draft_model import DraftModelStrategy
-from specdec.decoding.engine import (
-    GenerationResult,
-    RequestStats,
-    SpeculativeDecoder,
-    StepOutput,
+from specdec.decoding.engine import GenerationResult, RequestStats, SpeculativeDecoder, StepOutput
+from specdec.decoding.ngram import NgramStrategy, propose_ngram
+from specdec.decoding.proposal import Proposal
+from specdec.decoding.strategy import (
+    NoDraft,
+    Prefill,
+    StepContext,
+    StepResult,
+    Strategy,
     check_same_vocabulary,
 )
-from specdec.decoding.ngram import NgramStrategy, propose_ngram
 
 __all__ = [
     "DraftModelStrategy",
     "GenerationResult",
     "NgramStrategy",
+    "NoDraft",
+    "Prefill",
+    "Proposal",
     "RequestStats",
     "SpeculativeDecoder",
+    "StepContext",
     "StepOutput",
+    "StepResult",
+    "Strategy",
     "check_same_vocabulary",
     "propose_ngram",
 ]

@@ -1,37 +1,23 @@
 """Batched autoregressive generation: the baseline every speculative strategy must reproduce.
 
-This is the engine loop (``specdec.decoding.engine``) with nothing proposed: one ragged
-prefill forward for all prompts, then one forward per step with one row per running
-request, each step's token drawn by the verification op over a one-node tree -- so
-plain and speculative decoding share one loop, one sampler and one random-number
-convention (offset = tokens the request has generated so far). Requests stop on an
-EOS id, at their own ``max_new_tokens``, or when their logits are invalid (NaN / all
--inf); a finished request sends no rows from the next step on. One host
-synchronisation per step, in the engine (marked ``HOST SYNC`` there).
+This is the engine loop (``specdec.decoding.engine``) with the ``NoDraft`` strategy: one
+ragged prefill forward for all prompts, then one forward per step with one row per running
+request, each step's token drawn by the verification op over a one-node tree -- so plain
+and speculative decoding share one loop, one sampler and one random-number convention
+(offset = tokens the request has generated so far). Requests stop on an EOS id, at their
+own ``max_new_tokens``, or when their logits are invalid (NaN / all -inf); a finished
+request sends no rows from the next step on. One host synchronisation per step, in the
+engine (marked ``HOST SYNC`` there).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
-from specdec.decoding.engine import SpeculativeDecoder
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    """Tokens emitted in one step: request ``requests[i]`` produced ``tokens[i]``.
-
-    ``finished`` maps each request that ended this step to why: 'eos' (its token was an
-    EOS id, included in ``tokens``), 'length' (reached its ``max_new_tokens``) or
-    'invalid' (its logits had no valid token; nothing emitted for it this step).
-    """
-
-    requests: tuple[int, ...]
-    tokens: tuple[int, ...]
-    finished: dict[int, str] = field(default_factory=dict)
+from specdec.decoding.engine import SpeculativeDecoder, StepOutput
+from specdec.decoding.strategy import NoDraft
 
 
 def generate(model, prompts: Sequence[Sequence[int] | torch.Tensor], **options) -> list[list[int]]:
@@ -41,12 +27,18 @@ def generate(model, prompts: Sequence[Sequence[int] | torch.Tensor], **options) 
 
     Example
     -------
-    >>> out = generate(model, [[1, 15, 27], [1, 9]], max_new_tokens=[16, 8], temperature=[0.0, 0.8], seed=[0, 7])
+    >>> from specdec.model import LlamaModel, ModelConfig
+    >>> config = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1,
+    ...                      num_heads=2, num_kv_heads=1, head_dim=16)
+    >>> model = LlamaModel(config).requires_grad_(False)          # random weights
+    >>> out = generate(model, [[1, 15, 27], [1, 9]], max_new_tokens=[6, 3], temperature=[0.0, 0.8], seed=[0, 7])
+    >>> [len(tokens) for tokens in out]
+    [6, 3]
     """
     outputs: list[list[int]] = [[] for _ in prompts]
     for step in stream(model, prompts, **options):
-        for request, token in zip(step.requests, step.tokens):
-            outputs[request].append(token)
+        for request, tokens in zip(step.requests, step.tokens):
+            outputs[request].extend(tokens)
     return outputs
 
 
@@ -58,7 +50,7 @@ def stream(
     block_size: int = 16,
     **sampling,
 ) -> Iterator[StepOutput]:
-    """Yield one ``StepOutput`` (one token per running request) per forward.
+    """Yield one ``StepOutput`` per forward: a one-token tuple for each running request.
 
     Parameters
     ----------
@@ -69,6 +61,5 @@ def stream(
         ``eos_token_id`` -- each one value or one per prompt, as ``SpeculativeDecoder.stream``
         takes them (temperature 0 = greedy; eos_token_id None = never stop early).
     """
-    decoder = SpeculativeDecoder(model, None, cache_layout=cache_layout, block_size=block_size)
-    for step in decoder.stream(prompts, **sampling):
-        yield StepOutput(step.requests, tuple(t for (t,) in step.tokens), step.finished)
+    decoder = SpeculativeDecoder(model, NoDraft(), cache_layout=cache_layout, block_size=block_size)
+    yield from decoder.stream(prompts, **sampling)

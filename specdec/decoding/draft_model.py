@@ -5,7 +5,9 @@ text except the last committed token (length ``L - 1`` where the target holds ``
 its first forward re-feeds that token together with the new root, so each step has
 the same shape whatever was accepted last time (re-writing a cached token's K/V
 rewrites the same values). After verification the engine calls ``commit`` and the
-draft cache is cut back to ``L' - 1`` -- its rollback mirrors the target's.
+draft cache is cut back to ``L' - 1`` -- its rollback mirrors the target's. Tokens the
+cache missed (tree levels write their K/V out of order; a step may draft nothing) are fed
+before the next draft.
 
 Chains decode K tokens one forward at a time, each sampled from the draft's own
 filtered distribution ``q`` (recorded for verification; one-hot for greedy
@@ -25,15 +27,16 @@ from collections.abc import Sequence
 
 import torch
 
+from specdec._transfer import offsets_to_device, to_device
 from specdec.decoding.proposal import Proposal, depths, tree_metadata_on
-from specdec.decoding.requests import offsets_on, to_device
+from specdec.decoding.strategy import Prefill, StepContext, StepResult, check_same_vocabulary
 from specdec.kernels import counter_uniform
 from specdec.kernels.sampling import filter_thresholds_reference, inverse_cdf_reference, scaled_logits
 from specdec.kernels.sampling import target_probs_reference as filtered_probs
+from specdec.kernels.sampling_params import RULES, SamplingParams
 from specdec.model.attention_metadata import AttentionMetadata, causal_positions, tree_positions
 
 DRAFT_SEED_SALT = 0x5DEECE66D  # keeps draft sampling independent of the verification uniforms
-RULES = ("deterministic", "stochastic")
 
 
 class DraftModelStrategy:
@@ -76,59 +79,71 @@ class DraftModelStrategy:
     def max_nodes(self) -> int:
         return len(self.parents)
 
-    # ---- engine hooks --------------------------------------------------------------------------
+    @property
+    def max_depth(self) -> int:
+        return max(self.depth)
 
-    def prefill(self, prompts: list[list[int]], max_len: int, cache_options: dict) -> None:
+    # ---- engine hooks (the Strategy protocol) -----------------------------------------------------
+
+    def attach(self, target) -> None:
+        check_same_vocabulary(target, self.draft)
+
+    def prefill(self, prefill: Prefill) -> None:
         """Allocate the draft cache and run every prompt but its last token through the draft."""
-        device = self.draft.device
-        self.cache = self.draft.new_cache(len(prompts), max_len, **cache_options)
-        counts = [len(p) - 1 for p in prompts]
+        device, prompts = self.draft.device, prefill.prompts
+        self.cache = self.draft.new_cache(len(prompts), prefill.max_len, **prefill.cache_options)
+        counts = [max(len(p) - 1, 0) for p in prompts]
         self.lengths = list(counts)  # host copy of the draft cache's committed lengths
         if sum(counts) == 0:
             return
         tokens = to_device([t for p in prompts for t in p[:-1]], torch.int64, device)
-        q_offsets = offsets_on(counts, device)
+        q_offsets = offsets_to_device(counts, device)
         self.cache.reserve(counts)
         positions = causal_positions(q_offsets, self.cache.seq_lens, sum(counts))
         self.draft(tokens, positions, AttentionMetadata(q_offsets), self.cache, logits_rows=_no_rows(device))
         self.cache.advance(counts)
 
-    def propose(self, step) -> Proposal:
-        """Trees for ``step.running`` (see ``engine.StepContext``), cut to each request's depth limit."""
-        parents = [self.parents[: _nodes_within(self.depth, limit)] for limit in step.max_depth]
-        if max(len(p) for p in parents) == 1:  # nothing to draft: plain decoding step
-            return Proposal(to_device(step.roots, torch.int64, self.draft.device), parents)
+    def propose(self, step: StepContext) -> Proposal:
+        """Trees for ``step.running``: the template's BFS prefix within each request's depth and node limits."""
+        parents = [
+            self.parents[: min(_nodes_within(self.depth, depth), max(nodes, 1))]
+            for depth, nodes in zip(step.max_depth, step.max_nodes)
+        ]
+        widest = max(len(p) for p in parents)
+        if widest == 1:  # nothing to draft: plain decoding step
+            return Proposal(to_device(step.roots, torch.int64, step.device), parents, rule="deterministic")
         if self.is_chain:
-            tokens, probs = self._draft_chain(step, max(len(p) for p in parents) - 1)
+            tokens, probs = self._draft_chain(step, widest - 1)
         else:
-            tokens, probs = self._draft_tree(step, max(len(p) for p in parents))
-        keep = torch.cat([torch.arange(len(p)) + r * tokens.shape[1] for r, p in enumerate(parents)])
-        keep = keep.to(tokens.device)
+            tokens, probs = self._draft_tree(step, widest)
+        rows = [r * widest + i for r, p in enumerate(parents) for i in range(len(p))]
+        keep = to_device(rows, torch.int64, tokens.device)
         flat_probs = None if probs is None else probs.flatten(0, 1).index_select(0, keep)
-        return Proposal(tokens.flatten().index_select(0, keep), parents, flat_probs)
+        return Proposal(tokens.flatten().index_select(0, keep), parents, rule=self.rule, draft_probs=flat_probs)
 
-    def commit(self, lengths: list[int], finished: list[int]) -> None:
+    def commit(self, result: StepResult) -> None:
         """Cut the draft cache back to each request's committed length minus one; free finished slots."""
-        self.cache.truncate([max(n - 1, 0) for n in lengths])
-        if self.is_chain:  # the chain's forwards advanced the cache past every accepted token
-            self.lengths = [max(n - 1, 0) for n in lengths]
-        else:  # tree levels are never advanced: the cache kept its length (the next step catches up)
-            self.lengths = [min(c, max(n - 1, 0)) for c, n in zip(self.lengths, lengths)]
-        if finished:
-            self.cache.release(finished)
+        lengths = [max(n - 1, 0) for n in result.lengths]
+        self.cache.truncate(lengths)
+        # A chain's forwards advanced the cache past every accepted token; tree levels (and steps that
+        # drafted nothing) did not advance it: it keeps its length and the next draft catches up.
+        self.lengths = [min(c, n) for c, n in zip(self.lengths, lengths)]
+        if result.finished:
+            self.cache.release(result.finished)
 
     # ---- drafting ------------------------------------------------------------------------------
 
     def _draft_chain(self, step, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[R, k+1] tokens (root first) and [R, k+1, V] child distributions, one forward per token."""
         device, rows = self.draft.device, len(step.running)
+        self._catch_up(step)
         tokens = [to_device(step.roots, torch.int64, device)]
         probs = []
         feed = torch.stack((to_device(step.previous, torch.int64, device), tokens[0]), dim=1).flatten()
         per_request = 2
         for j in range(k):
             counts = step.full_counts(per_request)
-            q_offsets = offsets_on(counts, device)
+            q_offsets = offsets_to_device(counts, device)
             self.cache.reserve(counts)
             positions = causal_positions(q_offsets, self.cache.seq_lens, feed.numel())
             last_rows = torch.arange(1, rows + 1, device=device) * per_request - 1
@@ -138,6 +153,8 @@ class DraftModelStrategy:
             probs.append(q)
             tokens.append(token)
             feed, per_request = token, 1
+        for b in step.running:
+            self.lengths[b] += k + 1  # previous, root and the first k - 1 drafts
         probs.append(torch.zeros_like(probs[0]))  # the last draft token has no children
         return torch.stack(tokens, dim=1), torch.stack(probs, dim=1)
 
@@ -158,11 +175,13 @@ class DraftModelStrategy:
             frontier = [i for i in range(n) if depth[i] == level]
             fed = 1 + max(i for i in range(n) if depth[i] <= level) + 1
             counts = step.full_counts(fed)
-            q_offsets = offsets_on(counts, device)
+            q_offsets = offsets_to_device(counts, device)
             self.cache.reserve(counts)
             metadata = AttentionMetadata(q_offsets, ext_mask[:, :fed].flatten(0, 1))
             positions = tree_positions(q_offsets, self.cache.seq_lens, ext_depth[:, :fed].flatten())
-            frontier_rows = torch.arange(rows, device=device)[:, None] * fed + 1 + torch.tensor(frontier, device=device)
+            frontier_rows = torch.arange(rows, device=device)[:, None] * fed + to_device(
+                [1 + i for i in frontier], torch.int64, device
+            )
             fed_tokens = tokens[:, :fed].flatten()
             logits, _ = self.draft(fed_tokens, positions, metadata, self.cache, logits_rows=frontier_rows.flatten())
             self._expand(logits, step, frontier, parents, tokens, probs)
@@ -170,13 +189,14 @@ class DraftModelStrategy:
 
     def _catch_up(self, step) -> None:
         """Feed the tokens committed since the draft cache's last advance (the previous step's accepted
-        path, whose K/V the tree levels wrote out of order), so the cache again holds all but the last two."""
+        path when tree levels wrote its K/V out of order, or a step that drafted nothing), so the cache
+        again holds all but the last two."""
         device = self.draft.device
         missing = [h[self.lengths[b] : len(h) - 2] for b, h in zip(step.running, step.histories)]
         if not any(missing):
             return
         counts = step.full_counts([len(m) for m in missing])
-        q_offsets = offsets_on(counts, device)
+        q_offsets = offsets_to_device(counts, device)
         self.cache.reserve(counts)
         tokens = to_device([t for m in missing for t in m], torch.int64, device)
         positions = causal_positions(q_offsets, self.cache.seq_lens, tokens.numel())
@@ -188,8 +208,7 @@ class DraftModelStrategy:
     def _expand(self, logits, step, frontier, parents, tokens, probs) -> None:
         """Give every frontier node its children (in template order) from the draft's logits."""
         rows, width = len(step.running), len(frontier)
-        params = {k: v.repeat_interleave(width) for k, v in step.params.items()}
-        q = _draft_distribution(logits, params)  # [R * width, V]
+        q = _draft_distribution(logits, step.params.repeat_rows(width))  # [R * width, V]
         for f, node in enumerate(frontier):
             children = [i for i, p in enumerate(parents) if p == node]
             if not children:
@@ -199,12 +218,12 @@ class DraftModelStrategy:
                 probs[:, node] = q_node
                 for c in children:
                     counter = torch.full((rows,), c, device=q.device)
-                    tokens[:, 1 + c] = _sample_from(q_node, step.params, step.offset, counter)
+                    tokens[:, 1 + c] = _sample_from(q_node, step.params, counter)
             else:
-                scores = scaled_logits(logits.view(rows, width, -1)[:, f], step.params["temperature"])
+                scores = scaled_logits(logits.view(rows, width, -1)[:, f], step.params.temperature)
                 # Children come from q's support; greedy rows (q one-hot) take the draft's top-k instead,
                 # since the target's argmax may be any of them.
-                greedy = (step.params["temperature"] <= 0)[:, None]
+                greedy = (step.params.temperature <= 0)[:, None]
                 scores = torch.where((q_node > 0) | greedy, scores, float("-inf"))
                 top = scores.topk(len(children), dim=-1).indices
                 for j, c in enumerate(children):
@@ -214,25 +233,32 @@ class DraftModelStrategy:
         if step.greedy:  # q is one-hot at the argmax: skip the filtering and the draft's uniforms
             s = logits.float()
             token = torch.where(torch.isnan(s), float("-inf"), s).argmax(-1)
-            return torch.nn.functional.one_hot(token, s.shape[-1]).float(), token
+            return _one_hot(token, s.shape[-1]), token
         q = _draft_distribution(logits, step.params)
-        return q, _sample_from(q, step.params, step.offset, counter)
+        return q, _sample_from(q, step.params, counter)
 
 
-def _draft_distribution(logits: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
+# The draft's filtered distributions and its sampling (TODO: the public filtered_probs / probability-
+# sampling ops replace these two functions when they land; nothing else here calls the kernels).
+
+
+def _draft_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """fp32 [R, V]: the filtered distribution a draft token is drawn from; one-hot argmax when greedy."""
-    temperature = params["temperature"]
-    s = scaled_logits(logits, temperature)
-    thr = filter_thresholds_reference(s, temperature, params["top_k"], params["top_p"])
+    s = scaled_logits(logits, params.temperature)
+    thr = filter_thresholds_reference(s, params.temperature, params.top_k, params.top_p)
     p, argmax, bad = filtered_probs(s, thr)
-    one_hot = torch.nn.functional.one_hot(argmax, p.shape[-1]).float()
-    return torch.where(((temperature <= 0) | bad)[:, None], one_hot, p)
+    return torch.where(((params.temperature <= 0) | bad)[:, None], _one_hot(argmax, p.shape[-1]), p)
 
 
-def _sample_from(q: torch.Tensor, params: dict[str, torch.Tensor], offset: torch.Tensor, counter) -> torch.Tensor:
+def _sample_from(q: torch.Tensor, params: SamplingParams, counter) -> torch.Tensor:
     """One token per row by inverse CDF on the draft's own uniforms."""
-    u = counter_uniform(params["seed"] ^ DRAFT_SEED_SALT, offset, counter)
+    u = counter_uniform(params.seed ^ DRAFT_SEED_SALT, params.offset, counter)
     return inverse_cdf_reference(q, u * q.sum(-1))
+
+
+def _one_hot(index: torch.Tensor, size: int) -> torch.Tensor:
+    """fp32 [R, size] one-hot rows (``F.one_hot`` reads the indices back to check them on the CPU)."""
+    return torch.zeros(index.shape[0], size, device=index.device).scatter_(1, index[:, None], 1.0)
 
 
 def _template(branching: tuple[int, ...], max_nodes: int) -> list[int]:

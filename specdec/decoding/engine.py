@@ -1,21 +1,24 @@
 """The speculative decoding loop: propose -> one target forward -> verify -> compact -> emit.
 
-One loop serves every strategy. A strategy (draft-model chain or tree, n-gram)
-proposes one token tree per running request; ``strategy=None`` proposes nothing,
-which makes the loop plain autoregressive decoding (one-node trees: the
-verification op then just samples the next token).
+One loop serves every strategy (``specdec.decoding.strategy``): each proposes one token
+tree per running request; ``NoDraft`` proposes one-node trees, which makes the loop plain
+autoregressive decoding (verification then just samples the next token).
 
 Each step:
-  1. ``strategy.propose`` -> token trees (root = the last emitted token);
-  2. one target forward over every node of every running request, the tree mask
-     from the host-known tree shapes (``build_tree_metadata`` on the CPU, copied
-     without waiting);
-  3. ``verify_tree``: accepted path, emitted tokens, invalid rows -- greedy or
-     exact sampling with per-request temperature / top-k / top-p / seed;
+  1. ``strategy.propose`` -> token trees (root = the last emitted token), checked against the
+     per-request limits;
+  2. one target forward over every node of every running request, the tree mask built from
+     the host-known tree shapes and copied without waiting;
+  3. ``verify``: accepted path, emitted tokens, invalid rows -- greedy or exact sampling
+     with per-request ``SamplingParams``;
   4. ``KVCache.compact``: the accepted nodes' K/V move next to the prefix;
-  5. the step's one host synchronisation (marked ``HOST SYNC`` below): emitted
-     tokens and counts come back to stream them and to decide who finishes;
-     everything the next step sends to the device goes through pinned buffers.
+  5. the step's one host synchronisation (marked ``HOST SYNC`` below): emitted tokens and
+     counts come back to stream them and to decide who finishes; everything sent to the
+     device goes through ``specdec._transfer.to_device`` (pinned, non-blocking);
+  6. ``strategy.commit`` with what was accepted.
+
+The prefill is the same with the whole prompts as causal rows, and each request's last prompt
+token as a one-node tree whose verification samples the first token.
 
 Random numbers: verification uses ``(seed, offset = tokens generated so far)``; a
 request's tokens therefore depend on its own seed only, not on the batch.
@@ -23,14 +26,18 @@ request's tokens therefore depend on its own seed only, not on the batch.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from specdec.decoding.proposal import Proposal, depths, tree_metadata_on
-from specdec.decoding.requests import DEFAULT_EOS, Requests, make_requests, offsets_on, to_device
-from specdec.kernels import sample, verify_tree
+from specdec._transfer import offsets_to_device, to_device
+from specdec.decoding.proposal import Proposal, check_proposal, depths, tree_metadata_on
+from specdec.decoding.requests import DEFAULT_EOS, Requests, encode_prompts, make_requests
+from specdec.decoding.strategy import NoDraft, Prefill, StepContext, StepResult, Strategy
+from specdec.kernels import TreeVerifyResult, verify_tree
+from specdec.kernels.sampling_params import SamplingParams
 from specdec.model.attention_metadata import AttentionMetadata, causal_positions, tree_positions
 
 
@@ -80,27 +87,21 @@ class GenerationResult:
     text: list[str] | None = None
 
 
-@dataclass(frozen=True)
-class StepContext:
-    """What a strategy sees when proposing (host lists are per running request)."""
+def verify(
+    logits: torch.Tensor, proposal: Proposal, node_offsets: torch.Tensor, params: SamplingParams
+) -> TreeVerifyResult:
+    """The engine's one call into verification: the prefill's first tokens and every step's trees.
 
-    running: list[int]
-    batch_size: int
-    roots: list[int]  # last emitted token, the tree root
-    previous: list[int]  # the token before it (the last one the target has cached)
-    histories: list[list[int]]  # prompt + generated text
-    max_depth: list[int]  # longest path a tree may have: remaining tokens - 1
-    params: dict[str, torch.Tensor]  # temperature, top_k, top_p, seed: [R] device tensors
-    offset: torch.Tensor  # [R] int64: tokens generated so far
-    greedy: bool = False  # every running request has temperature 0 (known on the host)
-
-    def full_counts(self, per_request: int | Sequence[int]) -> list[int]:
-        """Rows per batch slot: ``per_request`` for running requests (in running order), 0 elsewhere."""
-        counts = [0] * self.batch_size
-        values = [per_request] * len(self.running) if isinstance(per_request, int) else list(per_request)
-        for b, c in zip(self.running, values):
-            counts[b] = c
-        return counts
+    ``node_offsets [R+1]`` int32 splits ``logits [N, V]`` (one row per node) by tree. Returns a
+    ``TreeVerifyResult`` (output_tokens, num_accepted, accepted_path, invalid; ``[R, ...]``).
+    """
+    parents = to_device([p for tree in proposal.parents for p in tree], torch.int32, logits.device)
+    # Today's verify_tree takes the five sampling tensors in SamplingParams' field order, and its
+    # rule from draft_probs (None = deterministic; Proposal checked that they agree).
+    return verify_tree(
+        logits, proposal.tokens.to(torch.int32), parents, node_offsets, proposal.draft_probs, *params,
+        max_depth=proposal.max_depth(),
+    )  # fmt: skip
 
 
 class SpeculativeDecoder:
@@ -109,20 +110,34 @@ class SpeculativeDecoder:
     Parameters
     ----------
     target : a ``LlamaModel``.
-    strategy : None, ``DraftModelStrategy`` (chain or tree) or ``NgramStrategy``.
+    strategy : a ``Strategy`` (``DraftModelStrategy``, ``NgramStrategy``, ...); None means ``NoDraft()``.
     cache_layout, block_size : the KV caches' layout ("contiguous" or "paged") and page size.
 
     Example
     -------
-    >>> decoder = SpeculativeDecoder(target, DraftModelStrategy(draft, branching=(1,) * 5))
-    >>> result = decoder.generate([[1, 2, 3]], max_new_tokens=64)
-    >>> result.tokens[0], result.stats[0].tau
+    >>> from specdec.decoding import NgramStrategy
+    >>> from specdec.model import LlamaModel, ModelConfig
+    >>> config = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1,
+    ...                      num_heads=2, num_kv_heads=1, head_dim=16)
+    >>> target = LlamaModel(config).requires_grad_(False)         # random weights
+    >>> decoder = SpeculativeDecoder(target, NgramStrategy(num_draft=3))
+    >>> result = decoder.generate([[1, 2, 3, 1, 2]], max_new_tokens=10)
+    >>> len(result.tokens[0]), result.stats[0].generated, result.stats[0].tau >= 1
+    (10, 10, True)
     """
 
-    def __init__(self, target, strategy=None, *, cache_layout: str = "contiguous", block_size: int = 16):
-        draft = getattr(strategy, "draft", None)
-        if draft is not None:
-            check_same_vocabulary(target, draft)
+    def __init__(
+        self, target, strategy: Strategy | None = None, *, cache_layout: str = "contiguous", block_size: int = 16
+    ):
+        strategy = NoDraft() if strategy is None else strategy
+        if not isinstance(strategy, Strategy):
+            raise TypeError(
+                f"strategy must implement the Strategy protocol (name, max_nodes, max_depth, attach, prefill, "
+                f"propose, commit; see specdec.decoding.strategy), got {type(strategy).__name__}"
+            )
+        if not isinstance(strategy.max_nodes, int) or strategy.max_nodes < 1:
+            raise ValueError(f"strategy.max_nodes must be an int >= 1, got {strategy.max_nodes!r}")
+        strategy.attach(target)
         self.target, self.strategy = target, strategy
         self.cache_options = {"layout": cache_layout, "block_size": block_size}
         self.stats: list[RequestStats] = []
@@ -183,95 +198,98 @@ class _Run:
         self.decoder, self.req, self.running = decoder, req, running
         self.target, self.strategy, self.stats = decoder.target, decoder.strategy, decoder.stats
         self.device = self.target.device
-        widest = 1 if self.strategy is None else self.strategy.max_nodes
         # The last step starts with prompt + max_new - 2 tokens cached and writes one tree after them.
+        widest = self.strategy.max_nodes
         self.max_len = max(len(p) + max(m - 2, 0) + widest for p, m in zip(req.prompts, req.max_new_tokens))
         self.cache = self.target.new_cache(req.batch_size, self.max_len, **decoder.cache_options)
-        self.params = req.device_params(self.device)
+        self.params = req.sampling_params(self.device)  # [B]; each step selects the running rows
+        self._rows: tuple[list[int], torch.Tensor, SamplingParams] | None = None  # see _running
         self.texts = [list(p) for p in req.prompts]
         self.generated = [0] * req.batch_size
 
     def prefill(self) -> StepOutput:
-        """One ragged causal forward over the prompts; sample each request's first token."""
+        """One ragged causal forward over the prompts; verify each last prompt token as a one-node tree."""
         req, running = self.req, self.running
         active = set(running)
-        counts = [len(p) if b in active else 0 for b, p in enumerate(req.prompts)]
-        tokens = to_device([t for b in running for t in req.prompts[b]], torch.int64, self.device)
-        q_offsets = offsets_on(counts, self.device)
+        prompts = [p if b in active else [] for b, p in enumerate(req.prompts)]
+        counts = [len(p) for p in prompts]
+        tokens = to_device([t for p in prompts for t in p], torch.int64, self.device)
+        q_offsets = offsets_to_device(counts, self.device)
         self.cache.reserve(counts)
         positions = causal_positions(q_offsets, self.cache.seq_lens, tokens.numel())
-        last_rows = q_offsets[1:].long() - 1
-        rows = last_rows[to_device(running, torch.int64, self.device)]
-        logits, _ = self.target(tokens, positions, AttentionMetadata(q_offsets), self.cache, logits_rows=rows)
+        ends = list(itertools.accumulate(counts))
+        last_rows = to_device([ends[b] - 1 for b in running], torch.int64, self.device)
+        logits, hidden = self.target(tokens, positions, AttentionMetadata(q_offsets), self.cache, logits_rows=last_rows)
         self.cache.advance(counts)
-        if self.strategy is not None:
-            prompts = [p if b in active else p[:1] for b, p in enumerate(req.prompts)]
-            self.strategy.prefill(prompts, self.max_len, self.decoder.cache_options)
-        params = self._running_params()
-        new, invalid = sample(logits, *(params[k] for k in ("temperature", "top_k", "top_p", "seed")), self._offset())
-        host = torch.stack((new.long(), invalid.long()), dim=1).cpu()  # HOST SYNC (the prefill step's one)
-        return self._emit([(int(t), 0, bool(bad), 0, 0) for t, bad in host.tolist()])
+        self.strategy.prefill(Prefill(prompts, self.max_len, self.decoder.cache_options, hidden, q_offsets))
+        roots = Proposal(tokens.index_select(0, last_rows), [[-1]] * len(running), rule="deterministic")
+        last_hidden = hidden.index_select(0, last_rows)
+        return self._verify_and_emit(logits, last_hidden, roots, self._running_params(), compact=False)
 
     def step(self) -> StepOutput:
-        params = self._running_params()
-        context = StepContext(
-            running=self.running,
-            batch_size=self.req.batch_size,
-            roots=[self.texts[b][-1] for b in self.running],
-            previous=[self.texts[b][-2] for b in self.running],
-            histories=[self.texts[b] for b in self.running],
-            max_depth=[self.req.max_new_tokens[b] - self.generated[b] - 1 for b in self.running],
-            params=params,
-            offset=self._offset(),
-            greedy=all(self.req.temperature[b] <= 0 for b in self.running),
-        )
-        if self.strategy is None:
-            proposal = Proposal(to_device(context.roots, torch.int64, self.device), [[-1]] * len(self.running))
-        else:
-            proposal = self.strategy.propose(context)
+        context = self._context()
+        proposal = self.strategy.propose(context)
+        check_proposal(proposal, self.strategy.name, len(self.running), context.max_nodes, context.max_depth)
         # One target forward over every node of every running request.
         depth, mask = tree_metadata_on(proposal.parents, self.device)
         counts = context.full_counts(proposal.counts)
-        q_offsets = offsets_on(counts, self.device)
+        q_offsets = offsets_to_device(counts, self.device)
         self.cache.reserve(counts)
         positions = tree_positions(q_offsets, self.cache.seq_lens, depth)
         # Chains (plain decoding, draft chains, n-gram) need no mask: causal attention is the same thing.
         chains = all(tree == list(range(-1, len(tree) - 1)) for tree in proposal.parents)
         metadata = AttentionMetadata(q_offsets, None if chains else mask)
-        logits, _ = self.target(proposal.tokens, positions, metadata, self.cache)
-        # Verify all trees at once, then commit the accepted paths' K/V.
-        parents = to_device([p for tree in proposal.parents for p in tree], torch.int32, self.device)
-        max_depth = proposal.max_depth()
-        result = verify_tree(
-            logits, proposal.tokens.to(torch.int32), parents, offsets_on(proposal.counts, self.device),
-            proposal.child_probs, params["temperature"], params["top_k"], params["top_p"], params["seed"],
-            context.offset, max_depth=max_depth,
-        )  # fmt: skip
-        path = torch.full((self.req.batch_size, max_depth + 1), -1, dtype=torch.int32, device=self.device)
-        path[to_device(self.running, torch.int64, self.device)] = result.accepted_path
-        self.cache.compact(path)
+        logits, hidden = self.target(proposal.tokens, positions, metadata, self.cache)
+        return self._verify_and_emit(logits, hidden, proposal, context.params, compact=True)
+
+    # ---- verification and bookkeeping --------------------------------------------------------------
+
+    def _verify_and_emit(
+        self, logits, hidden, proposal: Proposal, params: SamplingParams, *, compact: bool
+    ) -> StepOutput:
+        """Verify the running requests' trees, commit the accepted K/V, read back, emit, tell the strategy.
+
+        ``compact``: move the accepted nodes' K/V next to the prefix (a step); the prefill's
+        ``advance`` already committed its prompts.
+        """
+        node_offsets = offsets_to_device(proposal.counts, self.device)
+        result = verify(logits, proposal, node_offsets, params)
+        if compact:
+            width = result.accepted_path.shape[1]
+            path = torch.full((self.req.batch_size, width), -1, dtype=torch.int32, device=self.device)
+            path.index_copy_(0, self._running()[0], result.accepted_path)
+            self.cache.compact(path)
         host = torch.cat(  # HOST SYNC: the step's one read-back, to stream and decide termination
             (result.output_tokens.long(), result.num_accepted.long()[:, None], result.invalid.long()[:, None]), dim=1
         ).cpu()
-        emitted = []
-        for row, drafted, tree in zip(host.tolist(), proposal.num_drafted, proposal.parents):
-            accepted, bad = row[-2], bool(row[-1])
-            emitted.append((row[: accepted + 1], accepted, bad, drafted, max(depths(tree))))
-        return self._emit(emitted)
+        running = self.running
+        rows = host.tolist()  # host data from here on
+        output = self._emit(rows, proposal.parents)
+        self.strategy.commit(
+            StepResult(
+                running=running,
+                lengths=[len(t) - 1 for t in self.texts],
+                finished=list(output.finished),
+                accepted=[row[-2] for row in rows],
+                accepted_path=result.accepted_path,
+                hidden=hidden,
+                node_offsets=node_offsets,
+            )
+        )
+        return output
 
-    # ---- bookkeeping -----------------------------------------------------------------------------
-
-    def _emit(self, rows: list[tuple]) -> StepOutput:
+    def _emit(self, rows: list[list[int]], trees: list[list[int]]) -> StepOutput:
         """Append each running request's tokens, update its stats, retire finished requests."""
         requests, tokens, finished = [], [], {}
-        for b, (new, accepted, bad, drafted, depth) in zip(self.running, rows):
+        for b, row, tree in zip(self.running, rows, trees):
+            accepted, bad = row[-2], bool(row[-1])
             stats = self.stats[b]
             stats.target_forwards += 1
             if bad:
                 finished[b] = "invalid"
                 continue
-            new = [new] if isinstance(new, int) else new
-            stats.drafted += drafted
+            depth = max(depths(tree))
+            stats.drafted += len(tree) - 1
             stats.accepted += accepted
             _grow(stats.drafted_at, depth)
             _grow(stats.accepted_at, depth)
@@ -279,7 +297,7 @@ class _Run:
                 stats.drafted_at[j] += accepted >= j
                 stats.accepted_at[j] += accepted > j
             out = []
-            for t in new:
+            for t in row[: accepted + 1]:
                 out.append(t)
                 self.texts[b].append(t)
                 self.generated[b] += 1
@@ -295,45 +313,39 @@ class _Run:
         for b, why in finished.items():
             self.stats[b].finish_reason = why
         self.running = [b for b in self.running if b not in finished]
-        done = list(finished)
-        if done:
-            self.cache.release(done)
+        if finished:
+            self.cache.release(list(finished))
         # The host knows every committed length exactly: bounds tighten, pages free, no device read.
         self.cache.known_lengths([len(t) - 1 if b in self.running else 0 for b, t in enumerate(self.texts)])
-        if self.strategy is not None:
-            self.strategy.commit([len(t) - 1 for t in self.texts], done)
         return StepOutput(tuple(requests), tuple(tokens), finished)
 
-    def _running_params(self) -> dict[str, torch.Tensor]:
-        rows = to_device(self.running, torch.int64, self.device)
-        return {name: value.index_select(0, rows) for name, value in self.params.items()}
+    def _context(self) -> StepContext:
+        running = self.running
+        return StepContext(
+            running=running,
+            batch_size=self.req.batch_size,
+            roots=[self.texts[b][-1] for b in running],
+            previous=[self.texts[b][-2] for b in running],
+            histories=[self.texts[b] for b in running],
+            max_depth=[self.req.max_new_tokens[b] - self.generated[b] - 1 for b in running],
+            max_nodes=[self.strategy.max_nodes] * len(running),
+            params=self._running_params(),
+            greedy=all(self.req.temperature[b] <= 0 for b in running),
+            device=self.device,
+        )
 
-    def _offset(self) -> torch.Tensor:
-        return to_device([self.generated[b] for b in self.running], torch.int64, self.device)
+    def _running(self) -> tuple[torch.Tensor, SamplingParams]:
+        """int64 ``[R]`` device indices of the running requests and their sampling parameters' rows,
+        sent again only when the running set changes (a request finished)."""
+        if self._rows is None or self._rows[0] != self.running:
+            rows = to_device(self.running, torch.int64, self.device)
+            self._rows = (list(self.running), rows, self.params.select(rows))
+        return self._rows[1], self._rows[2]
 
-
-def check_same_vocabulary(target, draft, target_tokenizer=None, draft_tokenizer=None) -> None:
-    """Refuse a draft whose vocabulary (size, or tokenizer when both are given) differs from the target's."""
-    vt, vd = target.config.vocab_size, draft.config.vocab_size
-    if vt != vd:
-        raise ValueError(f"draft and target must share a vocabulary: target has {vt} tokens, draft has {vd}")
-    if target_tokenizer is not None and draft_tokenizer is not None:
-        if target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
-            raise ValueError("draft and target tokenizers differ (their token-to-id maps are not the same)")
-
-
-def encode_prompts(prompts, tokenizer) -> list:
-    """Token ids as given, or strings encoded with a ``tokenizers.Tokenizer``."""
-    if isinstance(prompts, (str, bytes)):
-        raise TypeError("prompts must be a list of prompts, not a single string")
-    out = []
-    for i, p in enumerate(prompts):
-        if isinstance(p, str):
-            if tokenizer is None:
-                raise ValueError(f"prompts[{i}] is text: pass tokenizer= to encode it")
-            p = tokenizer.encode(p).ids
-        out.append(p)
-    return out
+    def _running_params(self) -> SamplingParams:
+        """The running requests' sampling parameters; offset = tokens generated so far (sent each step)."""
+        offset = to_device([self.generated[b] for b in self.running], torch.int64, self.device)
+        return self._running()[1]._replace(offset=offset)
 
 
 def _grow(values: list[int], size: int) -> None:

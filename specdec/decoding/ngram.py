@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from specdec._transfer import to_device
 from specdec.decoding.proposal import Proposal
-from specdec.decoding.requests import to_device
+from specdec.decoding.strategy import Prefill, StepContext, StepResult
 from specdec.kernels._checks import check_tensor
 
 
@@ -83,10 +84,8 @@ class NgramStrategy:
     """Prompt-lookup drafting for the engine: a chain of ``num_draft`` tokens per request.
 
     Deterministic drafts (q is one-hot), verified with the deterministic rule. No model,
-    no cache: ``prefill`` and ``commit`` have nothing to do.
+    no cache: ``attach``, ``prefill`` and ``commit`` have nothing to do.
     """
-
-    draft = None
 
     def __init__(self, num_draft: int = 5, max_ngram: int = 3, min_ngram: int = 1):
         if not isinstance(num_draft, int) or num_draft < 1:
@@ -103,23 +102,29 @@ class NgramStrategy:
     def max_nodes(self) -> int:
         return self.num_draft + 1
 
-    def prefill(self, prompts, max_len, cache_options) -> None:
+    @property
+    def max_depth(self) -> int:
+        return self.num_draft
+
+    def attach(self, target) -> None:
         pass
 
-    def commit(self, lengths, finished) -> None:
+    def prefill(self, prefill: Prefill) -> None:
         pass
 
-    def propose(self, step) -> Proposal:
-        device = step.params["seed"].device
-        width = max(len(h) for h in step.histories)
-        history = torch.zeros(len(step.histories), width, dtype=torch.int64)
-        for r, text in enumerate(step.histories):
-            history[r, : len(text)] = torch.tensor(text)
-        lengths = torch.tensor([len(h) for h in step.histories])
-        n_max, n_min = self.max_ngram, self.min_ngram
-        drafts, _ = propose_ngram(history.to(device), lengths.to(device), self.num_draft, n_max, n_min)
-        roots = to_device(step.roots, torch.int64, device)
-        tokens = torch.cat((roots[:, None], drafts), dim=1)  # [R, K+1]
-        sizes = [1 + min(self.num_draft, max(limit, 0)) for limit in step.max_depth]
-        keep = torch.cat([torch.arange(n) + r * tokens.shape[1] for r, n in enumerate(sizes)]).to(device)
-        return Proposal(tokens.flatten().index_select(0, keep), [list(range(-1, n - 1)) for n in sizes])
+    def commit(self, result: StepResult) -> None:
+        pass
+
+    def propose(self, step: StepContext) -> Proposal:
+        """A chain per request, as long as its depth and node limits allow (at most ``num_draft``)."""
+        device, width = step.device, max(len(h) for h in step.histories)
+        history = to_device([h + [0] * (width - len(h)) for h in step.histories], torch.int64, device)
+        lengths = to_device([len(h) for h in step.histories], torch.int64, device)
+        drafts, _ = propose_ngram(history, lengths, self.num_draft, self.max_ngram, self.min_ngram)
+        tokens = torch.cat((to_device(step.roots, torch.int64, device)[:, None], drafts), dim=1)  # [R, K+1]
+        limits = zip(step.max_depth, step.max_nodes)
+        sizes = [1 + min(self.num_draft, max(depth, 0), nodes - 1) for depth, nodes in limits]
+        rows = [r * (self.num_draft + 1) + i for r, n in enumerate(sizes) for i in range(n)]
+        keep = to_device(rows, torch.int64, device)
+        chains = [list(range(-1, n - 1)) for n in sizes]
+        return Proposal(tokens.flatten().index_select(0, keep), chains, rule="deterministic")

@@ -7,17 +7,21 @@ seen yet. Trees are laid out in topological order with local parent indices, as
 ``build_tree_metadata`` and ``verify_tree`` expect.
 
 The tree *shapes* (parents, node counts) are host data the strategy already knows,
-so their metadata is built on the CPU and sent to the device without a sync; only
-the tokens and the draft distributions are device tensors.
+so their metadata is built from those lists on the host and sent to the device without
+a sync; only the tokens and the draft distributions are device tensors.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from specdec.kernels import build_tree_metadata
+from specdec._transfer import to_device
+from specdec.kernels import pack_mask_rows
+from specdec.kernels.sampling_params import check_rule
 
 
 @dataclass(frozen=True)
@@ -26,14 +30,25 @@ class Proposal:
 
     tokens       [N] int64 (device)     node tokens; node 0 of each tree is its root
     parents      list[list[int]] (host) local parents per tree, -1 for the root
-    child_probs  [N, V] fp32 or None    row i: the distribution node i's children were drawn
-                                        from i.i.d. (stochastic rule); None: children were
-                                        chosen deterministically (top-k, n-gram, greedy)
+    rule         "stochastic" or "deterministic": how the children were chosen (see
+                 ``specdec.kernels.sampling_params``)
+    draft_probs  [N, V] fp32 or None    stochastic rule only: row i is the distribution node i's
+                                        children were drawn from, i.i.d.
+
+    Example
+    -------
+    >>> p = Proposal(torch.tensor([5, 7, 9, 4]), [[-1, 0, 0], [-1]], rule="deterministic")
+    >>> p.counts, p.num_drafted, p.max_depth()
+    ([3, 1], [2, 0], 1)
     """
 
     tokens: torch.Tensor
     parents: list[list[int]]
-    child_probs: torch.Tensor | None = None
+    rule: str
+    draft_probs: torch.Tensor | None = None
+
+    def __post_init__(self):
+        check_rule(self.rule, self.draft_probs)
 
     @property
     def counts(self) -> list[int]:
@@ -55,25 +70,56 @@ def depths(parents: list[int]) -> list[int]:
     return out
 
 
-def tree_metadata_on(parents: list[list[int]], device: torch.device):
-    """(depth [N] int32, ancestor_mask [N, W] int64) on ``device``, computed on the host.
+def check_proposal(proposal, who: str, running: int, max_nodes: Sequence[int], max_depth: Sequence[int]) -> None:
+    """Refuse a proposal that breaks the contract (``strategy.py``), naming the strategy ``who``.
 
-    Strategies repeat a few tree shapes across requests, so each distinct shape is built once.
+    Host checks only: one tree per running request, each topologically ordered with its root at
+    node 0, within its node and depth limits; as many tokens (and draft rows) as nodes.
+    """
+    if not isinstance(proposal, Proposal):
+        raise TypeError(f"{who}.propose must return a Proposal, got {type(proposal).__name__}")
+    if len(proposal.parents) != running:
+        raise ValueError(f"{who} proposed {len(proposal.parents)} trees for {running} running requests")
+    for r, (tree, nodes, depth) in enumerate(zip(proposal.parents, max_nodes, max_depth)):
+        if not tree or tree[0] != -1 or any(not 0 <= p < i for i, p in enumerate(tree) if i):
+            raise ValueError(f"{who} proposed tree {r} with parents {tree}: need -1 at node 0, then 0 <= parent < node")
+        if len(tree) > nodes or max(depths(tree)) > max(depth, 0):
+            raise ValueError(
+                f"{who} proposed tree {r} with {len(tree)} nodes and depth {max(depths(tree))}; "
+                f"the limits were {nodes} nodes and depth {max(depth, 0)}"
+            )
+    total = sum(proposal.counts)
+    if proposal.tokens.shape != (total,):
+        raise ValueError(f"{who} proposed tokens of shape {tuple(proposal.tokens.shape)} for {total} nodes")
+    if proposal.draft_probs is not None and proposal.draft_probs.shape[0] != total:
+        raise ValueError(f"{who} proposed {proposal.draft_probs.shape[0]} draft_probs rows for {total} nodes")
+
+
+def tree_metadata_on(parents: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(depth [N] int32, ancestor_mask [N, W] int64) of host trees on ``device``, laid out as ``build_tree_metadata``.
+
+    Built from the host lists (no tensor is read back), each distinct tree shape once, and sent
+    without waiting. W = ceil(largest tree / 64) words per row, as the attention op expects.
+
+    Example
+    -------
+    >>> depth, mask = tree_metadata_on([[-1, 0, 0, 1], [-1]], torch.device("cpu"))
+    >>> depth.tolist(), mask.flatten().tolist()
+    ([0, 1, 1, 2, 0], [1, 3, 5, 11, 1])
     """
     width = max(len(t) for t in parents)
-    shapes: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
-    for tree in parents:
-        key = tuple(tree)
-        if key not in shapes:
-            flat = torch.tensor(key, dtype=torch.int32)
-            meta = build_tree_metadata(flat, torch.tensor([0, len(key)], dtype=torch.int32), width)
-            shapes[key] = (meta.depth, meta.ancestor_mask)
-    depth = torch.cat([shapes[tuple(t)][0] for t in parents])
-    mask = torch.cat([shapes[tuple(t)][1] for t in parents])
-    return _send(depth, device), _send(mask, device)
+    shapes = [_tree_shape(tuple(tree), width) for tree in parents]
+    depth = to_device([d for tree_depth, _ in shapes for d in tree_depth], torch.int32, device)
+    mask = to_device(torch.cat([tree_mask for _, tree_mask in shapes]), torch.int64, device)
+    return depth, mask
 
 
-def _send(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+@functools.lru_cache(maxsize=1024)
+def _tree_shape(parents: tuple[int, ...], width: int) -> tuple[list[int], torch.Tensor]:
+    """Depths and the packed ancestor-or-self rows ``[n, ceil(width / 64)]`` int64 of one tree (host)."""
+    rows: list[list[bool]] = []
+    for i, p in enumerate(parents):
+        row = [False] * width if p < 0 else list(rows[p])
+        row[i] = True
+        rows.append(row)
+    return depths(list(parents)), pack_mask_rows(torch.tensor(rows, dtype=torch.bool))

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec._transfer import to_device
+from specdec.kernels.sampling_params import SamplingParams
+
 DEFAULT_EOS = "config"  # use the model config's EOS ids
 
 
@@ -26,14 +29,16 @@ class Requests:
     def batch_size(self) -> int:
         return len(self.prompts)
 
-    def device_params(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """Sampling parameters as the kernels take them: ``[B]`` tensors on ``device``."""
-        return {
-            "temperature": torch.tensor(self.temperature, dtype=torch.float32, device=device),
-            "top_k": torch.tensor(self.top_k, dtype=torch.int32, device=device),
-            "top_p": torch.tensor(self.top_p, dtype=torch.float32, device=device),
-            "seed": torch.tensor(self.seed, dtype=torch.int64, device=device),
-        }
+    def sampling_params(self, device: torch.device) -> SamplingParams:
+        """The requests' sampling parameters as the kernels take them: ``[B]`` tensors on ``device``, offset 0."""
+        zeros = [0] * self.batch_size
+        return SamplingParams(
+            to_device(self.temperature, torch.float32, device),
+            to_device(self.top_k, torch.int32, device),
+            to_device(self.top_p, torch.float32, device),
+            to_device(self.seed, torch.int64, device),
+            to_device(zeros, torch.int64, device),
+        )
 
 
 def make_requests(
@@ -118,17 +123,15 @@ def _eos_ids(eos_token_id, config_eos: Sequence[int]) -> tuple[int, ...]:
     return ids
 
 
-def to_device(values: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host values to the device without making the host wait (pinned buffer, asynchronous copy)."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
-
-
-def offsets_on(counts: list[int], device: torch.device) -> torch.Tensor:
-    """int32 ``[B+1]`` cu_seqlens-style offsets of host ``counts``, sent without waiting."""
-    out = [0]
-    for c in counts:
-        out.append(out[-1] + c)
-    return to_device(out, torch.int32, device)
+def encode_prompts(prompts, tokenizer) -> list:
+    """Token ids as given, or strings encoded with a ``tokenizers.Tokenizer``."""
+    if isinstance(prompts, (str, bytes)):
+        raise TypeError("prompts must be a list of prompts, not a single string")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise ValueError(f"prompts[{i}] is text: pass tokenizer= to encode it")
+            p = tokenizer.encode(p).ids
+        out.append(p)
+    return out

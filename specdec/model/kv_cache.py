@@ -43,38 +43,12 @@ from collections.abc import Sequence
 
 import torch
 
+from specdec._transfer import to_device
 from specdec.kernels._checks import check_offsets, check_tensor
 from specdec.kernels.kv_cache_ops import DTYPES, check_accepted_path, kv_append, kv_compact
+from specdec.model.block_allocator import BlockAllocator
 
 LAYOUTS = ("contiguous", "paged")
-
-
-class BlockAllocator:
-    """Free list of physical block ids (host side); detects double frees and foreign ids."""
-
-    def __init__(self, num_blocks: int):
-        self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: low ids are handed out first
-        self._in_use = [False] * num_blocks
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise ValueError(f"cannot allocate {n} blocks: only {len(self._free)} of {self.num_blocks} are free")
-        ids = [self._free.pop() for _ in range(n)]
-        for i in ids:
-            self._in_use[i] = True
-        return ids
-
-    def free(self, ids: Sequence[int]) -> None:
-        for i in ids:
-            if not 0 <= i < self.num_blocks or not self._in_use[i]:
-                raise ValueError(f"block {i} is not allocated")
-            self._in_use[i] = False
-            self._free.append(i)
 
 
 class KVCache:
@@ -159,7 +133,7 @@ class KVCache:
             self.allocator = BlockAllocator(num_blocks)
             self._blocks: list[list[int]] = [[] for _ in range(batch_size)]  # block ids per request, in order
             self._host_tables = torch.zeros(batch_size, max_blocks, dtype=torch.int32)
-            self.block_tables = self._host_tables.to(self.device)
+            self.block_tables = torch.zeros_like(self._host_tables, device=self.device)
             shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         self.data = torch.zeros(shape, dtype=dtype, device=self.device)
 
@@ -181,10 +155,6 @@ class KVCache:
         if not isinstance(l, int) or not 0 <= l < self.num_layers:
             raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {l!r}")
         return self.data[l, 0], self.data[l, 1]
-
-    @property
-    def capacity(self) -> int:
-        return self.max_len
 
     def room(self) -> list[int]:
         """Free slots each request is guaranteed (from the host bounds; no device sync)."""
@@ -274,7 +244,7 @@ class KVCache:
                     raise ValueError(f"counts[{b}] = {c} must be in [0, {self.max_len - bound}] (capacity)")
             if self.layout == "paged":
                 self._grow_pages([bound + c for bound, c in zip(self._bound, added)])
-            self.seq_lens += torch.tensor(added, dtype=torch.int32).to(self.device)
+            self.seq_lens += to_device(added, torch.int32, self.device)
         self._commit([bound + c for bound, c in zip(self._bound, added)])
 
     def compact(self, accepted_path: torch.Tensor) -> None:
@@ -282,7 +252,8 @@ class KVCache:
 
         ``accepted_path [B, P]`` int32 holds local node indices, root first, strictly increasing,
         padded with -1: the K/V of node ``path[b, j]`` moves from ``seq_lens[b] + path[b, j]`` to
-        ``seq_lens[b] + j``, then ``seq_lens[b]`` grows by the number of valid entries.
+        ``seq_lens[b] + j``, then ``seq_lens[b]`` grows by the number of valid entries. A CPU path is
+        validated first (reading ``seq_lens`` back: a sync on a GPU); a path on the cache's device is not.
         """
         check_tensor("accepted_path", accepted_path, dtype=torch.int32, shape=(self.batch_size, None))
         pending = self._pending or [0] * self.batch_size
@@ -294,7 +265,9 @@ class KVCache:
                         f"accepted_path[{b}] = {row} names node {row[counts[b] - 1]} but only "
                         f"{written} nodes were written for request {b} this step"
                     )
-        kv_compact(self.data, self.seq_lens, accepted_path.to(self.device), self.block_tables, tickets=self._tickets)
+        if accepted_path.device != self.device:
+            accepted_path = to_device(accepted_path, torch.int32, self.device)
+        kv_compact(self.data, self.seq_lens, accepted_path, self.block_tables, tickets=self._tickets)
         width = accepted_path.shape[1]
         self._commit([bound + min(width, written) for bound, written in zip(self._bound, pending)])
 
@@ -315,7 +288,7 @@ class KVCache:
         lengths = self._host_ints("lengths", lengths)
         if any(n < 0 for n in lengths):
             raise ValueError(f"lengths must be >= 0, got {lengths}")
-        torch.minimum(self.seq_lens, torch.tensor(lengths, dtype=torch.int32).to(self.device), out=self.seq_lens)
+        torch.minimum(self.seq_lens, to_device(lengths, torch.int32, self.device), out=self.seq_lens)
         self._commit([min(bound, n) for bound, n in zip(self._bound, lengths)])
 
     def rollback(self, n: int | Sequence[int] | torch.Tensor) -> None:
@@ -331,7 +304,7 @@ class KVCache:
         drop = [n] * self.batch_size if isinstance(n, int) else self._host_ints("n", n)
         if any(d < 0 for d in drop):
             raise ValueError(f"n must be >= 0, got {n}")
-        shift = torch.tensor(drop, dtype=torch.int32).to(self.device)
+        shift = to_device(drop, torch.int32, self.device)
         torch.clamp(self.seq_lens - shift, min=0, out=self.seq_lens)
         self._commit([max(bound - d, 0) for bound, d in zip(self._bound, drop)])
 
@@ -347,7 +320,7 @@ class KVCache:
                 raise ValueError(f"requests must hold ints in [0, {self.batch_size}), got {b!r}")
         if not requests:
             return
-        self.seq_lens[torch.tensor(requests, device=self.device)] = 0
+        self.seq_lens.index_fill_(0, to_device(requests, torch.int64, self.device), 0)
         for b in requests:  # other requests keep any uncommitted tokens of this step
             self._bound[b] = 0
             if self._pending is not None:
@@ -411,8 +384,7 @@ class KVCache:
                 self._host_tables[b, first : first + missing] = torch.tensor(ids, dtype=torch.int32)
                 changed = True
         if changed:
-            host = self._host_tables.pin_memory() if self.block_tables.is_cuda else self._host_tables
-            self.block_tables.copy_(host, non_blocking=True)  # a fresh pinned copy: no host wait
+            to_device(self._host_tables, torch.int32, self.device, out=self.block_tables)
 
     def _trim_pages(self) -> None:
         """Return blocks past each request's bound (plus any uncommitted tokens) to the free list."""

@@ -3,7 +3,9 @@
 Block (Touvron et al. 2023): x += Attn(RMSNorm(x)); x += MLP(RMSNorm(x)), with rotary
 position embeddings (Su et al. 2021; "llama3" and "linear" frequency scaling),
 grouped-query attention (Ainslie et al. 2023) and a SwiGLU MLP (Shazeer 2020).
-Parameter names are HuggingFace's, so a LLaMA/Mistral/Qwen2 state dict loads as is.
+Parameter names are HuggingFace's, except that q/k/v and gate/up are fused into one
+projection each (``qkv_proj``, ``gate_up_proj``: one GEMM each); ``hf_layout`` maps a
+LLaMA/Mistral/Qwen2 checkpoint's tensors onto them and back.
 
 One forward serves prefill, decode and tree verification (see attention_metadata):
 every layer writes its K/V for the query rows through ``cache.write`` and attends
@@ -23,6 +25,7 @@ from torch import nn
 
 from specdec.kernels import tree_attention
 from specdec.kernels._checks import check_tensor
+from specdec.model import hf_layout
 from specdec.model.attention_metadata import AttentionMetadata
 from specdec.model.config import ModelConfig
 from specdec.model.loader import load_tensors
@@ -64,16 +67,16 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         hidden = config.hidden_size
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        self.q_proj = nn.Linear(hidden, q_size, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
+        self.qkv_sizes = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(hidden, q_size + 2 * kv_size, bias=config.qkv_bias)  # rows: q, k, v
         self.o_proj = nn.Linear(q_size, hidden, bias=config.o_bias)
 
     def forward(self, x, cos, sin, metadata: AttentionMetadata, cache) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)  # [Tq, Hq, D]
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)  # [Tq, Hkv, D]
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)  # strided views of one GEMM's output
+        q = q.view(tokens, self.num_heads, self.head_dim)  # [Tq, Hq, D]
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)  # [Tq, Hkv, D]
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write(self.layer, k, v, metadata.q_offsets)
         k_cache, v_cache = cache.layer(self.layer)
@@ -94,12 +97,12 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
-        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.gate_up_proj = nn.Linear(hidden, 2 * inner, bias=bias)  # rows: gate, up
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -179,10 +182,19 @@ class LlamaModel(nn.Module):
 
         Example
         -------
-        >>> meta = AttentionMetadata(torch.tensor([0, 5], dtype=torch.int32))       # one 5-token prompt
+        >>> from specdec.model import causal_positions
+        >>> config = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2,
+        ...                      num_heads=2, num_kv_heads=1, head_dim=16)
+        >>> model = LlamaModel(config).requires_grad_(False)                  # random weights
+        >>> cache = model.new_cache(batch_size=1, max_len=8)
+        >>> prompt = torch.tensor([1, 5, 9, 2, 7])
+        >>> meta = AttentionMetadata(torch.tensor([0, 5], dtype=torch.int32))  # one 5-token prompt
+        >>> cache.reserve([5])                                                # rows per request (host sizes)
         >>> positions = causal_positions(meta.q_offsets, cache.seq_lens, 5)
         >>> logits, hidden = model(prompt, positions, meta, cache, logits_rows=torch.tensor([4]))
-        >>> cache.advance(torch.tensor([5], dtype=torch.int32))
+        >>> cache.advance([5])                                                # commit the prompt's K/V
+        >>> logits.shape, hidden.shape, cache.seq_lens.tolist()
+        (torch.Size([1, 32]), torch.Size([5, 32]), [5])
         """
         device = self.device
         check_tensor("tokens", tokens, dtype=INDEX_DTYPES, ndim=1, device=device)
@@ -224,8 +236,16 @@ class LlamaModel(nn.Module):
         )
 
     def expected_tensors(self) -> dict[str, tuple[int, ...]]:
-        """Checkpoint tensor name -> shape that this config needs."""
-        return {name: tuple(t.shape) for name, t in self.state_dict().items()}
+        """Checkpoint tensor name -> shape that this config needs (HuggingFace names: q/k/v, gate/up apart)."""
+        return hf_layout.checkpoint_shapes({n: tuple(t.shape) for n, t in self.state_dict().items()}, self.config)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The parameters under their checkpoint (HuggingFace) names; the fused ones split into views."""
+        return hf_layout.split(self.state_dict(), self.config)
+
+    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor], *, assign: bool = False) -> None:
+        """Load HuggingFace-named tensors (fusing q/k/v and gate/up); every parameter must be given."""
+        self.load_state_dict(hf_layout.fuse(tensors), assign=assign, strict=True)
 
     @classmethod
     def from_pretrained(
@@ -235,7 +255,12 @@ class LlamaModel(nn.Module):
 
         Example
         -------
-        >>> model = LlamaModel.from_pretrained("/models/TinyLlama-1.1B", dtype=torch.bfloat16, device="cuda")
+        >>> from pathlib import Path
+        >>> import specdec
+        >>> path = Path(specdec.__file__).parent / "assets" / "pair" / "target"   # the demo's embedded target
+        >>> model = LlamaModel.from_pretrained(path, dtype=torch.float32)
+        >>> model.config.num_layers, model.dtype, model.training
+        (9, torch.float32, False)
         """
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
@@ -244,6 +269,6 @@ class LlamaModel(nn.Module):
             model = cls(config)
         ignore = ("lm_head.weight",) if config.tie_word_embeddings else ()
         tensors = load_tensors(path, model.expected_tensors(), dtype=dtype, device=device, ignore=ignore)
-        model.load_state_dict(tensors, assign=True, strict=True)
+        model.load_hf_state_dict(tensors, assign=True)
         model.rope_inv_freq = config.rope_inv_freq(device)
         return model.requires_grad_(False).eval()

@@ -27,13 +27,13 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from specdec.demo import run_demo
+    from specdec.cli.demo import run_demo
 
     return run_demo(device=args.device)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from specdec.generate_cli import run_generate
+    from specdec.cli.generate import run_generate
 
     return run_generate(args)
 

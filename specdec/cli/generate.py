@@ -21,8 +21,8 @@ def load_tokenizer(path: str | Path):
 
 
 def build_strategy(args: argparse.Namespace, target, dtype, tokenizer):
-    """The drafting strategy the flags ask for (None: plain autoregressive decoding)."""
-    from specdec.decoding import DraftModelStrategy, NgramStrategy, check_same_vocabulary
+    """The drafting strategy the flags ask for (``NoDraft``: plain autoregressive decoding)."""
+    from specdec.decoding import DraftModelStrategy, NgramStrategy, NoDraft, check_same_vocabulary
     from specdec.model.llama import LlamaModel
 
     if args.ngram is not None:
@@ -32,7 +32,7 @@ def build_strategy(args: argparse.Namespace, target, dtype, tokenizer):
     if args.draft is None:
         if args.tree:
             raise ValueError("--tree needs --draft")
-        return None
+        return NoDraft()
     draft = LlamaModel.from_pretrained(args.draft, dtype=dtype, device=args.device)
     draft_tokenizer = load_tokenizer(args.draft) if (Path(args.draft) / "tokenizer.json").is_file() else None
     check_same_vocabulary(target, draft, tokenizer, draft_tokenizer)
@@ -78,7 +78,7 @@ def run_generate(args: argparse.Namespace) -> int:
     generated = sum(s.generated for s in stats)
     forwards = sum(s.target_forwards for s in stats)
     drafted, accepted = sum(s.drafted for s in stats), sum(s.accepted for s in stats)
-    name = "autoregressive" if strategy is None else strategy.name
+    name = strategy.name
     rate = f"{accepted / drafted:.2f}" if drafted else "n/a"
     print(
         f"\n[{name}] {generated} tokens in {elapsed:.2f} s ({generated / elapsed:.1f} tok/s), "

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-ASSETS = Path(__file__).resolve().parent / "assets" / "pair"
+ASSETS = Path(__file__).resolve().parents[1] / "assets" / "pair"
 CHAIN = 5
 TREE = (3, 2, 1, 1, 1)  # depth 5 like the chain; 28 nodes keep the CPU verify forward cheap
 
@@ -39,7 +39,7 @@ def pair_dirs(assets: str | Path = ASSETS) -> tuple[Path, Path]:
 
 def load_pair(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, assets: str | Path = ASSETS):
     """(target, draft, tokenizer): the embedded pair as specdec ``LlamaModel``s and its ``tokenizers.Tokenizer``."""
-    from specdec.generate_cli import load_tokenizer
+    from specdec.cli.generate import load_tokenizer
     from specdec.model.llama import LlamaModel
 
     target_dir, draft_dir = pair_dirs(assets)
@@ -59,11 +59,11 @@ def strategies(draft, tree_rule: str = "deterministic") -> list[tuple[str, objec
     ``tree_rule``: "deterministic" (top-k children; what greedy decoding wants) or "stochastic"
     (children sampled from the draft; SpecInfer's rule for sampling at temperature > 0).
     """
-    from specdec.decoding import DraftModelStrategy, NgramStrategy
+    from specdec.decoding import DraftModelStrategy, NgramStrategy, NoDraft
 
     tree = ",".join(map(str, TREE)) + ("" if tree_rule == "deterministic" else f" ({tree_rule})")
     return [
-        ("autoregressive", None),
+        ("autoregressive", NoDraft()),
         (f"draft chain K={CHAIN}", DraftModelStrategy(draft, (1,) * CHAIN)),
         (f"draft tree {tree}", DraftModelStrategy(draft, TREE, rule=tree_rule)),
         (f"n-gram K={CHAIN}", NgramStrategy(num_draft=CHAIN, max_ngram=3)),

@@ -1,0 +1,199 @@
+"""The drafting-strategy contract: what the engine asks of a drafter, and what it hands it.
+
+The engine (``specdec.decoding.engine``) runs one loop for every strategy. Per ``stream`` call:
+
+    attach(target)          once, when the decoder is built: refuse a target the drafter cannot serve
+    prefill(Prefill)        after the target's prefill forward: set up per-request state (caches, features)
+    commit(StepResult)      after the prefill's first token, and after every step: roll back, release
+    propose(StepContext)    at the start of every step: one token tree per running request
+
+and between ``propose`` and ``commit`` the engine runs one target forward over every proposed
+node, verifies the trees exactly (``rule`` below), compacts the target's KV cache and reads the
+emitted tokens back (the step's one host synchronisation).
+
+How to add a drafter
+--------------------
+Write a class with the members of ``Strategy`` (no base class needed; ``NoDraft`` below is the
+smallest complete example, ``NgramStrategy`` a model-free one, ``DraftModelStrategy`` one with
+its own model and KV cache) and pass it to ``SpeculativeDecoder(target, strategy)``:
+
+1. ``propose`` returns a ``Proposal``: per running request (in ``step.running`` order) a tree in
+   topological order whose node 0 is ``step.roots[r]`` (the last emitted token, not yet seen by
+   the target), with at most ``step.max_nodes[r]`` nodes and depth at most ``step.max_depth[r]``.
+   The engine checks this and refuses a proposal that breaks it, naming the strategy. A request
+   the drafter has nothing for gets the one-node tree ``[-1]`` (that step is plain decoding).
+2. Say how the children were chosen: ``rule="stochastic"`` when they were sampled from draft
+   distributions (pass them as ``draft_probs``: row i is the distribution node i's children
+   were drawn from, i.i.d.), ``rule="deterministic"`` when they were picked without sampling
+   (top-k, n-gram, top-1 heads). Either way the emitted tokens are distributed exactly as the
+   target's own sampling; greedy requests get the target's greedy tokens.
+3. Random numbers: draw from ``counter_uniform(seed ^ salt, params.offset, counter)`` with a
+   salt of your own, so a request's tokens depend on its own seed only, never on the batch.
+4. Features: ``Prefill.hidden`` and ``StepResult.hidden`` are the target's final-norm hidden
+   states of the rows it just ran (what Medusa heads and EAGLE read); they stay on the device.
+5. No host synchronisation: build tensors on the host from the host lists the engine gives
+   (``StepContext``), send them with ``specdec._transfer.to_device``, and never read a device
+   value back (no ``.item()``, ``.tolist()``, ``.cpu()``, ``nonzero()``, ``bool(tensor)``).
+6. Sizes: ``max_nodes`` and ``max_depth`` bound every tree the strategy can propose; the engine
+   sizes the KV caches with them and passes per-request limits (never above them) in each
+   ``StepContext``, so a caller that adapts draft sizes per request needs nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from specdec._transfer import to_device
+from specdec.decoding.proposal import Proposal
+from specdec.kernels.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """What a strategy gets once per ``stream`` call, right after the target's prefill forward.
+
+    prompts        list of B token lists; ``[]`` for a request that generates nothing (it never runs)
+    max_len        tokens per request the target's KV cache holds (a drafter's cache needs no more)
+    cache_options  the target cache's ``layout=`` / ``block_size=`` (a drafter's cache may match them)
+    hidden         [T, H] device: the target's final-norm hidden states of every prompt token
+    q_offsets      [B+1] int32 device: request b's rows of ``hidden`` are q_offsets[b] .. q_offsets[b+1]-1
+    """
+
+    prompts: list[list[int]]
+    max_len: int
+    cache_options: dict
+    hidden: torch.Tensor
+    q_offsets: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What a strategy sees when proposing. Host lists have one entry per running request.
+
+    running        batch slots of the running requests (the order of every per-request list here)
+    batch_size     B, the number of slots (running or not)
+    roots          last emitted token of each request: the root of its tree, not yet seen by the target
+    previous       the token before it (the last one the target has cached)
+    histories      prompt + generated tokens so far (roots included)
+    max_depth      longest root-to-leaf path allowed (tokens still to generate - 1, and the strategy's own)
+    max_nodes      nodes allowed per tree, root included (>= 1, <= the strategy's ``max_nodes``)
+    params         sampling parameters of the running requests, ``[R]`` device tensors; ``offset`` =
+                   tokens the request has generated so far
+    greedy         every running request has temperature 0 (a host fact: skip filtering and uniforms)
+    device         the target's device
+    """
+
+    running: list[int]
+    batch_size: int
+    roots: list[int]
+    previous: list[int]
+    histories: list[list[int]]
+    max_depth: list[int]
+    max_nodes: list[int]
+    params: SamplingParams
+    greedy: bool
+    device: torch.device
+
+    def full_counts(self, per_request: int | Sequence[int]) -> list[int]:
+        """Rows per batch slot: ``per_request`` for running requests (in running order), 0 elsewhere."""
+        counts = [0] * self.batch_size
+        values = [per_request] * len(self.running) if isinstance(per_request, int) else list(per_request)
+        for b, c in zip(self.running, values):
+            counts[b] = c
+        return counts
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What verification decided, handed to ``commit``. Per-request lists follow ``running``.
+
+    After the prefill the "trees" are one node per request (its last prompt token, which produced
+    the first generated token): ``accepted_path`` is all root, ``hidden`` holds those rows.
+
+    running        batch slots verified this step
+    lengths        B host ints: tokens the target has committed per slot (prompt + generated - 1:
+                   the last emitted token is the next root, not cached yet)
+    finished       slots that ended this step (EOS, length or invalid logits): release their state
+    accepted       host ints: draft nodes accepted per running request (emitted = accepted + 1)
+    accepted_path  [R, P] int32 device: local node indices of the accepted path, root first, -1 padded
+    hidden         [N, H] device: the target's final-norm hidden states of every node verified
+    node_offsets   [R+1] int32 device: tree r's rows of ``hidden`` are node_offsets[r] .. node_offsets[r+1]-1
+    """
+
+    running: list[int]
+    lengths: list[int]
+    finished: list[int]
+    accepted: list[int]
+    accepted_path: torch.Tensor
+    hidden: torch.Tensor
+    node_offsets: torch.Tensor
+
+
+@runtime_checkable
+class Strategy(Protocol):
+    """A drafter, as the engine sees it (see the module docstring for how to write one).
+
+    ``name``: a label for reports. ``max_nodes``: the largest tree the strategy proposes, root
+    included (1: it proposes nothing). ``max_depth``: the longest root-to-leaf path of those trees,
+    in draft tokens (0: it proposes nothing).
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def max_nodes(self) -> int: ...
+
+    @property
+    def max_depth(self) -> int: ...
+
+    def attach(self, target) -> None:
+        """Check that the strategy can serve ``target`` (e.g. the same vocabulary); ValueError if not."""
+
+    def prefill(self, prefill: Prefill) -> None:
+        """Start a ``stream`` call: allocate per-request state for ``len(prefill.prompts)`` slots."""
+
+    def propose(self, step: StepContext) -> Proposal:
+        """One tree per running request, within ``step.max_nodes`` and ``step.max_depth``."""
+
+    def commit(self, result: StepResult) -> None:
+        """Follow what was accepted (roll caches back to ``result.lengths``), release finished slots."""
+
+
+class NoDraft:
+    """Plain autoregressive decoding as a strategy: every tree is its root alone.
+
+    The target's forward then scores one row per request and verification just samples the
+    next token, with the same filter and random numbers as every speculative strategy.
+    """
+
+    name = "autoregressive"
+    max_nodes = 1
+    max_depth = 0
+
+    def attach(self, target) -> None:
+        pass
+
+    def prefill(self, prefill: Prefill) -> None:
+        pass
+
+    def propose(self, step: StepContext) -> Proposal:
+        roots = to_device(step.roots, torch.int64, step.device)
+        return Proposal(roots, [[-1]] * len(step.running), rule="deterministic")
+
+    def commit(self, result: StepResult) -> None:
+        pass
+
+
+def check_same_vocabulary(target, draft, target_tokenizer=None, draft_tokenizer=None) -> None:
+    """Refuse a draft whose vocabulary (size, or tokenizer when both are given) differs from the target's."""
+    vt, vd = target.config.vocab_size, draft.config.vocab_size
+    if vt != vd:
+        raise ValueError(f"draft and target must share a vocabulary: target has {vt} tokens, draft has {vd}")
+    if target_tokenizer is not None and draft_tokenizer is not None:
+        if target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
+            raise ValueError("draft and target tokenizers differ (their token-to-id maps are not the same)")
