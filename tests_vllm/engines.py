@@ -65,8 +65,10 @@ def engine(spec: str, with_plugin: bool, max_num_seqs: int = 16) -> LLM:
             _engines.popitem(last=False)
             gc.collect()
         (plugin.register if with_plugin else plugin.unregister)()
-        _engines[key] = LLM(model=TARGET, dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
-                            max_num_seqs=max_num_seqs, speculative_config=SPECS[spec], disable_log_stats=False)  # fmt: skip
+        _engines[key] = LLM(
+            model=TARGET, dtype="float32", enforce_eager=True, max_model_len=512, seed=0, max_num_seqs=max_num_seqs,
+            speculative_config=SPECS[spec], disable_log_stats=False,
+        )  # fmt: skip
         plugin.unregister()
     _engines.move_to_end(key)
     return _engines[key]

@@ -115,7 +115,8 @@ def _v2_classes():
             return None
 
         def _verify(self, logits, draft_logits, draft_sampled, pos, cu_num_logits, idx_mapping, idx_mapping_np,
-                    expanded_idx_mapping, expanded_local_pos, seq_lens_upper_bound_np, verify_draft_sampled):  # fmt: skip
+                    expanded_idx_mapping, expanded_local_pos, seq_lens_upper_bound_np,
+                    verify_draft_sampled):  # fmt: skip
             reason = self._unsupported()
             if reason is not None:
                 plugin.note_fallback(reason)

@@ -90,7 +90,8 @@ def _verify_exact(
     accepted = result.num_accepted.sum().to(torch.int64)
     invalid_count = invalid.sum().to(torch.int64)
     pair = torch.stack((accepted, invalid_count))
-    _accepted_total = pair if _accepted_total is None or _accepted_total.device != pair.device else _accepted_total + pair
+    same_device = _accepted_total is not None and _accepted_total.device == pair.device
+    _accepted_total = _accepted_total + pair if same_device else pair
     return tokens, result.num_accepted
 
 
