@@ -30,7 +30,7 @@ timeout 180 $py -m pytest tests -q -k triton -m "not gpu" -p no:cacheprovider 2>
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
 echo "== microbenchmarks (kernels first)"
-for name in bench_tree_attention bench_verify bench_kv_rollback bench_model bench_e2e; do
+for name in bench_tree_attention bench_verify bench_kv_rollback bench_model_ops bench_model bench_e2e; do
   if [ "$(left)" -lt 30 ]; then
     echo "$name: not run, the ${budget}s budget was spent" | tee -a "$out/skipped.txt"
     continue

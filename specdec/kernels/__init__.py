@@ -7,7 +7,10 @@ kernels on the CPU (see ``specdec._backend``).
 """
 
 from specdec.kernels.kv_cache_ops import kv_append, kv_compact
+from specdec.kernels.rms_norm import add_rms_norm, rms_norm
+from specdec.kernels.rotary import apply_rotary
 from specdec.kernels.sampling import counter_uniform
+from specdec.kernels.silu_mul import silu_mul
 from specdec.kernels.tree_attention import tree_attention
 from specdec.kernels.tree_metadata import TreeMetadata, build_tree_metadata, pack_mask_rows, unpack_mask_rows
 from specdec.kernels.verify_chain import ChainVerifyResult, sample, verify_chain
@@ -17,12 +20,16 @@ __all__ = [
     "ChainVerifyResult",
     "TreeMetadata",
     "TreeVerifyResult",
+    "add_rms_norm",
+    "apply_rotary",
     "build_tree_metadata",
     "counter_uniform",
     "kv_append",
     "kv_compact",
     "pack_mask_rows",
+    "rms_norm",
     "sample",
+    "silu_mul",
     "tree_attention",
     "unpack_mask_rows",
     "verify_chain",

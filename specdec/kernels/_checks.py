@@ -79,3 +79,13 @@ def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
         elif value.device != device:
             raise ValueError(f"{name} is on {value.device} but {first} is on {device}")
     return device
+
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_rows(name: str, value: torch.Tensor) -> torch.Tensor:
+    """A tensor whose last dim is contiguous (any strides before it: views of a fused projection)."""
+    if value.dim() and value.shape[-1] > 1 and value.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dim; call .contiguous() first")
+    return value
