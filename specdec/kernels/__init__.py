@@ -8,12 +8,13 @@ kernels on the CPU (see ``specdec._backend``).
 
 from specdec.kernels.kv_cache_ops import kv_append, kv_compact
 from specdec.kernels.sampling import counter_uniform
-from specdec.kernels.tree_attention import tree_attention
+from specdec.kernels.tree_attention import AttentionPlan, plan_attention, run_attention, tree_attention
 from specdec.kernels.tree_metadata import TreeMetadata, build_tree_metadata, pack_mask_rows, unpack_mask_rows
 from specdec.kernels.verify_chain import ChainVerifyResult, sample, verify_chain
 from specdec.kernels.verify_tree import TreeVerifyResult, verify_tree
 
 __all__ = [
+    "AttentionPlan",
     "ChainVerifyResult",
     "TreeMetadata",
     "TreeVerifyResult",
@@ -22,6 +23,8 @@ __all__ = [
     "kv_append",
     "kv_compact",
     "pack_mask_rows",
+    "plan_attention",
+    "run_attention",
     "sample",
     "tree_attention",
     "unpack_mask_rows",
