@@ -9,9 +9,9 @@ per (request, KV head, query tile): for decode and for trees of up to 256 / G no
 tiles are split over programs (flash-decoding) and merged by their log-sum-exp.
 
 Bounds. Every lane's address lies inside its buffer, masked lanes included: query rows,
-positions, page columns, block ids, mask words, head-dim lanes and split lanes are
-clamped into range before they form an address, and a row or position outside the
-request's data is masked off. So inputs whose *values* were not checked (a GPU hot
+positions, page columns, block ids, mask words and split lanes are clamped into range
+before they form an address, padding head-dim lanes fold back into the row (``_lanes``),
+and a row or position outside the request's data is masked off. So inputs whose *values* were not checked (a GPU hot
 path) may give wrong numbers but never touch memory outside q, the caches, the mask,
 the block table, out or lse.
 """
@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 
+from specdec.kernels._lanes import lane_alignment, row_lanes
 from specdec.kernels._triton import jit, tl
 
 LN2 = math.log(2.0)
@@ -32,19 +33,6 @@ MAX_HEAD_DIM = 256  # widest head the Triton tiles hold (BLOCK_D); the PyTorch p
 # --------------------------------------------------------------------------------------------
 # Triton kernels
 # --------------------------------------------------------------------------------------------
-
-
-@jit
-def _head_lanes(d, HEAD_DIM, BLOCK_D: tl.constexpr, PAD_D: tl.constexpr):
-    # Lane d's head-dim index for addresses: d itself, or with padding (HEAD_DIM < BLOCK_D) an index
-    # inside the row for the masked lanes d >= HEAD_DIM: d + HEAD_DIM - BLOCK_D, which keeps runs of
-    # PAD_D lanes contiguous and aligned (PAD_D divides HEAD_DIM), so loads stay vectorised.
-    if PAD_D == 0:
-        return d
-    lanes = tl.maximum(tl.where(d < HEAD_DIM, d, d + HEAD_DIM - BLOCK_D), 0)
-    if PAD_D > 1:
-        lanes = tl.max_contiguous(tl.multiple_of(lanes, PAD_D), PAD_D)
-    return lanes
 
 
 @jit
@@ -94,7 +82,7 @@ def tree_attention_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,  # KV positions per step
     BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two >= 16
-    PAD_D: tl.constexpr,  # 0 when HEAD_DIM == BLOCK_D, else the padding lanes' contiguity (see _head_lanes)
+    PAD_D: tl.constexpr,  # lane_alignment(HEAD_DIM, BLOCK_D): padding lanes fold back into the row
     SEARCH_STEPS: tl.constexpr,  # >= log2(B + 1)
     PAGED: tl.constexpr,
     TREE: tl.constexpr,  # bit-packed mask rows, else causal
@@ -131,7 +119,7 @@ def tree_attention_kernel(
     q_row = tl.minimum(tl.maximum(q_start + tok, 0), T - 1).to(tl.int64)  # every lane addresses a real row
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    d_at = _head_lanes(d, HEAD_DIM, BLOCK_D, PAD_D)
+    d_at = row_lanes(d, HEAD_DIM, BLOCK_D, PAD_D)
     q = tl.load(
         q_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + d_at[None, :],
         mask=row_ok[:, None] & d_ok[None, :],
@@ -264,7 +252,7 @@ def merge_splits_kernel(
     s_at = tl.minimum(s, NUM_SPLITS - 1).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    d_at = _head_lanes(d, HEAD_DIM, BLOCK_D, PAD_D)
+    d_at = row_lanes(d, HEAD_DIM, BLOCK_D, PAD_D)
     part_lse = tl.load(part_lse_ptr + s_at * stride_qs + t * stride_qt + h * stride_qh, mask=s_ok, other=float("-inf"))
     m = tl.max(part_lse, 0)
     m_ref = tl.where(m == float("-inf"), 0.0, m)
@@ -317,15 +305,6 @@ def tile_config(tokens: int, batch: int, group: int, head_dim: int, num_splits: 
     return TileConfig(block_m, block_m // group, block_n, block_d, 8 if block_m >= 128 else 4, num_splits)
 
 
-def pad_lanes(head_dim: int, block_d: int) -> int:
-    """The kernels' PAD_D: 0 without padding, else the run length of contiguous lanes in ``_head_lanes``."""
-    if head_dim == block_d:
-        return 0
-    if 2 * head_dim < block_d:  # tiny heads: padding lanes clamp to 0, no runs to promise
-        return 1
-    return min(16, head_dim & -head_dim)
-
-
 def default_splits(device: torch.device, tokens: int, batch: int, kv_heads: int, block: TileConfig, context: int):
     """Split each tile's context until the grid covers the GPU about twice (1 off the GPU)."""
     if device.type != "cuda":
@@ -365,7 +344,7 @@ def triton_launches(q, k_cache, v_cache, q_offsets, prefix_lens, tree_start, tre
         dest_out.stride(0), dest_out.stride(1), dest_out.stride(2),
         *((dest_lse.stride(0), dest_lse.stride(1), dest_lse.stride(2)) if dest_lse is not None else (0, 0, 0)),
     )  # fmt: skip
-    pad_d = pad_lanes(head_dim, tile.block_d)
+    pad_d = lane_alignment(head_dim, tile.block_d)
     main_meta = dict(
         BLOCK_M=tile.block_m, BLOCK_Q=tile.block_q, BLOCK_N=tile.block_n, BLOCK_D=tile.block_d, PAD_D=pad_d,
         num_warps=tile.num_warps, SEARCH_STEPS=max(1, batch.bit_length()), PAGED=paged, TREE=tree,

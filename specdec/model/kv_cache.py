@@ -44,7 +44,9 @@ from collections.abc import Sequence
 import torch
 
 from specdec.kernels._checks import check_offsets, check_tensor
-from specdec.kernels.kv_cache_ops import DTYPES, check_accepted_path, kv_append, kv_compact
+from specdec.kernels.kv_append import kv_append
+from specdec.kernels.kv_compact import check_accepted_path, kv_compact
+from specdec.kernels.kv_layout import DTYPES
 
 LAYOUTS = ("contiguous", "paged")
 
