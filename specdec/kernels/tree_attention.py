@@ -145,9 +145,9 @@ def tree_attention(
         table, mask rows wide enough, block ids in range). Default: only for CPU tensors, where
         it costs no device sync; pass True to check CUDA inputs too (one sync). Shapes, dtypes,
         devices, head counts and, for a single request, the mask width are always checked.
-        Unchecked values never make a kernel touch memory outside its buffers (positions past
-        the capacity, bits past ``W * 64`` and block columns past ``max_blocks`` are never read;
-        block ids are clamped into the pool), but give wrong results.
+        Unchecked values give wrong results but never move a kernel's access outside its buffers
+        (positions past the capacity, bits past ``W * 64`` and block columns past ``max_blocks``
+        are never read), provided the block ids the table holds lie in the pool.
     num_splits : Triton path only: split each request's context over this many programs
         (default: chosen from the device's size).
 

@@ -9,11 +9,14 @@ per (request, KV head, query tile): for decode and for trees of up to 256 / G no
 tiles are split over programs (flash-decoding) and merged by their log-sum-exp.
 
 Bounds. Every lane's address lies inside its buffer, masked lanes included: query rows,
-positions, page columns, block ids, mask words and split lanes are clamped into range
-before they form an address, padding head-dim lanes fold back into the row (``_lanes``),
-and a row or position outside the request's data is masked off. So inputs whose *values* were not checked (a GPU hot
-path) may give wrong numbers but never touch memory outside q, the caches, the mask,
-the block table, out or lse.
+positions, page columns, mask words and split lanes are clamped into range before they
+form an address, padding head-dim lanes fold back into the row (``_lanes``), and a row or
+position outside the request's data is masked off. So index tensors whose *values* were
+not checked (a GPU hot path) may give wrong numbers but never move an access outside q,
+the caches, the mask, the block table, out or lse -- except block ids themselves: the
+kernel reads the blocks the table names (clamping them cost ~40 registers per thread in
+batch-1 split decode), so they must lie in the pool (``check_bounds`` checks them, and
+``KVCache`` keeps unused columns at valid ids).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ MAX_HEAD_DIM = 256  # widest head the Triton tiles hold (BLOCK_D); the PyTorch p
 
 @jit
 def tree_attention_kernel(
-    # q [T, Hq, D]; k, v [ROWS, SLOTS, Hkv, D]: contiguous (a row per request) or paged (a block per row)
+    # q [T, Hq, D]; k, v [rows, SLOTS, Hkv, D]: contiguous (a row per request) or paged (a block per row)
     # out [S, T, Hq, D] and lse [S, T, Hq]: per-split partials (fp32) when NUM_SPLITS > 1, else the results
     q_ptr,
     k_ptr,
@@ -55,7 +58,6 @@ def tree_attention_kernel(
     GROUP,  # query heads per KV head
     HEAD_DIM,
     MASK_WORDS,
-    ROWS,  # cache rows (contiguous) or blocks (paged)
     SLOTS,  # positions per row (contiguous) or per block (paged)
     MAX_BLOCKS,
     NUM_SPLITS,  # programs sharing one tile's context
@@ -148,16 +150,18 @@ def tree_attention_kernel(
     for start in range(kv_lo, kv_hi, BLOCK_N):
         pos = start + cols
         pos_ok = pos < kv_hi
-        pos_at = tl.minimum(pos, capacity - 1)
+        # lanes past the context still address cache slots: a table column and a slot of a real block
+        # (paged), or a position inside the request's row (contiguous)
         if PAGED:
-            page = tl.minimum(pos_at // SLOTS, MAX_BLOCKS - 1)
+            page = tl.minimum(pos // SLOTS, MAX_BLOCKS - 1)
             block = tl.load(block_table_ptr + req * stride_bt + page, mask=pos_ok, other=0)
-            block = tl.minimum(tl.maximum(block, 0), ROWS - 1).to(tl.int64)  # a bad id stays in the pool
-            k_off = block * stride_kb + (pos_at % SLOTS) * stride_kt
-            v_off = block * stride_vb + (pos_at % SLOTS) * stride_vt
+            block = block.to(tl.int64)  # ids are trusted (see the module docstring)
+            k_off = block * stride_kb + (pos % SLOTS) * stride_kt
+            v_off = block * stride_vb + (pos % SLOTS) * stride_vt
         else:
-            k_off = req.to(tl.int64) * stride_kb + pos_at.to(tl.int64) * stride_kt
-            v_off = req.to(tl.int64) * stride_vb + pos_at.to(tl.int64) * stride_vt
+            pos_at = tl.minimum(pos, SLOTS - 1).to(tl.int64)
+            k_off = req.to(tl.int64) * stride_kb + pos_at * stride_kt
+            v_off = req.to(tl.int64) * stride_vb + pos_at * stride_vt
         k = tl.load(
             k_ptr + k_off[None, :] + kv_head * stride_kh + d_at[:, None],
             mask=pos_ok[None, :] & d_ok[:, None],
@@ -336,8 +340,8 @@ def triton_launches(q, k_cache, v_cache, q_offsets, prefix_lens, tree_start, tre
     main_args = (
         q, k_cache, v_cache, q_offsets, prefix_lens, tree_start, mask, table, dest_out,
         dest_lse if dest_lse is not None else dummy,
-        batch, tokens, heads // kv_heads, head_dim, mask.shape[-1] if tree else 1, k_cache.shape[0],
-        k_cache.shape[1], table.shape[-1] if paged else 1, splits, softmax_scale / LN2,
+        batch, tokens, heads // kv_heads, head_dim, mask.shape[-1] if tree else 1, k_cache.shape[1],
+        table.shape[-1] if paged else 1, splits, softmax_scale / LN2,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         mask.stride(0) if tree else 0, table.stride(0) if paged else 0,
