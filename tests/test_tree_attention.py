@@ -719,3 +719,13 @@ def test_head_dims_past_the_triton_tile_are_for_the_torch_path_only():
         out = tree_attention(*args, causal=True)
     ref, _ = tree_attention_reference(q, kv, kv, args[3], args[4], None, None, 272**-0.5)
     assert_close(out, ref, 1e-5, 1e-5, "head dim 272")
+
+
+def test_docstring_examples():
+    import doctest
+    import importlib
+
+    for name in ("specdec.kernels.tree_attention", "specdec.kernels.attention_plan"):
+        module = importlib.import_module(name)  # (the package re-exports tree_attention under the module's name)
+        result = doctest.testmod(module, extraglobs={"torch": torch})
+        assert result.attempted > 0 and result.failed == 0, name

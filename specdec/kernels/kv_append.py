@@ -131,20 +131,37 @@ def kv_append_torch(data, layer, k, v, seq_lens, q_offsets, block_tables) -> Non
         return
     batch = seq_lens.shape[0]
     t = torch.arange(tokens, device=k.device)
-    b = torch.searchsorted(q_offsets[1:].contiguous(), t.to(q_offsets.dtype), right=True)  # request of each token
-    keep = b < batch
-    b = b.clamp_(max=batch - 1)
-    pos = seq_lens.long()[b] + t - q_offsets.long()[b]
-    keep &= (pos >= 0) & (pos < capacity(data, block_tables))
-    if block_tables is not None:
-        page = (pos // data.shape[3]).clamp_(0, block_tables.shape[1] - 1)
-        block = block_tables[b, page]
-        keep &= (block >= 0) & (block < data.shape[2])
-    if not bool(keep.all()):  # (a device read: this path's one sync on a GPU; checked calls always pass)
-        t, b, pos = t[keep], b[keep], pos[keep]
+    b = torch.searchsorted(q_offsets[1:], t.to(q_offsets.dtype), right=True).clamp_(max=batch - 1)
+    pos = seq_lens[b] + (t - q_offsets[b])
+    rows = _rows_inside(data, block_tables, q_offsets, t, b, pos)
+    if rows is not None:
+        b, pos = b[rows], pos[rows]
     where = slots(data, block_tables, b, pos)
-    data[layer, 0][where] = k[t]
-    data[layer, 1][where] = v[t]
+    data[layer, 0][where] = k if rows is None else k[rows]
+    data[layer, 1][where] = v if rows is None else v[rows]
+
+
+def _rows_inside(data, block_tables, q_offsets, t, b, pos):
+    """None when every token lands in its request's slots, else the indices of those that do.
+
+    The common case costs one read of a few extremes (a sync on a GPU), not a mask per token.
+    """
+    room = capacity(data, block_tables)
+    low, high = torch.aminmax(pos)
+    extremes = [q_offsets[-1].long(), low, high]
+    if block_tables is not None:
+        block = block_tables[b, (pos // data.shape[3]).clamp(0, block_tables.shape[1] - 1)]
+        extremes += [x.long() for x in torch.aminmax(block)]
+    values = torch.stack(extremes).tolist()
+    fits = values[0] >= t.numel() and values[1] >= 0 and values[2] < room
+    if block_tables is not None:
+        fits = fits and values[3] >= 0 and values[4] < data.shape[2]
+    if fits:
+        return None
+    keep = (t < q_offsets[-1]) & (pos >= 0) & (pos < room)
+    if block_tables is not None:
+        keep &= (block >= 0) & (block < data.shape[2])
+    return keep.nonzero().squeeze(1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -224,12 +241,13 @@ def kv_append(
         check_bounds = device.type == "cpu"
     if check_bounds:
         _check_positions(data, block_tables, seq_lens, check_offsets("q_offsets", q_offsets, total=k.shape[0]))
-    kv_append_op(data, layer, k, v, seq_lens, q_offsets.contiguous(), block_tables)
+    kv_append_op.run(data, layer, k, v, seq_lens, q_offsets.contiguous(), block_tables)
 
 
 def _check_positions(data, block_tables, seq_lens, bounds: list[int]) -> None:
     """Every token inside its request's capacity, on real blocks (reads values)."""
     room = capacity(data, block_tables)
+    ends = []
     for b, start in enumerate(seq_lens.tolist()):
         count = bounds[b + 1] - bounds[b]
         if start < 0:
@@ -239,7 +257,8 @@ def _check_positions(data, block_tables, seq_lens, bounds: list[int]) -> None:
                 f"request {b} would write position {start + count - 1} ({start} cached + {count} new), past its "
                 f"capacity of {room} positions"
             )
-        check_block_ids(data, block_tables, b, start + count if count else 0)
+        ends.append(start + count if count else 0)
+    check_block_ids(data, block_tables, ends)
 
 
 # --------------------------------------------------------------------------------------------

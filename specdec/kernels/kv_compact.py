@@ -143,14 +143,15 @@ def kv_compact_torch(data, seq_lens, accepted_path, block_tables, tickets) -> No
     start = seq_lens.long()[:, None]
     src, dst = start + node, start + j
     room = capacity(data, block_tables)
-    move = accepted & (src != dst) & (src >= 0) & (src < room) & (dst >= 0) & (dst < room)
-    if block_tables is not None:
-        for pos in (src, dst):
-            block = block_tables.long().gather(1, (pos // data.shape[3]).clamp(0, block_tables.shape[1] - 1))
-            move &= (block >= 0) & (block < data.shape[2])
+    move = accepted & (src != dst) & (torch.minimum(src, dst) >= 0) & (torch.maximum(src, dst) < room)
     b, j = move.nonzero(as_tuple=True)  # a chain has nothing here
-    rows = data[(slice(None), slice(None)) + slots(data, block_tables, b, src[b, j])].clone()
-    data[(slice(None), slice(None)) + slots(data, block_tables, b, dst[b, j])] = rows
+    src_at, dst_at = slots(data, block_tables, b, src[b, j]), slots(data, block_tables, b, dst[b, j])
+    if block_tables is not None:  # skip moves from or to a block id outside the pool
+        inside = (torch.minimum(src_at[0], dst_at[0]) >= 0) & (torch.maximum(src_at[0], dst_at[0]) < data.shape[2])
+        if not bool(inside.all()):
+            src_at, dst_at = [x[inside] for x in src_at], [x[inside] for x in dst_at]
+    rows = data[:, :, src_at[0], src_at[1]].clone()
+    data[:, :, dst_at[0], dst_at[1]] = rows
     seq_lens += accepted.sum(1, dtype=torch.int32)
 
 
@@ -226,11 +227,11 @@ def kv_compact(
         check_bounds = data.device.type == "cpu"
     if check_bounds:
         counts = check_accepted_path(accepted_path, seq_lens, capacity(data, block_tables))
-        for b, (start, count) in enumerate(zip(seq_lens.tolist(), counts)):
-            if count:
-                check_block_ids(data, block_tables, b, start + accepted_path[b, count - 1].item() + 1)
+        if block_tables is not None:
+            rows, starts = accepted_path.tolist(), seq_lens.tolist()
+            check_block_ids(data, block_tables, [s + r[n - 1] + 1 if n else 0 for r, s, n in zip(rows, starts, counts)])
     if accepted_path.shape[1]:
-        kv_compact_op(data, seq_lens, accepted_path, block_tables, tickets)
+        kv_compact_op.run(data, seq_lens, accepted_path, block_tables, tickets)
 
 
 def check_accepted_path(accepted_path: torch.Tensor, seq_lens: torch.Tensor, capacity: int) -> list[int]:

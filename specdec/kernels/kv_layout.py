@@ -60,10 +60,12 @@ def check_lengths(seq_lens: torch.Tensor, data: torch.Tensor, block_tables: torc
     return batch
 
 
-def check_block_ids(data: torch.Tensor, block_tables: torch.Tensor | None, b: int, positions: int) -> None:
-    """Request b's block ids covering its first ``positions`` positions are real blocks (reads values)."""
-    if block_tables is None or positions <= 0:
+def check_block_ids(data: torch.Tensor, block_tables: torch.Tensor | None, lengths: list[int]) -> None:
+    """The block ids covering each request's first ``lengths[b]`` positions name real blocks (reads values)."""
+    if block_tables is None:
         return
-    used = block_tables[b, : -(-positions // data.shape[3])]
-    if int(used.min()) < 0 or int(used.max()) >= data.shape[2]:
-        raise ValueError(f"block_tables row {b} holds block ids outside [0, {data.shape[2]}) in its used part")
+    pool, page = data.shape[2], data.shape[3]
+    for b, row in enumerate(block_tables.tolist()):
+        used = row[: -(-lengths[b] // page)]
+        if used and (min(used) < 0 or max(used) >= pool):
+            raise ValueError(f"block_tables row {b} holds block ids outside [0, {pool}) in its used part")
