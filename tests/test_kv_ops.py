@@ -370,3 +370,31 @@ def test_compact_offsets_past_int32_on_gpu():
     expected[:, :, 12] = flat[:, :, 31]
     assert same_bits(data[:, :, num_blocks - 2 :].flatten(2, 3), expected)
     assert seq_lens.tolist() == [13]
+
+
+def test_public_ops_compile_to_the_registered_ops(backend, device):
+    seen = []
+
+    def record(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    data, _ = make_cache_tensors("contiguous", 1, 2, 8, 1, 4, torch.float32)
+    data = torch.randn_like(data).to(device)
+    k = torch.randn(3, 1, 4, device=device)
+    seq_lens = torch.tensor([1, 2], dtype=torch.int32, device=device)
+    offsets = torch.tensor([0, 2, 3], dtype=torch.int32, device=device)
+    path = torch.tensor([[0, 2], [0, -1]], dtype=torch.int32, device=device)
+    tickets = torch.zeros(2, dtype=torch.int32, device=device)
+    expected, expected_lens = data.clone(), seq_lens.clone()
+    kv_append_reference(expected, 0, k, k, expected_lens, offsets)
+    kv_compact_reference(expected, expected_lens, path)
+
+    def step(data, k, seq_lens):
+        kv_append(data, 0, k, k, seq_lens, offsets, check_bounds=False)
+        kv_compact(data, seq_lens, path, tickets=tickets, check_bounds=False)
+
+    torch.compile(step, backend=record, fullgraph=True)(data, k, seq_lens)
+    assert [s for s in seen if s.startswith("specdec.")] == ["specdec.kv_append.default", "specdec.kv_compact.default"]
+    assert_same_bits(data.cpu(), expected.cpu(), "compiled")
+    assert seq_lens.cpu().tolist() == expected_lens.cpu().tolist() == [3, 3]

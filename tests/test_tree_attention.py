@@ -393,6 +393,8 @@ def test_bounds_default_to_the_values_on_the_cpu_and_are_checked():
             plan_attention(offsets, prefixes, max_queries=4, **common)
         with pytest.raises(ValueError, match="max_context=34 is below request 1's context of 35 positions"):
             plan_attention(offsets, prefixes, max_context=34, **common)
+        with pytest.raises(ValueError, match="max_queries must be an int >= 1, got 0"):
+            plan_attention(offsets, prefixes, max_queries=0, check_bounds=False, **common)
 
 
 def test_sdpa_without_enable_gqa_repeats_the_kv_heads(monkeypatch):
@@ -729,3 +731,28 @@ def test_docstring_examples():
         module = importlib.import_module(name)  # (the package re-exports tree_attention under the module's name)
         result = doctest.testmod(module, extraglobs={"torch": torch})
         assert result.attempted > 0 and result.failed == 0, name
+
+
+def graph_ops(fn, *args):
+    """Run ``fn`` under torch.compile(fullgraph=True) (no graph break allowed); returns its result and the
+    custom ops the traced graph calls."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    result = torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    return result, [name for name in seen if name.startswith("specdec.")]
+
+
+def test_run_attention_compiles_to_the_registered_op(backend, device):
+    batch = Batch([4, 7], [chain(2), [-1]], hq=4, hkv=2, d=16, dtype=torch.float32, device=device)
+    plan = plan_attention(
+        batch.offsets, batch.prefix_lens, num_tokens=3, num_heads=4, cache_shape=batch.k.shape, dtype=torch.float32,
+        causal=True,
+    )  # fmt: skip
+    out, ops = graph_ops(lambda q, k, v, o: run_attention(q, k, v, plan, o), batch.q, batch.k, batch.v,
+                         torch.full_like(batch.q, math.nan))  # fmt: skip
+    assert ops == ["specdec.tree_attention.default"]
+    assert_close(out, batch.oracle()[0], 1e-4, 1e-4, "compiled")

@@ -181,7 +181,7 @@ def plan_attention(
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     for name, bound in (("max_queries", max_queries), ("max_context", max_context)):
         if bound is not None:
-            _check_count(name, bound, 0)
+            _check_count(name, bound, 1 if num_tokens else 0)  # a query sees at least itself
     if check_bounds is None:
         check_bounds = device.type == "cpu"
     unbounded = max_queries is None or max_context is None
