@@ -1,22 +1,25 @@
 """The fused ops: tensors in, tensors out, no knowledge of models.
 
-Each module holds one op in a fixed order: Triton kernel(s), launcher, public
-function, readable PyTorch reference. CUDA tensors run the Triton kernels, CPU
-tensors the reference (or the C++ op), and TRITON_INTERPRET=1 runs the Triton
+Each module holds one op in a fixed order: Triton kernel(s), launcher, registered
+op (Triton and PyTorch bodies, ``_op.register_op``), public function, readable
+PyTorch reference (the tests' oracle). CUDA tensors run the Triton kernels, CPU
+tensors the PyTorch bodies (or the C++ op), and TRITON_INTERPRET=1 runs the Triton
 kernels on the CPU (see ``specdec._backend``).
 """
 
-from specdec.kernels.kv_cache_ops import kv_append, kv_compact
+from specdec.kernels.kv_append import kv_append
+from specdec.kernels.kv_compact import kv_compact
 from specdec.kernels.rms_norm import add_rms_norm, rms_norm
 from specdec.kernels.rotary import apply_rotary
 from specdec.kernels.sampling import counter_uniform
 from specdec.kernels.silu_mul import silu_mul
-from specdec.kernels.tree_attention import tree_attention
+from specdec.kernels.tree_attention import AttentionPlan, plan_attention, run_attention, tree_attention
 from specdec.kernels.tree_metadata import TreeMetadata, build_tree_metadata, pack_mask_rows, unpack_mask_rows
 from specdec.kernels.verify_chain import ChainVerifyResult, sample, verify_chain
 from specdec.kernels.verify_tree import TreeVerifyResult, verify_tree
 
 __all__ = [
+    "AttentionPlan",
     "ChainVerifyResult",
     "TreeMetadata",
     "TreeVerifyResult",
@@ -27,7 +30,9 @@ __all__ = [
     "kv_append",
     "kv_compact",
     "pack_mask_rows",
+    "plan_attention",
     "rms_norm",
+    "run_attention",
     "sample",
     "silu_mul",
     "tree_attention",
