@@ -5,9 +5,10 @@ import math
 
 import pytest
 import torch
+from triton_bounds import bounds_checked
 
 from specdec import _backend
-from specdec.kernels import ChainVerifyResult, counter_uniform, verify_chain
+from specdec.kernels import ChainVerifyResult, counter_uniform, sample, verify_chain
 from specdec.kernels.sampling import filter_thresholds_reference, scaled_logits, target_probs_reference
 from specdec.kernels.verify_chain import verify_chain_reference
 from specdec.kernels.verify_tree import _pick_block
@@ -517,6 +518,41 @@ def test_max_draft_len_truncates_exactly(backend, device):
     )
     assert r.output_tokens.shape == (2, 3)
     assert int(r.num_accepted[0]) <= 2
+
+
+# ----------------------------------------------------------------------------- regressions (issue 13)
+
+
+@pytest.mark.parametrize("stochastic", [True, False])
+def test_a_batch_where_no_request_drafted_samples_one_token_per_request(stochastic, backend, device):
+    vocab = 40
+    logits = torch.randn(3, vocab)
+    draft_probs = torch.empty(0, vocab, device=device) if stochastic else None
+    no_drafts = torch.empty(0, dtype=torch.int32, device=device)
+    with bounds_checked():
+        r = verify_chain(logits.to(device), no_drafts, torch.zeros(4, dtype=torch.int32, device=device), draft_probs,
+                         *params(3, 0.9, device=device))  # fmt: skip
+    with _backend.use_backend("torch"):
+        expected, _ = sample(logits, *params(3, 0.9))
+    assert r.num_accepted.tolist() == [0, 0, 0] and not r.invalid.any()
+    assert r.output_tokens[:, 0].tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("stochastic", [True, False])
+def test_the_last_request_accepting_every_draft_reads_nothing_past_the_drafts(stochastic, backend, device):
+    """The final sample after a fully accepted chain must not touch draft row T (one past the end)."""
+    ks = [1, 3]
+    vocab = 37
+    logits, tokens, offsets, _ = random_batch(ks, vocab)
+    rows = torch.tensor([0, 2, 3, 4])  # the target rows that score the four drafts
+    logits[rows, tokens.long()] += 40.0  # p(draft) = 1 up to rounding: every draft is accepted
+    q = filtered_probs(logits[rows]) if stochastic else None
+    for rep in range(3):
+        with bounds_checked():
+            r = verify_chain(logits.to(device), tokens.to(device), offsets.to(device),
+                             None if q is None else q.to(device), *params(2, offset=rep, device=device))  # fmt: skip
+        assert r.num_accepted.tolist() == ks
+        check_structure(r, ks, tokens, offsets, vocab)
 
 
 # ----------------------------------------------------------------------------- input validation
