@@ -7,7 +7,8 @@ import torch
 
 from specdec.decoding import DraftModelStrategy, NgramStrategy, SpeculativeDecoder, check_same_vocabulary
 from specdec.decoding.autoregressive import generate as autoregressive_generate
-from specdec.kernels.sampling import filter_thresholds_reference, scaled_logits, target_probs_reference
+from specdec.kernels.target_stats import target_probs_reference
+from specdec.kernels.top_k_top_p import filter_thresholds_reference, scaled_logits
 from specdec.model.attention_metadata import AttentionMetadata, causal_positions
 from specdec.model.config import ModelConfig
 from specdec.model.llama import LlamaModel

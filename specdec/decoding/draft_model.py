@@ -27,9 +27,7 @@ import torch
 
 from specdec.decoding.proposal import Proposal, depths, tree_metadata_on
 from specdec.decoding.requests import offsets_on, to_device
-from specdec.kernels import counter_uniform
-from specdec.kernels.sampling import filter_thresholds_reference, inverse_cdf_reference, scaled_logits
-from specdec.kernels.sampling import target_probs_reference as filtered_probs
+from specdec.kernels import SamplingParams, filtered_probs, sample_probs
 from specdec.model.attention_metadata import AttentionMetadata, causal_positions, tree_positions
 
 DRAFT_SEED_SALT = 0x5DEECE66D  # keeps draft sampling independent of the verification uniforms
@@ -134,7 +132,7 @@ class DraftModelStrategy:
             last_rows = torch.arange(1, rows + 1, device=device) * per_request - 1
             logits, _ = self.draft(feed, positions, AttentionMetadata(q_offsets), self.cache, logits_rows=last_rows)
             self.cache.advance(counts)
-            q, token = self._sample(logits, step, counter=torch.full((rows,), j, device=device))
+            q, token = self._sample(logits, step, counter=j)
             probs.append(q)
             tokens.append(token)
             feed, per_request = token, 1
@@ -188,8 +186,7 @@ class DraftModelStrategy:
     def _expand(self, logits, step, frontier, parents, tokens, probs) -> None:
         """Give every frontier node its children (in template order) from the draft's logits."""
         rows, width = len(step.running), len(frontier)
-        params = {k: v.repeat_interleave(width) for k, v in step.params.items()}
-        q = _draft_distribution(logits, params)  # [R * width, V]
+        q = filtered_probs(logits, _draft_params(step).repeat_rows(width, rows * width)).probs  # [R * width, V]
         for f, node in enumerate(frontier):
             children = [i for i, p in enumerate(parents) if p == node]
             if not children:
@@ -198,14 +195,13 @@ class DraftModelStrategy:
             if self.rule == "stochastic":
                 probs[:, node] = q_node
                 for c in children:
-                    counter = torch.full((rows,), c, device=q.device)
-                    tokens[:, 1 + c] = _sample_from(q_node, step.params, step.offset, counter)
+                    tokens[:, 1 + c] = sample_probs(q_node, _draft_params(step), counter=c)
             else:
-                scores = scaled_logits(logits.view(rows, width, -1)[:, f], step.params["temperature"])
-                # Children come from q's support; greedy rows (q one-hot) take the draft's top-k instead,
-                # since the target's argmax may be any of them.
+                # Children are the top-k of q (its support, in the order of the scaled logits); greedy rows
+                # (q one-hot) take the draft's top-k logits instead, since the target's argmax may be any of them.
                 greedy = (step.params["temperature"] <= 0)[:, None]
-                scores = torch.where((q_node > 0) | greedy, scores, float("-inf"))
+                draft_logits = logits.view(rows, width, -1)[:, f].float()
+                scores = torch.where(greedy, draft_logits, torch.where(q_node > 0, q_node, -1.0))
                 top = scores.topk(len(children), dim=-1).indices
                 for j, c in enumerate(children):
                     tokens[:, 1 + c] = top[:, j]
@@ -215,24 +211,15 @@ class DraftModelStrategy:
             s = logits.float()
             token = torch.where(torch.isnan(s), float("-inf"), s).argmax(-1)
             return torch.nn.functional.one_hot(token, s.shape[-1]).float(), token
-        q = _draft_distribution(logits, step.params)
-        return q, _sample_from(q, step.params, step.offset, counter)
+        params = _draft_params(step)
+        q = filtered_probs(logits, params).probs  # one-hot at the argmax for rows that cannot be sampled
+        return q, sample_probs(q, params, counter=counter).long()
 
 
-def _draft_distribution(logits: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
-    """fp32 [R, V]: the filtered distribution a draft token is drawn from; one-hot argmax when greedy."""
-    temperature = params["temperature"]
-    s = scaled_logits(logits, temperature)
-    thr = filter_thresholds_reference(s, temperature, params["top_k"], params["top_p"])
-    p, argmax, bad = filtered_probs(s, thr)
-    one_hot = torch.nn.functional.one_hot(argmax, p.shape[-1]).float()
-    return torch.where(((temperature <= 0) | bad)[:, None], one_hot, p)
-
-
-def _sample_from(q: torch.Tensor, params: dict[str, torch.Tensor], offset: torch.Tensor, counter) -> torch.Tensor:
-    """One token per row by inverse CDF on the draft's own uniforms."""
-    u = counter_uniform(params["seed"] ^ DRAFT_SEED_SALT, offset, counter)
-    return inverse_cdf_reference(q, u * q.sum(-1))
+def _draft_params(step) -> SamplingParams:
+    """The running requests' sampling parameters with the draft's own seeds (salted)."""
+    p = step.params
+    return SamplingParams(p["temperature"], p["top_k"], p["top_p"], p["seed"] ^ DRAFT_SEED_SALT, step.offset)
 
 
 def _template(branching: tuple[int, ...], max_nodes: int) -> list[int]:

@@ -30,7 +30,7 @@ import torch
 
 from specdec.decoding.proposal import Proposal, depths, tree_metadata_on
 from specdec.decoding.requests import DEFAULT_EOS, Requests, make_requests, offsets_on, to_device
-from specdec.kernels import sample, verify_tree
+from specdec.kernels import SamplingParams, sample, verify_tree
 from specdec.model.attention_metadata import AttentionMetadata, causal_positions, tree_positions
 
 
@@ -208,7 +208,7 @@ class _Run:
             prompts = [p if b in active else p[:1] for b, p in enumerate(req.prompts)]
             self.strategy.prefill(prompts, self.max_len, self.decoder.cache_options)
         params = self._running_params()
-        new, invalid = sample(logits, *(params[k] for k in ("temperature", "top_k", "top_p", "seed")), self._offset())
+        new, invalid = sample(logits, SamplingParams(**params, offset=self._offset()))
         host = torch.stack((new.long(), invalid.long()), dim=1).cpu()  # HOST SYNC (the prefill step's one)
         return self._emit([(int(t), 0, bool(bad), 0, 0) for t, bad in host.tolist()])
 
@@ -244,8 +244,9 @@ class _Run:
         max_depth = proposal.max_depth()
         result = verify_tree(
             logits, proposal.tokens.to(torch.int32), parents, offsets_on(proposal.counts, self.device),
-            proposal.child_probs, params["temperature"], params["top_k"], params["top_p"], params["seed"],
-            context.offset, max_depth=max_depth,
+            SamplingParams(**params, offset=context.offset),
+            rule="deterministic" if proposal.child_probs is None else "stochastic",  # children sampled from q or not
+            draft_probs=proposal.child_probs, max_depth=max_depth,
         )  # fmt: skip
         path = torch.full((self.req.batch_size, max_depth + 1), -1, dtype=torch.int32, device=self.device)
         path[to_device(self.running, torch.int64, self.device)] = result.accepted_path
