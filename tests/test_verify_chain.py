@@ -421,6 +421,15 @@ def test_structure_ragged_and_empty_drafts(backend, device):
     assert (r.output_tokens[[0, 3], 1:] == -1).all()
 
 
+def test_an_empty_batch_gives_empty_results(backend, device):
+    logits, no_drafts = torch.empty(0, 19, device=device), torch.empty(0, dtype=torch.int32, device=device)
+    offsets = torch.zeros(1, dtype=torch.int32, device=device)
+    for q in (torch.empty(0, 19, device=device), None):
+        r = verify_chain(logits, no_drafts, offsets, params(0, device=device), rule=rule_of(q), draft_probs=q)
+        assert [tuple(t.shape) for t in r] == [(0, 1), (0,), (0,)]
+    assert tuple(sample(logits, params(0, device=device)).tokens.shape) == (0,)
+
+
 def test_bonus_only_when_all_accepted(backend, device):
     ks = [2, 2, 2, 2, 2, 2]
     vocab = 12
