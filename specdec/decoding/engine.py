@@ -96,11 +96,9 @@ def verify(
     ``TreeVerifyResult`` (output_tokens, num_accepted, accepted_path, invalid; ``[R, ...]``).
     """
     parents = to_device([p for tree in proposal.parents for p in tree], torch.int32, logits.device)
-    # Today's verify_tree takes the five sampling tensors in SamplingParams' field order, and its
-    # rule from draft_probs (None = deterministic; Proposal checked that they agree).
     return verify_tree(
-        logits, proposal.tokens.to(torch.int32), parents, node_offsets, proposal.draft_probs, *params,
-        max_depth=proposal.max_depth(),
+        logits, proposal.tokens.to(torch.int32), parents, node_offsets, params, rule=proposal.rule,
+        draft_probs=proposal.draft_probs, max_depth=proposal.max_depth(),
     )  # fmt: skip
 
 
