@@ -24,7 +24,6 @@ model runner) or ``verify_v2_batch`` (Model Runner V2); both call specdec once, 
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections import Counter
 from collections.abc import Mapping
@@ -46,9 +45,6 @@ _accepted_total: torch.Tensor | None = None  # device counter: no host sync per 
 
 
 # ----------------------------------------------------------------------------- the one call into specdec
-
-_RULE_KEYWORD = "rule" in inspect.signature(verify_chain).parameters  # new API (params, rule=...) or old positional
-
 
 def _verify_exact(
     logits: torch.Tensor,
@@ -74,11 +70,8 @@ def _verify_exact(
     """
     global _accepted_total
     rule = "deterministic" if draft_probs is None else "stochastic"
-    if _RULE_KEYWORD:
-        result = verify_chain(logits, draft_tokens, draft_offsets, params, rule=rule, draft_probs=draft_probs,
-                              max_draft_len=max_draft_len)  # fmt: skip
-    else:  # the positional API on main until the SamplingParams one lands; None draft_probs = deterministic
-        result = verify_chain(logits, draft_tokens, draft_offsets, draft_probs, *params, max_draft_len=max_draft_len)
+    result = verify_chain(logits, draft_tokens, draft_offsets, params, rule=rule, draft_probs=draft_probs,
+                          max_draft_len=max_draft_len)  # fmt: skip
     tokens, invalid = result.output_tokens, result.invalid
     batch = tokens.shape[0]
     first_rows = draft_offsets[:-1].long() + torch.arange(batch, device=logits.device)
