@@ -9,13 +9,18 @@ Each step:
      per-request limits;
   2. one target forward over every node of every running request, the tree mask built from
      the host-known tree shapes and copied without waiting;
-  3. ``verify``: accepted path, emitted tokens, invalid rows -- greedy or exact sampling
-     with per-request ``SamplingParams``;
+  3. ``verify``: accepted path, emitted tokens, invalid rows -- the argmax-only greedy path
+     when every running request has temperature 0 (a host fact), else exact sampling with
+     per-request ``SamplingParams``; op bodies called directly (the trees were checked on the host);
   4. ``KVCache.compact``: the accepted nodes' K/V move next to the prefix;
-  5. the step's one host synchronisation (marked ``HOST SYNC`` below): emitted tokens and
-     counts come back to stream them and to decide who finishes; everything sent to the
-     device goes through ``specdec._transfer.to_device`` (pinned, non-blocking);
+  5. the step's one host synchronisation (``_transfer.read_back``, marked ``HOST SYNC`` below):
+     emitted tokens and counts come back to stream them and to decide who finishes; everything
+     sent to the device goes through ``specdec._transfer.to_device`` (pinned, non-blocking);
   6. ``strategy.commit`` with what was accepted.
+
+Nothing else in a step reads a device value: the forward's plan, the cache's capacity and
+every size come from host data (tested by counting, on the CPU, every operation that would
+synchronise on a GPU), and the same code runs on both.
 
 The prefill is the same with the whole prompts as causal rows, and each request's last prompt
 token as a one-node tree whose verification samples the first token.
@@ -32,11 +37,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec._transfer import offsets_to_device, to_device
+from specdec._transfer import offsets_to_device, read_back, to_device
 from specdec.decoding.proposal import Proposal, check_proposal, depths, tree_metadata_on
 from specdec.decoding.requests import DEFAULT_EOS, Requests, encode_prompts, make_requests
 from specdec.decoding.strategy import NoDraft, Prefill, StepContext, StepResult, Strategy
-from specdec.kernels import TreeVerifyResult, verify_tree
+from specdec.kernels import TreeVerifyResult, run_verify_tree, run_verify_tree_greedy
 from specdec.kernels.sampling_params import SamplingParams
 from specdec.model.attention_metadata import AttentionMetadata, causal_positions, tree_positions
 
@@ -88,17 +93,22 @@ class GenerationResult:
 
 
 def verify(
-    logits: torch.Tensor, proposal: Proposal, node_offsets: torch.Tensor, params: SamplingParams
+    logits: torch.Tensor, proposal: Proposal, node_offsets: torch.Tensor, params: SamplingParams, *, greedy: bool
 ) -> TreeVerifyResult:
     """The engine's one call into verification: the prefill's first tokens and every step's trees.
 
-    ``node_offsets [R+1]`` int32 splits ``logits [N, V]`` (one row per node) by tree. Returns a
-    ``TreeVerifyResult`` (output_tokens, num_accepted, accepted_path, invalid; ``[R, ...]``).
+    ``node_offsets [R+1]`` int32 splits ``logits [N, V]`` (one row per node) by tree; ``greedy`` (every
+    request has temperature 0, known on the host) takes the argmax-only path. The trees passed
+    ``check_proposal``, so the ops run without their argument checks. Returns a ``TreeVerifyResult``
+    (output_tokens, num_accepted, accepted_path, invalid; ``[R, ...]``).
     """
     parents = to_device([p for tree in proposal.parents for p in tree], torch.int32, logits.device)
-    return verify_tree(
-        logits, proposal.tokens.to(torch.int32), parents, node_offsets, params, rule=proposal.rule,
-        draft_probs=proposal.draft_probs, max_depth=proposal.max_depth(),
+    tokens, depth = proposal.tokens.to(torch.int32), proposal.max_depth()
+    if greedy:
+        return run_verify_tree_greedy(logits, tokens, parents, node_offsets, max_depth=depth)
+    return run_verify_tree(
+        logits, tokens, parents, node_offsets, params, rule=proposal.rule, draft_probs=proposal.draft_probs,
+        max_depth=depth,
     )  # fmt: skip
 
 
@@ -222,46 +232,52 @@ class _Run:
         self.strategy.prefill(Prefill(prompts, self.max_len, self.decoder.cache_options, hidden, q_offsets))
         roots = Proposal(tokens.index_select(0, last_rows), [[-1]] * len(running), rule="deterministic")
         last_hidden = hidden.index_select(0, last_rows)
-        return self._verify_and_emit(logits, last_hidden, roots, self._running_params(), compact=False)
+        node_offsets = offsets_to_device([1] * len(running), self.device)
+        return self._verify_and_emit(logits, last_hidden, roots, node_offsets, self._running_params(), compact=False)
 
     def step(self) -> StepOutput:
         context = self._context()
         proposal = self.strategy.propose(context)
         check_proposal(proposal, self.strategy.name, len(self.running), context.max_nodes, context.max_depth)
         # One target forward over every node of every running request.
-        depth, mask = tree_metadata_on(proposal.parents, self.device)
         counts = context.full_counts(proposal.counts)
         q_offsets = offsets_to_device(counts, self.device)
         self.cache.reserve(counts)
-        positions = tree_positions(q_offsets, self.cache.seq_lens, depth)
+        num_nodes = sum(counts)
         # Chains (plain decoding, draft chains, n-gram) need no mask: causal attention is the same thing.
-        chains = all(tree == list(range(-1, len(tree) - 1)) for tree in proposal.parents)
-        metadata = AttentionMetadata(q_offsets, None if chains else mask)
+        if all(tree == list(range(-1, len(tree) - 1)) for tree in proposal.parents):
+            positions = causal_positions(q_offsets, self.cache.seq_lens, num_nodes, per_request=_uniform(counts))
+            metadata = AttentionMetadata(q_offsets)
+        else:
+            depth, mask = tree_metadata_on(proposal.parents, self.device)
+            positions = tree_positions(q_offsets, self.cache.seq_lens, depth)
+            metadata = AttentionMetadata(q_offsets, mask)
         logits, hidden = self.target(proposal.tokens, positions, metadata, self.cache)
-        return self._verify_and_emit(logits, hidden, proposal, context.params, compact=True)
+        all_running = len(self.running) == self.req.batch_size  # then the trees' offsets are the forward's
+        node_offsets = q_offsets if all_running else offsets_to_device(proposal.counts, self.device)
+        return self._verify_and_emit(logits, hidden, proposal, node_offsets, context.params, compact=True)
 
     # ---- verification and bookkeeping --------------------------------------------------------------
 
     def _verify_and_emit(
-        self, logits, hidden, proposal: Proposal, params: SamplingParams, *, compact: bool
+        self, logits, hidden, proposal: Proposal, node_offsets, params: SamplingParams, *, compact: bool
     ) -> StepOutput:
         """Verify the running requests' trees, commit the accepted K/V, read back, emit, tell the strategy.
 
         ``compact``: move the accepted nodes' K/V next to the prefix (a step); the prefill's
         ``advance`` already committed its prompts.
         """
-        node_offsets = offsets_to_device(proposal.counts, self.device)
-        result = verify(logits, proposal, node_offsets, params)
+        greedy = all(self.req.temperature[b] <= 0 for b in self.running)
+        result = verify(logits, proposal, node_offsets, params, greedy=greedy)
         if compact:
-            width = result.accepted_path.shape[1]
-            path = torch.full((self.req.batch_size, width), -1, dtype=torch.int32, device=self.device)
-            path.index_copy_(0, self._running()[0], result.accepted_path)
-            self.cache.compact(path)
-        host = torch.cat(  # HOST SYNC: the step's one read-back, to stream and decide termination
-            (result.output_tokens.long(), result.num_accepted.long()[:, None], result.invalid.long()[:, None]), dim=1
-        ).cpu()
+            path = result.accepted_path
+            if len(self.running) < self.req.batch_size:  # finished slots keep their K/V where it is
+                path = torch.full((self.req.batch_size, path.shape[1]), -1, dtype=torch.int32, device=self.device)
+                path.index_copy_(0, self._running()[0], result.accepted_path)
+            self.cache.compact(path, check=False)
+        packed = torch.cat((result.output_tokens, result.num_accepted[:, None], result.invalid[:, None].int()), dim=1)
+        rows = read_back(packed)  # HOST SYNC: the step's one read-back, to stream and decide termination
         running = self.running
-        rows = host.tolist()  # host data from here on
         output = self._emit(rows, proposal.parents)
         self.strategy.commit(
             StepResult(
@@ -344,6 +360,11 @@ class _Run:
         """The running requests' sampling parameters; offset = tokens generated so far (sent each step)."""
         offset = to_device([self.generated[b] for b in self.running], torch.int64, self.device)
         return self._running()[1]._replace(offset=offset)
+
+
+def _uniform(counts: list[int]) -> int | None:
+    """The rows every request sends when they all send the same number (a host fact the ops use), else None."""
+    return counts[0] if len(set(counts)) == 1 else None
 
 
 def _grow(values: list[int], size: int) -> None:

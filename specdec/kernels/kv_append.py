@@ -141,6 +141,35 @@ def kv_append_torch(data, layer, k, v, seq_lens, q_offsets, block_tables) -> Non
     data[layer, 1][where] = v if rows is None else v[rows]
 
 
+def append_rows(data, seq_lens, q_offsets, block_tables, num_tokens: int, per_request: int | None = None):
+    """int64 ``[T]``: the row of ``data[l, kv].view(-1, Hkv, D)`` each token goes to, by device ops only.
+
+    The hot path's plan computes these once per forward for every layer (``write_rows``); the
+    caller has admitted every position (``KVCache.reserve``), so nothing is dropped or checked.
+    ``per_request``: a host fact, every request sends exactly this many tokens (cheaper indexing).
+    """
+    page = data.shape[3]  # positions per request row (contiguous) or per block (paged)
+    device = seq_lens.device
+    if per_request is not None:  # [B, n] positions, request by request
+        pos = seq_lens.long()[:, None] + torch.arange(per_request, device=device)
+        if block_tables is None:
+            return (pos + torch.arange(seq_lens.shape[0], device=device)[:, None] * page).flatten()
+        return (block_tables.long().gather(1, pos // page) * page + pos % page).flatten()
+    t = torch.arange(num_tokens, device=device)
+    b = torch.searchsorted(q_offsets[1:], t.to(q_offsets.dtype), right=True).clamp_(max=seq_lens.shape[0] - 1)
+    pos = seq_lens.long()[b] + (t - q_offsets.long()[b])
+    if block_tables is None:
+        return b * page + pos
+    return block_tables.long()[b, pos // page] * page + pos % page
+
+
+def write_rows(data, layer: int, k, v, rows) -> None:
+    """The hot path's PyTorch K/V write: ``k, v [T, Hkv, D]`` into rows ``append_rows`` computed."""
+    kv_heads, head_dim = data.shape[4], data.shape[5]
+    data[layer, 0].view(-1, kv_heads, head_dim).index_copy_(0, rows, k)
+    data[layer, 1].view(-1, kv_heads, head_dim).index_copy_(0, rows, v)
+
+
 def _rows_inside(data, block_tables, q_offsets, t, b, pos):
     """None when every token lands in its request's slots, else the indices of those that do.
 
