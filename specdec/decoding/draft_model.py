@@ -206,15 +206,33 @@ class DraftModelStrategy:
     def _expand(self, logits, step, frontier, parents, tokens, probs) -> None:
         """Give every frontier node its children (in template order) from the draft's logits."""
         rows, width = len(step.running), len(frontier)
+        children = {node: [i for i, p in enumerate(parents) if p == node] for node in frontier}
+        most = max(len(c) for c in children.values())
+        if most == 0:
+            return
+        if step.greedy:  # every q is one-hot at the draft's argmax: no filtering, no uniforms
+            scores = logits.view(rows, width, -1).float()
+            if self.rule == "stochastic":  # i.i.d. draws from a one-hot: every child is the argmax
+                best = torch.where(torch.isnan(scores), float("-inf"), scores).argmax(-1)  # [R, width]
+                for f, node in enumerate(frontier):
+                    if children[node]:
+                        probs[:, node] = _one_hot(best[:, f], scores.shape[-1])
+                    for c in children[node]:
+                        tokens[:, 1 + c] = best[:, f]
+            else:  # the top-k of the draft's logits (the target's argmax may be any of them)
+                top = scores.topk(most, dim=-1).indices  # [R, width, most]
+                for f, node in enumerate(frontier):
+                    for j, c in enumerate(children[node]):
+                        tokens[:, 1 + c] = top[:, f, j]
+            return
         q = filtered_probs(logits, _draft_params(step).repeat_rows(width, rows * width)).probs  # [R * width, V]
         for f, node in enumerate(frontier):
-            children = [i for i, p in enumerate(parents) if p == node]
-            if not children:
+            if not children[node]:
                 continue
             q_node = q.view(rows, width, -1)[:, f]
             if self.rule == "stochastic":
                 probs[:, node] = q_node
-                for c in children:
+                for c in children[node]:
                     tokens[:, 1 + c] = sample_probs(q_node, _draft_params(step), counter=c)
             else:
                 # Children are the top-k of q (its support, in the order of the scaled logits); greedy rows
@@ -222,8 +240,8 @@ class DraftModelStrategy:
                 greedy = (step.params.temperature <= 0)[:, None]
                 draft_logits = logits.view(rows, width, -1)[:, f].float()
                 scores = torch.where(greedy, draft_logits, torch.where(q_node > 0, q_node, -1.0))
-                top = scores.topk(len(children), dim=-1).indices
-                for j, c in enumerate(children):
+                top = scores.topk(len(children[node]), dim=-1).indices
+                for j, c in enumerate(children[node]):
                     tokens[:, 1 + c] = top[:, j]
 
     def _sample(self, logits, step, counter) -> tuple[torch.Tensor, torch.Tensor]:
