@@ -233,7 +233,7 @@ class _Run:
         roots = Proposal(tokens.index_select(0, last_rows), [[-1]] * len(running), rule="deterministic")
         last_hidden = hidden.index_select(0, last_rows)
         node_offsets = offsets_to_device([1] * len(running), self.device)
-        return self._verify_and_emit(logits, last_hidden, roots, node_offsets, self._running_params(), compact=False)
+        return self._verify_and_emit(logits, last_hidden, roots, node_offsets, self._running_params(), commit=None)
 
     def step(self) -> StepOutput:
         context = self._context()
@@ -245,7 +245,8 @@ class _Run:
         self.cache.reserve(counts)
         num_nodes = sum(counts)
         # Chains (plain decoding, draft chains, n-gram) need no mask: causal attention is the same thing.
-        if all(tree == list(range(-1, len(tree) - 1)) for tree in proposal.parents):
+        chains = all(tree == list(range(-1, len(tree) - 1)) for tree in proposal.parents)
+        if chains:
             positions = causal_positions(q_offsets, self.cache.seq_lens, num_nodes, per_request=_uniform(counts))
             metadata = AttentionMetadata(q_offsets)
         else:
@@ -255,26 +256,24 @@ class _Run:
         logits, hidden = self.target(proposal.tokens, positions, metadata, self.cache)
         all_running = len(self.running) == self.req.batch_size  # then the trees' offsets are the forward's
         node_offsets = q_offsets if all_running else offsets_to_device(proposal.counts, self.device)
-        return self._verify_and_emit(logits, hidden, proposal, node_offsets, context.params, compact=True)
+        commit = "chains" if chains else "trees"
+        return self._verify_and_emit(logits, hidden, proposal, node_offsets, context.params, commit=commit)
 
     # ---- verification and bookkeeping --------------------------------------------------------------
 
     def _verify_and_emit(
-        self, logits, hidden, proposal: Proposal, node_offsets, params: SamplingParams, *, compact: bool
+        self, logits, hidden, proposal: Proposal, node_offsets, params: SamplingParams, *, commit: str | None
     ) -> StepOutput:
         """Verify the running requests' trees, commit the accepted K/V, read back, emit, tell the strategy.
 
-        ``compact``: move the accepted nodes' K/V next to the prefix (a step); the prefill's
-        ``advance`` already committed its prompts.
+        ``commit``: "trees" moves the accepted nodes' K/V next to the prefix; "chains" (every tree a
+        chain, a host fact) has nothing to move and only advances the lengths; None for the prefill,
+        whose ``advance`` already committed its prompts.
         """
         greedy = all(self.req.temperature[b] <= 0 for b in self.running)
         result = verify(logits, proposal, node_offsets, params, greedy=greedy)
-        if compact:
-            path = result.accepted_path
-            if len(self.running) < self.req.batch_size:  # finished slots keep their K/V where it is
-                path = torch.full((self.req.batch_size, path.shape[1]), -1, dtype=torch.int32, device=self.device)
-                path.index_copy_(0, self._running()[0], result.accepted_path)
-            self.cache.compact(path, check=False)
+        if commit is not None:
+            self._commit_accepted(result, chains=commit == "chains")
         packed = torch.cat((result.output_tokens, result.num_accepted[:, None], result.invalid[:, None].int()), dim=1)
         rows = read_back(packed)  # HOST SYNC: the step's one read-back, to stream and decide termination
         running = self.running
@@ -291,6 +290,23 @@ class _Run:
             )
         )
         return output
+
+    def _commit_accepted(self, result: TreeVerifyResult, *, chains: bool) -> None:
+        """Commit each running request's accepted nodes in the target's cache (finished slots stay as they are)."""
+        every = len(self.running) == self.req.batch_size
+        if chains:  # the accepted nodes are the first num_accepted + 1 rows already: advance
+            counts = result.num_accepted + 1
+            if not every:
+                counts = torch.zeros(self.req.batch_size, dtype=torch.int32, device=self.device).index_copy_(
+                    0, self._running()[0], counts
+                )
+            self.cache.advance(counts)
+            return
+        path = result.accepted_path
+        if not every:
+            path = torch.full((self.req.batch_size, path.shape[1]), -1, dtype=torch.int32, device=self.device)
+            path.index_copy_(0, self._running()[0], result.accepted_path)
+        self.cache.compact(path, check=False)
 
     def _emit(self, rows: list[list[int]], trees: list[list[int]]) -> StepOutput:
         """Append each running request's tokens, update its stats, retire finished requests."""

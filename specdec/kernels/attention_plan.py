@@ -216,7 +216,38 @@ def plan_attention(
     if uniform_queries:
         max_queries = num_tokens // batch
     max_context = min(capacity if max_context is None else max_context, capacity)
+    return build_attention_plan(
+        q_offsets, prefix_lens, num_tokens=num_tokens, num_heads=num_heads,
+        cache_shape=(rows, slots, kv_heads, head_dim), dtype=dtype, tree_mask=tree_mask, tree_start=tree_start,
+        block_table=block_table, max_queries=max_queries, max_context=max_context,
+        softmax_scale=float(softmax_scale), num_splits=num_splits, uniform_queries=uniform_queries,
+        finite_cache=finite_cache,
+    )  # fmt: skip
 
+
+def build_attention_plan(
+    q_offsets: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    *,
+    num_tokens: int,
+    num_heads: int,
+    cache_shape: tuple[int, int, int, int],
+    dtype: torch.dtype,
+    tree_mask: torch.Tensor | None,
+    tree_start: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    max_queries: int,
+    max_context: int,
+    softmax_scale: float,
+    num_splits: int | None = None,
+    uniform_queries: bool = False,
+    finite_cache: bool = False,
+) -> AttentionPlan:
+    """``plan_attention`` after its checks: for a caller that validated the layout itself (a model's
+    forward plan). Arguments as ``plan_attention``, all given (host bounds within the capacity,
+    ``uniform_queries`` only when ``num_tokens`` splits evenly); reads no device value."""
+    rows, slots, kv_heads, head_dim = cache_shape
+    batch, device = prefix_lens.shape[0], q_offsets.device
     backend = _backend.select_backend(q_offsets)
     tile = part_out = part_lse = None
     query_rows = token_slots = kv_rows = attn_bias = None
@@ -238,11 +269,10 @@ def plan_attention(
         query_rows, token_slots, kv_rows, attn_bias = padded_layout(
             q_offsets, prefix_lens, tree_start if tree_start is not None else prefix_lens, tree_mask, block_table,
             num_tokens=num_tokens, cache_shape=(rows, slots), max_queries=max_queries, max_context=max_context,
-            dtype=dtype, uniform=uniform_queries,
-            kv_view=finite_cache and block_table is None,
+            dtype=dtype, uniform=uniform_queries, kv_view=finite_cache and block_table is None,
         )  # fmt: skip
     return AttentionPlan(
-        backend, num_tokens, num_heads, (rows, slots, kv_heads, head_dim), dtype, float(softmax_scale), max_queries,
+        backend, num_tokens, num_heads, (rows, slots, kv_heads, head_dim), dtype, softmax_scale, max_queries,
         max_context, q_offsets, prefix_lens, tree_start if tree_start is not None else prefix_lens, tree_mask,
         block_table, tile, part_out, part_lse, query_rows, token_slots, kv_rows, attn_bias,
     )  # fmt: skip

@@ -151,9 +151,10 @@ def append_rows(data, seq_lens, q_offsets, block_tables, num_tokens: int, per_re
     page = data.shape[3]  # positions per request row (contiguous) or per block (paged)
     device = seq_lens.device
     if per_request is not None:  # [B, n] positions, request by request
-        pos = seq_lens.long()[:, None] + torch.arange(per_request, device=device)
-        if block_tables is None:
-            return (pos + torch.arange(seq_lens.shape[0], device=device)[:, None] * page).flatten()
+        i = torch.arange(per_request, device=device)
+        if block_tables is None:  # row b * page + position
+            return ((seq_lens + torch.arange(0, seq_lens.shape[0] * page, page, device=device))[:, None] + i).flatten()
+        pos = seq_lens[:, None] + i
         return (block_tables.long().gather(1, pos // page) * page + pos % page).flatten()
     t = torch.arange(num_tokens, device=device)
     b = torch.searchsorted(q_offsets[1:], t.to(q_offsets.dtype), right=True).clamp_(max=seq_lens.shape[0] - 1)

@@ -56,21 +56,21 @@ def padded_layout(q_offsets, prefix_lens, tree_start, tree_mask, block_table, *,
     device = q_offsets.device
     batch, n_max, length = prefix_lens.numel(), max_queries, max_context
     rows, slots = cache_shape[0], cache_shape[1]
-    offsets = q_offsets.long()
-    starts, counts = offsets[:-1], offsets[1:] - offsets[:-1]  # [B]
-    prefix = prefix_lens.long()
+    prefix = prefix_lens  # int32; arithmetic with the int64 ranges below promotes
     i = torch.arange(n_max, device=device)
     pos = torch.arange(length, device=device)
 
     if uniform:
         query_rows = token_slots = None
+        context = None if kv_view and tree_mask is None else prefix + n_max
     else:
+        offsets = q_offsets.long()
+        starts, counts = offsets[:-1], offsets[1:] - offsets[:-1]  # [B]
         query_rows = (starts[:, None] + torch.minimum(i, (counts - 1).clamp(min=0)[:, None])).clamp_(0, num_tokens - 1)
         token = torch.arange(num_tokens, device=device)
         req = torch.searchsorted(offsets[1:].contiguous(), token, right=True).clamp_(max=batch - 1)
         token_slots = req * n_max + (token - starts[req]).clamp_(0, n_max - 1)
-
-    context = prefix + counts
+        context = prefix + counts
     if kv_view:
         kv_rows = None
     elif block_table is None:

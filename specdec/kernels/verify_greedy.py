@@ -144,6 +144,12 @@ def _tree_greedy_torch(logits, tokens, parents, offsets, output_tokens, num_acce
         return
     device, n = logits.device, logits.shape[0]
     argmax, bad = _argmax_and_invalid(logits)
+    if n == batch:  # one node per tree (every tree has its root): each emits its root's argmax
+        output_tokens.fill_(-1)[:, 0] = torch.where(bad, -1, argmax)
+        accepted_path.fill_(-1)[:, 0] = 0
+        num_accepted.zero_()
+        invalid.copy_(bad)
+        return
     node = torch.arange(n, device=device)
     req = torch.searchsorted(offsets[1:], node.to(offsets.dtype), right=True).clamp_(max=batch - 1)
     start = offsets.long()[req]

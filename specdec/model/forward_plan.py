@@ -27,12 +27,13 @@ from typing import NamedTuple
 import torch
 
 from specdec.kernels._checks import check_tensor
-from specdec.kernels.attention_plan import AttentionPlan, plan_attention
+from specdec.kernels.attention_plan import AttentionPlan, build_attention_plan
 from specdec.kernels.kv_append import append_rows, kv_append_op
 from specdec.kernels.rms_norm import add_rms_norm_op, rms_norm_op
 from specdec.kernels.rotary import apply_rotary_op
 from specdec.kernels.silu_mul import silu_mul_op
 from specdec.kernels.tree_attention import tree_attention_op
+from specdec.kernels.tree_metadata import MASK_WORD_BITS
 from specdec.model.attention_metadata import AttentionMetadata
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -83,30 +84,38 @@ def plan_forward(
     Arguments as ``LlamaModel.forward``. Raises TypeError / ValueError naming the argument.
     Reads no device value when the cache holds a reservation for the step (``KVCache.reserve``).
     """
-    config, device = model.config, model.device
+    config, weight = model.config, model.model.embed_tokens.weight
+    device, dtype = weight.device, weight.dtype
     check_tensor("tokens", tokens, dtype=INDEX_DTYPES, ndim=1, device=device)
     num_tokens = tokens.shape[0]
     check_tensor("positions", positions, dtype=INDEX_DTYPES, shape=(num_tokens,), device=device)
     if not isinstance(metadata, AttentionMetadata):
         raise TypeError(f"metadata must be an AttentionMetadata, got {type(metadata).__name__}")
-    _check_cache(cache, model)
-    q_offsets = metadata.q_offsets
+    _check_cache(cache, config, dtype, device)
+    q_offsets, tree_mask, tree_start = metadata.q_offsets, metadata.tree_mask, metadata.tree_start
     check_tensor("metadata.q_offsets", q_offsets, shape=(cache.batch_size + 1,), device=device)
-    if metadata.tree_mask is not None:
-        check_tensor("metadata.tree_mask", metadata.tree_mask, shape=(num_tokens, None), device=device)
+    if tree_mask is not None:
+        check_tensor("metadata.tree_mask", tree_mask, shape=(num_tokens, None), device=device)
+    if tree_start is not None:
+        check_tensor("metadata.tree_start", tree_start, device=device)
     counts = cache.begin_forward(q_offsets, num_tokens)
-    bounds = cache.length_bounds()
+    if tree_mask is not None and tree_start is None and max(counts) > tree_mask.shape[1] * MASK_WORD_BITS:
+        raise ValueError(
+            f"metadata.tree_mask has {tree_mask.shape[1]} words per row, too short for a tree of {max(counts)} nodes"
+        )
     per_request = counts[0] if len(set(counts)) == 1 else None
-    attention = plan_attention(
+    capacity = cache.max_len if cache.block_tables is None else cache.block_tables.shape[1] * cache.block_size
+    attention = build_attention_plan(
         q_offsets, cache.seq_lens, num_tokens=num_tokens, num_heads=config.num_heads,
-        cache_shape=tuple(cache.data.shape[2:]), dtype=model.dtype, tree_mask=metadata.tree_mask,
-        causal=metadata.causal, tree_start=metadata.tree_start, block_table=cache.block_tables,
-        max_queries=max(max(counts), 1), max_context=max((b + c for b, c in zip(bounds, counts) if c), default=1),
-        check_bounds=False, uniform_queries=per_request is not None, finite_cache=cache.layout == "contiguous",
+        cache_shape=tuple(cache.data.shape[2:]), dtype=dtype, tree_mask=tree_mask, tree_start=tree_start,
+        block_table=cache.block_tables, max_queries=max(max(counts), 1),
+        max_context=max((b + c for b, c in zip(cache.length_bounds(), counts) if c), default=1),
+        softmax_scale=config.head_dim**-0.5, uniform_queries=per_request is not None and num_tokens > 0,
+        finite_cache=cache.layout == "contiguous",
     )  # fmt: skip
     rotary = kv_rows = None
     if attention.backend == "torch":
-        rotary = model.rotary_rows(positions, attention.max_context)
+        rotary = model.rotary_rows(positions, capacity)
         kv_rows = append_rows(cache.data, cache.seq_lens, q_offsets, cache.block_tables, num_tokens, per_request)
     return ForwardPlan(
         attention.backend, num_tokens, tuple(counts), positions, q_offsets, cache, attention,
@@ -125,13 +134,12 @@ def write_kv(ops: LayerOps, plan: ForwardPlan, layer: int, k: torch.Tensor, v: t
         ops.kv_append(cache.data, layer, k, v, cache.seq_lens, plan.q_offsets, cache.block_tables)
 
 
-def _check_cache(cache, model) -> None:
+def _check_cache(cache, config, dtype: torch.dtype, device: torch.device) -> None:
     from specdec.model.kv_cache import KVCache
 
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a KVCache, got {type(cache).__name__}")
-    c = model.config
-    want = (c.num_layers, c.num_kv_heads, c.head_dim, model.dtype, model.device)
+    want = (config.num_layers, config.num_kv_heads, config.head_dim, dtype, device)
     got = (cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.dtype, cache.device)
     if want != got:
         raise ValueError(

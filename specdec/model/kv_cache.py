@@ -253,11 +253,13 @@ class KVCache:
     # ---- committing and shortening ------------------------------------------------------------
 
     def advance(self, counts: Sequence[int] | torch.Tensor) -> None:
-        """``seq_lens += counts`` (``[B]`` int32 on the device, or host ints) after a prefill chunk or decode.
+        """``seq_lens += counts`` (``[B]`` int32 on the cache's device, or host ints) after a prefill chunk or decode.
 
-        Device counts must not exceed the tokens written this step (their bound grows by that number).
+        Counts on the cache's device are never read (on a CPU cache too: the same path as on a GPU); they
+        must not exceed the tokens written this step (their bound grows by that number). Host ints, or a
+        CPU tensor for a cache elsewhere, are checked against the capacity.
         """
-        if isinstance(counts, torch.Tensor) and not counts.is_cpu:
+        if isinstance(counts, torch.Tensor) and counts.device == self.device:
             check_tensor("counts", counts, dtype=torch.int32, shape=(self.batch_size,), device=self.device)
             if self._pending is None:
                 raise ValueError("advance() with device counts needs a write or reserve this step; pass host counts")

@@ -175,13 +175,13 @@ class LlamaModel(nn.Module):
         return self.run(tokens, plan_forward(self, tokens, positions, metadata, cache), logits_rows)
 
     def rotary_rows(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[T, 1, D]`` of ``positions`` (all below the host bound ``max_position``), gathered from
-        a table this model keeps (``rotary_table``; rebuilt, doubling, when the bound or ``rope_inv_freq``
-        changes): one op per forward instead of computing them."""
+        """cos, sin ``[T, 1, D]`` of ``positions`` (all below the host bound ``max_position``, e.g. the KV
+        cache's capacity), gathered from a table this model keeps (``rotary_table``; rebuilt when the bound
+        grows or ``rope_inv_freq`` changes): one op per forward instead of computing them."""
         inv_freq, table = self._rotary
-        if inv_freq is not self.rope_inv_freq or table.shape[0] < max_position or table.dtype != self.dtype:
-            size = 1 << max(max_position - 1, 1).bit_length()
-            table = rotary_table(size, self.rope_inv_freq, self.dtype)
+        dtype = self.model.embed_tokens.weight.dtype
+        if inv_freq is not self.rope_inv_freq or table.shape[0] < max_position or table.dtype != dtype:
+            table = rotary_table(max_position, self.rope_inv_freq, dtype)
             self._rotary = (self.rope_inv_freq, table)
         rows = table.index_select(0, positions)
         return rows[:, 0], rows[:, 1]
@@ -205,12 +205,12 @@ class LlamaModel(nn.Module):
         ops.rms_norm(residual, layers[0].input_norm["weight"], eps, normed)
         for l, p in enumerate(layers):
             qkv = F.linear(normed, p.qkv["weight"], p.qkv["bias"]).view(T, H + 2 * Hkv, D)  # heads: q | k | v
-            qk, v = qkv.split((H + Hkv, Hkv), dim=1)
+            qk, v = qkv.split_with_sizes((H + Hkv, Hkv), dim=1)
             if plan.rotary is None:  # Triton: rotate q and k in place, as views of the projection
-                q, k = qk.split((H, Hkv), dim=1)
+                q, k = qk.split_with_sizes((H, Hkv), dim=1)
                 ops.rotary(q, k, plan.positions, self.rope_inv_freq)
             else:  # PyTorch: q and k rotate as one [T, Hq + Hkv, D] view, with the plan's cos / sin
-                q, k = rotate(qk, *plan.rotary).split((H, Hkv), dim=1)
+                q, k = rotate(qk, *plan.rotary).split_with_sizes((H, Hkv), dim=1)
             k_cache, v_cache = plan.cache.views[l]
             write_kv(ops, plan, l, k, v)
             ops.attention(q, k_cache, v_cache, *plan.attention_args, attn, None)
