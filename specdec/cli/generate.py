@@ -54,7 +54,7 @@ def run_generate(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.target)
     target = LlamaModel.from_pretrained(args.target, dtype=dtype, device=args.device)
     strategy = build_strategy(args, target, dtype, tokenizer)
-    decoder = SpeculativeDecoder(target, strategy)
+    decoder = SpeculativeDecoder(target, strategy, compile=args.compile)
     prompts = [tokenizer.encode(p).ids for p in args.prompt]
     outputs: list[list[int]] = [[] for _ in prompts]
     printed = [0] * len(prompts)

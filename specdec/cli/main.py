@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     gen.add_argument("--threads", type=int, help="CPU intra-op threads (default: torch's; 1 suits small models)")
+    gen.add_argument("--compile", action="store_true", help="torch.compile the model forwards (slow first steps)")
     gen.set_defaults(func=cmd_generate)
     args = parser.parse_args(argv)
     return args.func(args)

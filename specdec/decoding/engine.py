@@ -120,6 +120,9 @@ class SpeculativeDecoder:
     target : a ``LlamaModel``.
     strategy : a ``Strategy`` (``DraftModelStrategy``, ``NgramStrategy``, ...); None means ``NoDraft()``.
     cache_layout, block_size : the KV caches' layout ("contiguous" or "paged") and page size.
+    compile : run the target's (and a ``DraftModelStrategy``'s draft's) planned forwards through
+        ``torch.compile(fullgraph=True)`` (``LlamaModel.compile_run``; the models are changed in place).
+        Opt-in: the first steps pay the compilation.
 
     Example
     -------
@@ -135,7 +138,13 @@ class SpeculativeDecoder:
     """
 
     def __init__(
-        self, target, strategy: Strategy | None = None, *, cache_layout: str = "contiguous", block_size: int = 16
+        self,
+        target,
+        strategy: Strategy | None = None,
+        *,
+        cache_layout: str = "contiguous",
+        block_size: int = 16,
+        compile: bool = False,
     ):
         strategy = NoDraft() if strategy is None else strategy
         if not isinstance(strategy, Strategy):
@@ -147,6 +156,10 @@ class SpeculativeDecoder:
             raise ValueError(f"strategy.max_nodes must be an int >= 1, got {strategy.max_nodes!r}")
         strategy.attach(target)
         self.target, self.strategy = target, strategy
+        if compile:
+            for model in (target, getattr(strategy, "draft", None)):
+                if model is not None and model._compiled_run is None:
+                    model.compile_run()
         self.cache_options = {"layout": cache_layout, "block_size": block_size}
         self.stats: list[RequestStats] = []
 

@@ -20,7 +20,6 @@ never synchronises and a plan built from static buffers can be replayed in a CUD
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -66,14 +65,16 @@ class LayerOps(NamedTuple):
     silu_mul: object
 
 
-@functools.cache
-def layer_ops(backend: str, compiling: bool) -> LayerOps:
-    """Bodies of ``backend``; when compiling the Triton path, the registered ops (the graph holds
-    one opaque call each), while PyTorch bodies are plain torch code that Dynamo traces through."""
+def _layer_ops(backend: str, compiling: bool) -> LayerOps:
     ops = (rms_norm_op, add_rms_norm_op, apply_rotary_op, kv_append_op, tree_attention_op, silu_mul_op)
     if compiling and backend == "triton":
         return LayerOps(*(op.op for op in ops))
     return LayerOps(*(op.body(backend) for op in ops))
+
+
+# Bodies of each backend; when compiling the Triton path, the registered ops (the graph holds one
+# opaque call each), while the PyTorch bodies are plain torch code that Dynamo traces through.
+LAYER_OPS = {(b, c): _layer_ops(b, c) for b in ("torch", "triton") for c in (False, True)}
 
 
 def plan_forward(
@@ -123,15 +124,18 @@ def plan_forward(
     )  # fmt: skip
 
 
-def write_kv(ops: LayerOps, plan: ForwardPlan, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+def write_kv(ops: LayerOps, plan: ForwardPlan, layer: int, k: torch.Tensor, v: torch.Tensor, compiling: bool) -> None:
     """One layer's K/V into the cache: through the plan's rows (PyTorch) or the ``kv_append`` kernel."""
     cache = plan.cache
-    if plan.kv_rows is not None:
-        k_rows, v_rows = cache.row_views[layer]
-        k_rows.index_copy_(0, plan.kv_rows, k)
-        v_rows.index_copy_(0, plan.kv_rows, v)
-    else:
+    if plan.kv_rows is None:
         ops.kv_append(cache.data, layer, k, v, cache.seq_lens, plan.q_offsets, cache.block_tables)
+        return
+    if compiling:  # the cache enters a compiled graph as one tensor (views of it as inputs would alias)
+        k_rows, v_rows = (cache.data[layer, i].view(-1, cache.num_kv_heads, cache.head_dim) for i in (0, 1))
+    else:
+        k_rows, v_rows = cache.row_views[layer]
+    k_rows.index_copy_(0, plan.kv_rows, k)
+    v_rows.index_copy_(0, plan.kv_rows, v)
 
 
 def _check_cache(cache, config, dtype: torch.dtype, device: torch.device) -> None:

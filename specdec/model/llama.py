@@ -31,7 +31,7 @@ from specdec.kernels.rotary import rotary_table, rotate
 from specdec.model import hf_layout
 from specdec.model.attention_metadata import AttentionMetadata
 from specdec.model.config import ModelConfig
-from specdec.model.forward_plan import ForwardPlan, layer_ops, plan_forward, write_kv
+from specdec.model.forward_plan import LAYER_OPS, ForwardPlan, plan_forward, write_kv
 from specdec.model.loader import load_tensors
 
 
@@ -79,6 +79,9 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+RECOMPILE_LIMIT = 64  # graphs one compiled forward may hold (see compile_run)
+
+
 class LayerParams(NamedTuple):
     """One layer's modules' ``_parameters`` dicts: ``run`` reads ``["weight"]`` / ``["bias"]`` from them,
     always the current tensors (loading swaps entries, not dicts), without the ~0.5 us an
@@ -112,6 +115,7 @@ class LlamaModel(nn.Module):
             for layer in self.model.layers
         ]
         self._rotary = (None, None)  # (inv_freq it was built from, rotary_table): see rotary_rows
+        self._compiled_run = None  # see compile_run
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -172,7 +176,26 @@ class LlamaModel(nn.Module):
         """
         if logits_rows is not None:
             check_tensor("logits_rows", logits_rows, dtype=(torch.int32, torch.int64), ndim=1, device=self.device)
-        return self.run(tokens, plan_forward(self, tokens, positions, metadata, cache), logits_rows)
+        plan = plan_forward(self, tokens, positions, metadata, cache)
+        return (self._compiled_run or self.run)(tokens, plan, logits_rows)
+
+    def compile_run(self, **options) -> None:
+        """Run every later forward's planned part (``run``) through ``torch.compile(fullgraph=True, dynamic=True)``.
+
+        The plan stays eager (host bookkeeping); the layers, the K/V writes and the logits form one graph.
+        Shapes are dynamic so prefill, decode, tree verification and caches of any size share a handful
+        of graphs (the first forwards of each kind pay the compilation). ``options`` go to
+        ``torch.compile`` (e.g. ``backend="aot_eager"``, ``mode=...``).
+        """
+        compiled = torch.compile(self.run, fullgraph=True, dynamic=True, **options)
+
+        def run(tokens, plan, logits_rows=None):
+            # a decoder's forwards come in a dozen kinds (prefill, decode, chain, tree, draft levels, sizes 1
+            # or more): let them all have their graph rather than fail at Dynamo's default of 8
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                return compiled(tokens, plan, logits_rows)
+
+        self._compiled_run = run
 
     def rotary_rows(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[T, 1, D]`` of ``positions`` (all below the host bound ``max_position``, e.g. the KV
@@ -195,8 +218,9 @@ class LlamaModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The planned forward: ``forward``'s results for the inputs ``plan`` was built from. No checks."""
         c = self.config
-        ops = layer_ops(plan.backend, torch.compiler.is_compiling())
-        T, H, Hkv, D, eps = plan.num_tokens, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
+        compiling = torch.compiler.is_compiling()
+        ops = LAYER_OPS[plan.backend, compiling]
+        T, H, Hkv, D, eps = tokens.shape[0], c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
         layers = self._layer_params
         residual = F.embedding(tokens, self.model.embed_tokens.weight)  # [T, hidden]: the residual stream
         normed = torch.empty_like(residual)  # each norm's output, consumed by the next GEMM
@@ -211,8 +235,9 @@ class LlamaModel(nn.Module):
                 ops.rotary(q, k, plan.positions, self.rope_inv_freq)
             else:  # PyTorch: q and k rotate as one [T, Hq + Hkv, D] view, with the plan's cos / sin
                 q, k = rotate(qk, *plan.rotary).split_with_sizes((H, Hkv), dim=1)
-            k_cache, v_cache = plan.cache.views[l]
-            write_kv(ops, plan, l, k, v)
+            # per-layer views made once by the cache; inside torch.compile the cache enters as one tensor
+            k_cache, v_cache = (plan.cache.data[l, 0], plan.cache.data[l, 1]) if compiling else plan.cache.views[l]
+            write_kv(ops, plan, l, k, v, compiling)
             ops.attention(q, k_cache, v_cache, *plan.attention_args, attn, None)
             o = F.linear(attn.view(T, H * D), p.o["weight"], p.o["bias"])
             ops.add_rms_norm(o, residual, p.post_norm["weight"], eps, normed)  # residual += o
