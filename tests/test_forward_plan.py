@@ -52,7 +52,7 @@ def test_plan_then_run_equals_forward(model, backend, layout):
         metadata = AttentionMetadata(meta_offsets, meta.ancestor_mask)
         if planned:
             plan = model.plan(tokens, positions, metadata, cache)
-            assert plan.backend == backend and plan.counts == (4, 2) and plan.attention.max_queries == 4
+            assert plan.backend == backend and plan.attention.max_queries == 4
             assert plan.attention.max_context == 9  # host bounds: 5 cached + 4 nodes
             outputs.append(model.run(tokens, plan))
         else:
@@ -74,7 +74,7 @@ def test_a_reserved_forward_plans_without_reading_a_device_value(backend_name):
     metadata = AttentionMetadata(offsets, torch.empty(5, 1, dtype=torch.int64, device="meta"))
     with use_backend(backend_name):
         plan = model.plan(tokens, torch.empty(5, dtype=torch.int64, device="meta"), metadata, cache)
-    assert plan.backend == backend_name and plan.counts == (2, 0, 3)
+    assert plan.backend == backend_name and plan.num_tokens == 5
     assert (plan.attention.max_queries, plan.attention.max_context) == (3, 3)
     assert (plan.kv_rows is None) == (backend_name == "triton")
 

@@ -123,6 +123,11 @@ class SpeculativeDecoder:
     compile : run the target's (and a ``DraftModelStrategy``'s draft's) planned forwards through
         ``torch.compile(fullgraph=True)`` (``LlamaModel.compile_run``; the models are changed in place).
         Opt-in: the first steps pay the compilation.
+    graphs : replay the target's (and a draft's) CUDA forwards of up to 512 rows from CUDA graphs
+        (``LlamaModel.use_cuda_graphs``; models changed in place): one replay per forward, captured on
+        first use per row bucket. CUDA only. Opt-in: each stream captures its buckets again (a new
+        cache), which costs a little on short generations, and it is not yet the default while the
+        GPU check that compares replays with eager forwards on real hardware is owed.
 
     Example
     -------
@@ -145,6 +150,7 @@ class SpeculativeDecoder:
         cache_layout: str = "contiguous",
         block_size: int = 16,
         compile: bool = False,
+        graphs: bool = False,
     ):
         strategy = NoDraft() if strategy is None else strategy
         if not isinstance(strategy, Strategy):
@@ -156,10 +162,15 @@ class SpeculativeDecoder:
             raise ValueError(f"strategy.max_nodes must be an int >= 1, got {strategy.max_nodes!r}")
         strategy.attach(target)
         self.target, self.strategy = target, strategy
+        models = [m for m in (target, getattr(strategy, "draft", None)) if m is not None]
         if compile:
-            for model in (target, getattr(strategy, "draft", None)):
-                if model is not None and model._compiled_run is None:
+            for model in models:
+                if model._compiled_run is None:
                     model.compile_run()
+        if graphs:
+            for model in models:
+                if model.cuda_graphs is None:
+                    model.use_cuda_graphs()
         self.cache_options = {"layout": cache_layout, "block_size": block_size}
         self.stats: list[RequestStats] = []
 

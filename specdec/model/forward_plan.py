@@ -5,9 +5,9 @@ plan) + ``LlamaModel.run`` (every layer calls op bodies directly: no checks, no 
 backend choice per layer). What the plan holds and where it comes from:
 
     backend        chosen once for the step (``specdec._backend.select_backend``)
-    counts         rows per request: host data from the cache's reservation (``KVCache.begin_forward``)
     attention      ``AttentionPlan`` from host bounds only -- ``KVCache.length_bounds()`` plus the
-                   counts -- so building it reads nothing back from the device
+                   rows per request of the cache's reservation (``KVCache.begin_forward``) -- so
+                   building it reads nothing back from the device
     attention_args the attention op's arguments after the caches, assembled once
     rotary         PyTorch path: cos / sin ``[T, 1, D]`` once per forward, gathered from the model's
                    table (``LlamaModel.rotary_rows``); the Triton kernel computes its angles itself
@@ -44,7 +44,6 @@ class ForwardPlan:
 
     backend: str
     num_tokens: int
-    counts: tuple[int, ...]
     positions: torch.Tensor
     q_offsets: torch.Tensor
     cache: object  # the KVCache the forward writes
@@ -85,6 +84,14 @@ def plan_forward(
     Arguments as ``LlamaModel.forward``. Raises TypeError / ValueError naming the argument.
     Reads no device value when the cache holds a reservation for the step (``KVCache.reserve``).
     """
+    counts = admit_forward(model, tokens, positions, metadata, cache)
+    per_request = counts[0] if len(set(counts)) == 1 and tokens.shape[0] else None
+    max_context = max((b + c for b, c in zip(cache.length_bounds(), counts) if c), default=1)
+    return build_plan(model, positions, metadata, cache, max(max(counts), 1), max_context, per_request)
+
+
+def admit_forward(model, tokens, positions, metadata: AttentionMetadata, cache) -> list[int]:
+    """``plan_forward``'s checks and the cache's admission of the write; returns the rows per request."""
     config, weight = model.config, model.model.embed_tokens.weight
     device, dtype = weight.device, weight.dtype
     check_tensor("tokens", tokens, dtype=INDEX_DTYPES, ndim=1, device=device)
@@ -104,23 +111,30 @@ def plan_forward(
         raise ValueError(
             f"metadata.tree_mask has {tree_mask.shape[1]} words per row, too short for a tree of {max(counts)} nodes"
         )
-    per_request = counts[0] if len(set(counts)) == 1 else None
+    return counts
+
+
+def build_plan(
+    model, positions, metadata: AttentionMetadata, cache, max_queries: int, max_context: int, per_request: int | None
+) -> ForwardPlan:
+    """The plan of an admitted forward from host bounds: ``max_queries`` rows per request at most, contexts of
+    ``max_context`` positions at most, ``per_request`` rows for every request (or None). Device ops only."""
+    num_tokens, dtype = positions.shape[0], model.model.embed_tokens.weight.dtype
+    q_offsets = metadata.q_offsets
     capacity = cache.max_len if cache.block_tables is None else cache.block_tables.shape[1] * cache.block_size
     attention = build_attention_plan(
-        q_offsets, cache.seq_lens, num_tokens=num_tokens, num_heads=config.num_heads,
-        cache_shape=tuple(cache.data.shape[2:]), dtype=dtype, tree_mask=tree_mask, tree_start=tree_start,
-        block_table=cache.block_tables, max_queries=max(max(counts), 1),
-        max_context=max((b + c for b, c in zip(cache.length_bounds(), counts) if c), default=1),
-        softmax_scale=config.head_dim**-0.5, uniform_queries=per_request is not None and num_tokens > 0,
-        finite_cache=cache.layout == "contiguous",
+        q_offsets, cache.seq_lens, num_tokens=num_tokens, num_heads=model.config.num_heads,
+        cache_shape=tuple(cache.data.shape[2:]), dtype=dtype, tree_mask=metadata.tree_mask,
+        tree_start=metadata.tree_start, block_table=cache.block_tables, max_queries=max_queries,
+        max_context=max_context, softmax_scale=model.config.head_dim**-0.5,
+        uniform_queries=per_request is not None, finite_cache=cache.layout == "contiguous",
     )  # fmt: skip
     rotary = kv_rows = None
     if attention.backend == "torch":
         rotary = model.rotary_rows(positions, capacity)
         kv_rows = append_rows(cache.data, cache.seq_lens, q_offsets, cache.block_tables, num_tokens, per_request)
     return ForwardPlan(
-        attention.backend, num_tokens, tuple(counts), positions, q_offsets, cache, attention,
-        attention.op_args(), rotary, kv_rows,
+        attention.backend, num_tokens, positions, q_offsets, cache, attention, attention.op_args(), rotary, kv_rows,
     )  # fmt: skip
 
 

@@ -26,11 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec._backend import select_backend
 from specdec.kernels._checks import check_tensor
 from specdec.kernels.rotary import rotary_table, rotate
 from specdec.model import hf_layout
 from specdec.model.attention_metadata import AttentionMetadata
 from specdec.model.config import ModelConfig
+from specdec.model.cuda_graphs import BUCKETS, CudaGraphs
 from specdec.model.forward_plan import LAYER_OPS, ForwardPlan, plan_forward, write_kv
 from specdec.model.loader import load_tensors
 
@@ -116,6 +118,7 @@ class LlamaModel(nn.Module):
         ]
         self._rotary = (None, None)  # (inv_freq it was built from, rotary_table): see rotary_rows
         self._compiled_run = None  # see compile_run
+        self.cuda_graphs: CudaGraphs | None = None  # see use_cuda_graphs
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -176,8 +179,21 @@ class LlamaModel(nn.Module):
         """
         if logits_rows is not None:
             check_tensor("logits_rows", logits_rows, dtype=(torch.int32, torch.int64), ndim=1, device=self.device)
+        if self.cuda_graphs is not None:
+            replayed = self.cuda_graphs.forward(tokens, positions, metadata, cache, logits_rows)
+            if replayed is not None:
+                return replayed
         plan = plan_forward(self, tokens, positions, metadata, cache)
         return (self._compiled_run or self.run)(tokens, plan, logits_rows)
+
+    def use_cuda_graphs(self, buckets: tuple[int, ...] = BUCKETS) -> None:
+        """Replay later CUDA forwards of up to ``max(buckets)`` rows from CUDA graphs (``cuda_graphs``):
+        one replay per forward, captured on first use per (cache, row bucket, mask width, logits rows)."""
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the model on a CUDA device, it is on {self.device}")
+        if select_backend(self.rope_inv_freq) != "triton":
+            raise ValueError("CUDA graphs need the Triton path (its K/V write drops the padding rows), not in use")
+        self.cuda_graphs = CudaGraphs(self, buckets)
 
     def compile_run(self, **options) -> None:
         """Run every later forward's planned part (``run``) through ``torch.compile(fullgraph=True, dynamic=True)``.
