@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Table, bench_args, copy_bandwidth_gbs, measure_us  # noqa: E402
+from common import Table, bench_args, copy_bandwidth_gbs, cpu_threads, measure_many_us  # noqa: E402
 
 from specdec import _backend  # noqa: E402
 from specdec.kernels import add_rms_norm, apply_rotary, rms_norm, silu_mul  # noqa: E402
@@ -121,8 +121,7 @@ def check(name: str, T: int, ours: torch.Tensor, expected: torch.Tensor, exact: 
 def main():
     args = bench_args(__doc__.splitlines()[0])
     device = args.device
-    if device == "cpu":  # one thread: on a small shared CPU, intra-op threads mostly measure contention
-        torch.set_num_threads(1)
+    cpu_threads(device)
     if args.quick:
         shape, dtype, tokens = (256, 8, 4, 32, 768), torch.float32, (1, 8, 64)
     else:
@@ -148,7 +147,7 @@ def main():
     for T in tokens:
         for name, (public, body, eager, nbytes, first_run) in cases(T, shape, dtype, device, backend).items():
             check(name, T, *first_run(), exact=backend == "torch")
-            t_public, t_body, t_eager = (measure_us(fn, device) for fn in (public, body, eager))
+            t_public, t_body, t_eager = measure_many_us([public, body, eager], device)
             copy_us = nbytes / (bandwidth * 1e9) * 1e6
             table.add(
                 name,

@@ -7,10 +7,12 @@ of 1 (everything else identical), so the per-forward work (embedding, plan, fina
 not charged to the layers. Host syncs per step: ``tests/sync_counter.py`` over a whole generation.
 
     python bench/count_launches.py          # the embedded pair's shapes, batch 1 and 8
+    python bench/count_launches.py --json   # launches only, as JSON
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections import Counter
@@ -83,10 +85,23 @@ def syncs_per_step(target, strategy, prompts, max_new_tokens: int = 16) -> list[
             counts.append(len(counter.events))
 
 
+def launch_table(config: ModelConfig) -> dict[str, dict[int, tuple[int, int]]]:
+    """kind -> batch -> (launches per target forward, per decoder layer)."""
+    table: dict[str, dict[int, tuple[int, int]]] = {}
+    for kind, parents in KINDS.items():
+        for b in (1, 8):
+            total = forward_launches(config, parents, b).total
+            table.setdefault(kind, {})[b] = (total, sum(per_layer(config, parents, b).values()))
+    return table
+
+
 def main() -> None:
     from specdec.cli.demo import ASSETS, load_pair, strategies
 
     config = ModelConfig.from_pretrained(ASSETS / "target")
+    if "--json" in sys.argv:  # for bench_e2e, which cannot interpret Triton in its own process
+        print(json.dumps(launch_table(config)))
+        return
     layers = config.num_layers
     print(f"## Kernel launches per target forward (embedded target's shapes, {layers} layers, Triton path)\n")
     print("| forward | batch | launches per forward | per decoder layer | per layer, by kernel |")
