@@ -13,8 +13,9 @@ from specdec.kernels.kv_append import append_rows, kv_append_reference
 from specdec.kernels.kv_compact import compact_rows, kv_compact_reference
 from specdec.kernels.tree_attention import tree_attention_reference
 from specdec.kernels.verify_greedy import (
-    _verify_tree_greedy_op,
+    run_verify_chain_greedy,
     run_verify_tree_greedy,
+    verify_chain_greedy_reference,
     verify_tree_greedy_reference,
 )
 from specdec.model import AttentionMetadata, LlamaModel, causal_positions, tree_positions
@@ -228,4 +229,22 @@ def test_greedy_tree_body_equals_the_reference_on_random_trees():
             got = run_verify_tree_greedy(logits, tokens, parents_t, offsets, max_depth=depth)
             for name, a, b in zip(type(got)._fields, got, expected):
                 assert torch.equal(a, b), f"trial {trial}, depth {depth}: {name}\n{a}\n{b}"
-    assert _verify_tree_greedy_op.torch is not None
+
+
+def test_greedy_chain_body_equals_the_reference_on_random_chains():
+    gen = torch.Generator().manual_seed(6)
+    for trial in range(40):
+        ks = torch.randint(0, 6, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen).tolist()
+        offsets = torch.tensor([0, *ks]).cumsum(0).to(torch.int32)
+        logits = torch.randint(0, 4, (sum(ks) + len(ks), 6), generator=gen).float()  # ties: the first maximum wins
+        rows = torch.tensor([start + b + i for b, (start, k) in enumerate(zip(offsets.tolist(), ks)) for i in range(k)])
+        best = logits.argmax(-1)[rows] if len(rows) else torch.zeros(0, dtype=torch.long)
+        drafts = torch.where(torch.rand(len(rows), generator=gen) < 0.75, best, torch.randint(-1, 7, (len(rows),)))
+        if trial % 6 == 0:
+            logits[int(torch.randint(0, logits.shape[0], (1,), generator=gen)), 1] = float("inf")
+        drafts = drafts.to(torch.int32)
+        for width in (0, 2, 5):
+            expected = verify_chain_greedy_reference(logits, drafts, offsets, max_draft_len=width)
+            got = run_verify_chain_greedy(logits, drafts, offsets, max_draft_len=width)
+            for name, a, b in zip(type(got)._fields, got, expected):
+                assert torch.equal(a, b), f"trial {trial}, width {width}: {name}\n{a}\n{b}"

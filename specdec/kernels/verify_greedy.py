@@ -299,6 +299,18 @@ def verify_tree_greedy(
     return out
 
 
+def run_verify_chain_greedy(
+    target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_offsets: torch.Tensor, *, max_draft_len: int
+) -> ChainVerifyResult:
+    """``verify_chain_greedy`` without its argument checks, for a hot path that knows on the host that every
+    request is greedy and checked its chains there (index tensors contiguous, ``max_draft_len`` a host int).
+    Results in fresh buffers; neither body reads a value back to the host."""
+    batch, device = draft_offsets.numel() - 1, target_logits.device
+    out = result_buffers(None, ChainVerifyResult, batch, max_draft_len + 1, device)
+    _verify_chain_greedy_op.run(target_logits, draft_tokens, draft_offsets, *out)
+    return out
+
+
 def run_verify_tree_greedy(
     target_logits: torch.Tensor,
     node_tokens: torch.Tensor,
