@@ -309,7 +309,6 @@ class LlamaModel(nn.Module):
         Example
         -------
         >>> from pathlib import Path
-from typing import NamedTuple
         >>> import specdec
         >>> path = Path(specdec.__file__).parent / "assets" / "pair" / "target"   # the demo's embedded target
         >>> model = LlamaModel.from_pretrained(path, dtype=torch.float32)
