@@ -127,7 +127,8 @@ def build_plan(
         cache_shape=tuple(cache.data.shape[2:]), dtype=dtype, tree_mask=metadata.tree_mask,
         tree_start=metadata.tree_start, block_table=cache.block_tables, max_queries=max_queries,
         max_context=max_context, softmax_scale=model.config.head_dim**-0.5,
-        uniform_queries=per_request is not None, finite_cache=cache.layout == "contiguous",
+        uniform_queries=per_request is not None,
+        finite_cache=cache.layout == "contiguous",  # a KVCache starts zeroed and holds only its model's K/V
     )  # fmt: skip
     rotary = kv_rows = None
     if attention.backend == "torch":
