@@ -20,7 +20,7 @@ TypeError: max_new_tokens must be an int, got 2.5 (float)
 >>> as_temperature("temperature", 1e-40)   # doctest: +ELLIPSIS
 Traceback (most recent call last):
     ...
-ValueError: temperature must be 0 (greedy) or a finite float >= 1.1754944e-38 (...), got 1e-40
+ValueError: temperature must be 0 (greedy) or a finite float >= 1e-30 (...), got 1e-40
 """
 
 from __future__ import annotations
@@ -37,9 +37,11 @@ import torch
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-# The smallest normal float32: its reciprocal, 2**126, is finite in float32. Below it the
-# sampling ops' 1/T overflows (or T itself rounds to 0 in float32 and silently means greedy).
-MIN_TEMPERATURE = 2.0**-126
+# The sampling ops scale logits by 1/T in float32: 1/T overflows below 2**-126 (and T itself
+# rounds to 0, silently greedy, below 1.4e-45), and logits/T overflows, ending the request
+# 'invalid', once |logit| > 3.4e38 * T. Positive temperatures below 1e-30 are refused (0 means
+# greedy): from there up every |logit| < 3e8 scales to a finite value.
+MIN_TEMPERATURE = 1e-30
 # A cache may take at most this share of the memory available when it is allocated: the
 # rest is left for activations, the allocator's rounding and everything else in the process.
 MEMORY_FRACTION = 0.9
@@ -117,16 +119,16 @@ def as_float(
 
 
 def as_temperature(name: str, value) -> float:
-    """0 (greedy) or a finite temperature whose reciprocal is finite in float32 (``>= MIN_TEMPERATURE``).
+    """0 (greedy) or a finite temperature ``>= MIN_TEMPERATURE`` (1e-30).
 
-    Smaller positive temperatures are refused rather than treated as greedy: the caller asked
-    for sampling, and the sampling ops' 1/T would overflow.
+    Smaller positive temperatures are refused, not treated as greedy: the caller asked for
+    sampling, and the sampling ops' 1/T or logits/T would overflow float32.
     """
     out = _real(name, value)
     if out != 0 and not MIN_TEMPERATURE <= out < math.inf:
         raise ValueError(
             f"{name} must be 0 (greedy) or a finite float >= {MIN_TEMPERATURE:.8g} "
-            f"(1/temperature must be finite in float32), got {out!r}"
+            f"(1/temperature and logits/temperature must stay finite in float32), got {out!r}"
         )
     return out
 

@@ -185,8 +185,8 @@ class SpeculativeDecoder:
         """Yield one ``StepOutput`` per target forward; ``self.stats`` is updated as it goes.
 
         Sampling arguments are one value or one per prompt: max_new_tokens int >= 0;
-        temperature 0 (greedy) or >= 2**-126 (smaller ones are refused: 1/T would overflow
-        float32); top_k int in [0, vocab] (0 = off); top_p in (0, 1]; seed (int: request b gets
+        temperature 0 (greedy) or >= 1e-30 (smaller ones are refused: 1/T and logits/T must stay
+        finite in float32); top_k int in [0, vocab] (0 = off); top_p in (0, 1]; seed (int: request b gets
         seed + b; None: drawn from torch's generator); eos_token_id (None: never stop early).
         A prompt plus max_new_tokens beyond the target's max_position_embeddings is refused
         unless ``allow_beyond_max_positions=True``. ``validate`` checks all of this before

@@ -79,9 +79,9 @@ def make_requests(
 
     - prompts: non-empty sequences (or 1-D integer tensors / arrays) of token ids in [0, vocab_size);
     - max_new_tokens: int in [0, 2**31 - 1] (0: the request returns nothing);
-    - temperature: 0 (greedy) or a finite float >= ``MIN_TEMPERATURE`` (2**-126, the smallest
-      normal float32): smaller positive temperatures are refused, not treated as greedy, because
-      their reciprocal overflows float32 in the sampling ops;
+    - temperature: 0 (greedy) or a finite float >= ``specdec.validation.MIN_TEMPERATURE`` (1e-30);
+      smaller positive temperatures are refused, not treated as greedy: 1/T, or logits/T, would
+      overflow float32 in the sampling ops and the request would end 'invalid';
     - top_k: int in [0, vocab_size] (0 = off; vocab_size keeps every token);
     - top_p: in (0, 1] (1 = off);
     - seed: an int (request b gets seed + b, which must fit in int64), per-request int64 values,
@@ -111,9 +111,9 @@ def make_requests(
         note = " (request b uses seed + b, a 64-bit int)" if batch > 1 else " (a 64-bit int)"
         first = as_int("seed", seed, low=INT64_MIN, high=INT64_MAX - (batch - 1), note=note)
         seeds = [first + b for b in range(batch)]
+    eos = _eos_ids(eos_token_id, config_eos, vocab_size)
     if max_positions is not None:
         _check_positions(ids, limits, max_positions)
-    eos = _eos_ids(eos_token_id, config_eos, vocab_size)
     return Requests(ids, limits, temps, top_ks, top_ps, seeds, frozenset(eos))
 
 
