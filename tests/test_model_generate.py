@@ -135,7 +135,7 @@ def test_invalid_logits_end_requests(model):
         ([torch.ones(2, dtype=torch.float32)], {}, TypeError, r"prompts\[0\]\[0\] must be an int, got 1.0"),
         ([[1], [2]], {"max_new_tokens": [3]}, ValueError, "max_new_tokens must be one value or 2"),
         ([[1]], {"max_new_tokens": -1}, ValueError, r"max_new_tokens must be an int in \[0, 2147483647\], got -1"),
-        ([[1]], {"temperature": -0.5}, ValueError, r"temperature must be 0 \(greedy\) or a finite float >= 1.17"),
+        ([[1]], {"temperature": -0.5}, ValueError, r"temperature must be 0 \(greedy\) or a finite float >= 1e-30"),
         ([[1]], {"temperature": math.nan}, ValueError, "temperature must be 0 .* got nan"),
         ([[1]], {"top_k": -1}, ValueError, r"top_k must be an int in \[0, 256\] \(0 = off\), got -1"),
         ([[1]], {"top_p": 0.0}, ValueError, r"top_p must be a finite number in \(0.0, 1.0\]"),

@@ -23,6 +23,7 @@ from specdec.validation import (
 )
 
 DEFAULT_EOS = "config"  # use the model config's EOS ids
+NOT_A_LIST = "prompts must be a list of prompts (token-id sequences, or strings with tokenizer=), not one value"
 # Why a request ended (``RequestStats.finish_reason``, ``StepOutput.finished``).
 FINISH_REASONS = {
     "eos": "it emitted one of its EOS tokens (the last token returned)",
@@ -94,7 +95,7 @@ def make_requests(
     """
     prompts = as_sequence(prompts)
     if prompts is None:
-        raise TypeError("prompts must be a list of prompts (token-id sequences)")
+        raise TypeError(NOT_A_LIST)
     batch = len(prompts)
     if batch == 0:
         raise ValueError("prompts must hold at least one prompt")
@@ -123,7 +124,9 @@ def _prompt(b: int, prompt, vocab: int) -> list[int]:
         if prompt.ndim != 1:
             raise ValueError(f"{name} must be 1-D, got shape {tuple(prompt.shape)}")
         prompt = prompt.tolist()
-    elif isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+    elif isinstance(prompt, str):
+        raise ValueError(f"{name} is text: pass tokenizer= to encode it")
+    elif isinstance(prompt, bytes) or not isinstance(prompt, Sequence):
         raise TypeError(f"{name} must be a sequence of token ids, got {type(prompt).__name__}")
     if len(prompt) == 0:
         raise ValueError(f"{name} is empty; every prompt needs at least one token")
@@ -158,7 +161,7 @@ def encode_prompts(prompts, tokenizer) -> list:
     """Token ids as given, or strings encoded with a ``tokenizers.Tokenizer``."""
     items = as_sequence(prompts)
     if items is None:
-        raise TypeError("prompts must be a list of prompts (token-id sequences or strings), not one value")
+        raise TypeError(NOT_A_LIST)
     out = []
     for i, p in enumerate(items):
         if isinstance(p, str):
