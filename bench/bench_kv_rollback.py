@@ -10,7 +10,7 @@ Bytes floor: every row that changes position is read once and written once
 (2 x rows x L x 2 x Hkv x D x element size); GB/s below is that floor over the
 measured time, and "x floor" compares the time with floor / measured copy bandwidth.
 Both timed calls first restore the lengths (one small copy) so every run moves the
-same rows. On the CPU specdec runs its PyTorch reference (what dispatch picks there),
+same rows. On the CPU specdec runs its PyTorch body (what dispatch picks there),
 on one thread.
 
     python bench/bench_kv_rollback.py --quick          # CPU smoke run, small shapes

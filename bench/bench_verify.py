@@ -9,8 +9,13 @@ device-to-device copy bandwidth measured in the same run.
     python bench/bench_verify.py --out OUT_DIR      # GPU: batch {1, 8, 64} x K {4, 8}, 64-node trees,
                                                     # vocab {32000, 128256}, fp32 and bf16 logits
 
-On the CPU specdec dispatches to the same PyTorch reference as the peer, so the CPU ratio is
-about 1 by construction: that run checks the script, not the kernels.
+Rows: "chain" (sampled drafts, stochastic rule), "tree" (deterministic rule) and "greedy chain":
+the argmax-only fast path (``verify_chain_greedy``) against the general op's eager reference at
+temperature 0, the cost an all-greedy batch pays without it.
+
+On the CPU specdec dispatches to the same PyTorch reference as the peer, so the CPU ratio of the
+chain and tree rows is about 1 by construction: that run checks the script, not the kernels (the
+greedy row's ratio is the fast path's own PyTorch body against the general reference).
 """
 
 from __future__ import annotations
@@ -24,19 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Table, bench_args, copy_bandwidth_gbs, measure_us  # noqa: E402
 
 from specdec import _backend  # noqa: E402
-from specdec.kernels import verify_chain, verify_tree  # noqa: E402
+from specdec.kernels import SamplingParams, verify_chain, verify_chain_greedy, verify_tree  # noqa: E402
 from specdec.kernels.verify_chain import verify_chain_reference  # noqa: E402
 from specdec.kernels.verify_tree import verify_tree_reference  # noqa: E402
 
 
-def sampling_params(batch, device, top_p=1.0):
-    return (
-        torch.full((batch,), 0.8, device=device),
-        torch.zeros(batch, dtype=torch.int32, device=device),
-        torch.full((batch,), top_p, device=device),
-        torch.arange(batch, device=device),
-        torch.zeros(batch, dtype=torch.int64, device=device),
-    )
+def sampling_params(batch, device, top_p=1.0, temperature=0.8):
+    return SamplingParams.make(batch, temperature=temperature, top_p=top_p, seed=torch.arange(batch), device=device)
 
 
 def chain_case(batch, k, vocab, dtype, device, top_p=1.0):
@@ -47,9 +46,8 @@ def chain_case(batch, k, vocab, dtype, device, top_p=1.0):
     q = torch.softmax(logits[draft_rows].float() + torch.randn(batch * k, vocab, device=device), -1)
     tokens = torch.multinomial(q, 1)[:, 0].to(torch.int32)
     offsets = (torch.arange(batch + 1, device=device) * k).to(torch.int32)
-    args = (logits, tokens, offsets, q, *sampling_params(batch, device, top_p))
     nbytes = logits.numel() * logits.element_size() + batch * vocab * 4 + batch * (k + 2) * 4
-    return args, nbytes
+    return (logits, tokens, offsets), q, nbytes
 
 
 def tree_case(batch, nodes, vocab, dtype, device):
@@ -58,28 +56,28 @@ def tree_case(batch, nodes, vocab, dtype, device):
     logits = (torch.randn(batch * nodes, vocab, device=device) * 3).to(dtype)
     tokens = logits.float().argmax(-1).roll(1).to(torch.int32)  # a child often carries its parent's argmax
     offsets = (torch.arange(batch + 1) * nodes).to(torch.int32)
-    args = (
-        logits,
-        tokens,
-        parents.to(torch.int32).to(device),
-        offsets.to(device),
-        None,
-        *sampling_params(batch, device),
-    )
     nbytes = logits.numel() * logits.element_size() + batch * nodes * 12
-    return args, nbytes
+    return (logits, tokens, parents.to(torch.int32).to(device), offsets.to(device)), nbytes
 
 
 def run_case(kind, batch, size, vocab, dtype, device, top_p=1.0):
-    """(specdec (median, p20, p80) µs, eager (median, p20, p80) µs, bytes that must move)."""
-    if kind == "chain":
-        inputs, nbytes = chain_case(batch, size, vocab, dtype, device, top_p)
-        fast = lambda: verify_chain(*inputs, max_draft_len=size)
-        eager = lambda: verify_chain_reference(*inputs, max_draft_len=size)
-    else:
+    """(specdec (median, p20, p80) µs, eager (median, p20, p80) µs, bytes that must move). Kinds: "chain"
+    (sampled drafts), "tree" (deterministic rule), "greedy chain" (the argmax-only fast path)."""
+    if kind == "tree":
         inputs, nbytes = tree_case(batch, size, vocab, dtype, device)
-        fast = lambda: verify_tree(*inputs, max_depth=size - 1)
-        eager = lambda: verify_tree_reference(*inputs, max_depth=size - 1)
+        p = sampling_params(batch, device)
+        fast = lambda: verify_tree(*inputs, p, rule="deterministic", max_depth=size - 1)
+        eager = lambda: verify_tree_reference(*inputs, p, rule="deterministic", max_depth=size - 1)
+    elif kind == "greedy chain":  # the peer: the general op's reference at temperature 0, as an engine would call it
+        inputs, _q, nbytes = chain_case(batch, size, vocab, dtype, device, top_p)
+        p = sampling_params(batch, device, temperature=0.0)
+        fast = lambda: verify_chain_greedy(*inputs, p, max_draft_len=size)
+        eager = lambda: verify_chain_reference(*inputs, p, rule="deterministic", max_draft_len=size)
+    else:
+        inputs, q, nbytes = chain_case(batch, size, vocab, dtype, device, top_p)
+        p = sampling_params(batch, device, top_p)
+        fast = lambda: verify_chain(*inputs, p, rule="stochastic", draft_probs=q, max_draft_len=size)
+        eager = lambda: verify_chain_reference(*inputs, p, rule="stochastic", draft_probs=q, max_draft_len=size)
     ours = measure_us(fast, device)
     with _backend.use_backend("torch"):
         peer = measure_us(eager, device)
@@ -98,6 +96,7 @@ def main():
         for dtype in [torch.float32] if quick else [torch.float32, torch.bfloat16]:
             for batch in [1, 8] if quick else [1, 8, 64]:
                 cases += [("chain", batch, k, vocab, dtype, 1.0) for k in ([4] if quick else [4, 8])]
+                cases.append(("greedy chain", batch, 4, vocab, dtype, 1.0))
                 cases.append(("tree", batch, 16 if quick else 64, vocab, dtype, 1.0))
         if not quick:
             cases.append(("chain", 8, 4, vocab, torch.float32, 0.9))
@@ -108,7 +107,7 @@ def main():
     for kind, batch, size, vocab, dtype, top_p in cases:
         ours, peer, nbytes = run_case(kind, batch, size, vocab, dtype, device, top_p)
         floor_us = nbytes / (bandwidth / 2 * 1e9) * 1e6  # the copy bandwidth counts read + write
-        name = f"{kind} B={batch} {'K' if kind == 'chain' else 'N'}={size}" + (f" top-p {top_p}" if top_p < 1 else "")
+        name = f"{kind} B={batch} {'N' if kind == 'tree' else 'K'}={size}" + (f" top-p {top_p}" if top_p < 1 else "")
         table.add(
             name, vocab, str(dtype).replace("torch.", ""), ours[0], f"{ours[1]:.1f}-{ours[2]:.1f}", peer[0],
             f"{peer[0] / ours[0]:.2f}x", nbytes / (ours[0] * 1e-6) / 1e9, floor_us, f"{ours[0] / floor_us:.2f}",

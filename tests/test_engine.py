@@ -8,7 +8,8 @@ from helpers import forward_prompts, noisy_copy, random_model, tiny_config
 
 from specdec.decoding import DraftModelStrategy, NgramStrategy, SpeculativeDecoder, check_same_vocabulary
 from specdec.decoding.autoregressive import generate as autoregressive_generate
-from specdec.kernels.sampling import filter_thresholds_reference, scaled_logits, target_probs_reference
+from specdec.kernels.target_stats import target_probs_reference
+from specdec.kernels.top_k_top_p import filter_thresholds_reference, scaled_logits
 from specdec.model.llama import LlamaModel
 
 pytestmark = pytest.mark.usefixtures("torch_backend")

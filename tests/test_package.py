@@ -101,10 +101,9 @@ def test_package_works_without_triton():
         sys.meta_path.insert(0, HideTriton())
         import torch
         from specdec import _backend
-        from specdec.kernels import sample
+        from specdec.kernels import SamplingParams, sample
         assert _backend.select_backend(torch.zeros(1)) == "torch"
-        tokens, invalid = sample(torch.tensor([[0.0, 3.0, 1.0]]), torch.zeros(1), torch.zeros(1, dtype=torch.int32),
-                                 torch.ones(1), torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+        tokens, invalid = sample(torch.tensor([[0.0, 3.0, 1.0]]), SamplingParams.make(1))
         assert tokens.tolist() == [1] and invalid.tolist() == [False]
         """
     )

@@ -1,4 +1,5 @@
-"""Counter-based uniforms, the temperature / top-k / top-p filter, and sample()."""
+"""The sampling ops: counter-based uniforms, the temperature / top-k / top-p filter, filtered_probs,
+sample_probs and sample(); and every sampling / verification op through torch.library.opcheck."""
 
 import math
 
@@ -6,44 +7,67 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from sampling_helpers import exact_probs, params, tv_bound, tv_distance
 
 from specdec import _backend
-from specdec.kernels import counter_uniform, sample
-from specdec.kernels.sampling import (
-    counter_uniform_tl,
-    filter_thresholds_reference,
-    filter_thresholds_triton,
-    scaled_logits,
-    target_probs_reference,
+from specdec.kernels import (
+    FilteredProbs,
+    SampleResult,
+    SamplingParams,
+    counter_uniform,
+    filtered_probs,
+    sample,
+    sample_probs,
 )
+from specdec.kernels.sample_probs import sample_probs_reference
+from specdec.kernels.target_stats import target_probs_reference
+from specdec.kernels.top_k_top_p import filter_thresholds_reference, filter_thresholds_triton, scaled_logits
+from specdec.kernels.uniforms import counter_uniform_reference, counter_uniform_tl
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
+# ----------------------------------------------------------------------------- uniforms
+
 
 @triton.jit
-def _uniform_kernel(seed_ptr, offset_ptr, counter_ptr, out_ptr):
+def _scalar_uniform_kernel(seed_ptr, offset_ptr, counter_ptr, out_ptr):
     i = tl.program_id(0)
     tl.store(out_ptr + i, counter_uniform_tl(tl.load(seed_ptr + i), tl.load(offset_ptr + i), tl.load(counter_ptr + i)))
 
 
-def test_uniforms_are_bit_identical_in_triton_and_torch():
-    n = 48
+def extreme_uniform_inputs(n=48):
     seed = torch.cat([torch.tensor([0, -1, 2**40 + 3, -(2**62), 2**63 - 1]), torch.randint(-(2**62), 2**62, (n - 5,))])
     offset = torch.cat([torch.tensor([0, 2**33, -5, 7, 2**62]), torch.randint(0, 2**40, (n - 5,))])
-    counter = torch.randint(0, 2**20, (n,), dtype=torch.int32)
-    out = torch.full((n,), float("nan"), device=DEVICE)
-    _uniform_kernel[(n,)](seed.to(DEVICE), offset.to(DEVICE), counter.to(DEVICE), out)
-    expected = counter_uniform(seed, offset, counter)
-    assert torch.equal(out.cpu(), expected)
+    return seed, offset, torch.randint(0, 2**20, (n,))
+
+
+def test_uniforms_are_bit_identical_in_triton_and_torch(backend, device):
+    seed, offset, counter = extreme_uniform_inputs()
+    expected = counter_uniform_reference(seed, offset, counter)
+    out = torch.full((seed.numel(),), float("nan"), device=device)
+    got = counter_uniform(seed.to(device), offset.to(device), counter.to(device), out=out)
+    assert got is out and torch.equal(got.cpu(), expected)
     assert ((expected >= 0) & (expected < 1)).all()
+    # the scalar form the kernels use inside their walks
+    scalar = torch.full((seed.numel(),), float("nan"), device=DEVICE)
+    _scalar_uniform_kernel[(seed.numel(),)](seed.to(DEVICE), offset.to(DEVICE), counter.int().to(DEVICE), scalar)
+    assert torch.equal(scalar.cpu(), expected)
+
+
+def test_uniforms_broadcast_and_take_a_plain_int_counter(backend, device):
+    seed = torch.arange(6, device=device).view(2, 3)
+    u = counter_uniform(seed, torch.zeros(1, dtype=torch.int64, device=device), 5)
+    assert u.shape == (2, 3)
+    assert torch.equal(u.cpu(), counter_uniform_reference(seed.cpu(), torch.zeros(1, dtype=torch.int64), 5))
 
 
 def test_uniforms_look_uniform_and_independent():
     n = 1 << 20
     seeds = torch.arange(n)
-    u = counter_uniform(seeds, torch.zeros(n, dtype=torch.int64), 2)
-    v = counter_uniform(seeds, torch.zeros(n, dtype=torch.int64), 3)
-    w = counter_uniform(torch.zeros(n, dtype=torch.int64), seeds, 2)  # offsets as the varying input
+    with _backend.use_backend("torch"):
+        u = counter_uniform(seeds, torch.zeros(n, dtype=torch.int64), 2)
+        v = counter_uniform(seeds, torch.zeros(n, dtype=torch.int64), 3)
+        w = counter_uniform(torch.zeros(n, dtype=torch.int64), seeds, 2)  # offsets as the varying input
     for x in (u, v, w):
         counts = torch.histc(x, bins=64, min=0, max=1)
         chi2 = ((counts - n / 64) ** 2 / (n / 64)).sum().item()
@@ -51,9 +75,18 @@ def test_uniforms_look_uniform_and_independent():
     assert abs(torch.corrcoef(torch.stack([u, v]))[0, 1]) < 5 / math.sqrt(n)
     assert abs(torch.corrcoef(torch.stack([u, w]))[0, 1]) < 5 / math.sqrt(n)
     # the high words of seed and offset matter
-    base = counter_uniform(torch.tensor([5]), torch.tensor([9]), 2)
-    assert base != counter_uniform(torch.tensor([5 + 2**32]), torch.tensor([9]), 2)
-    assert base != counter_uniform(torch.tensor([5]), torch.tensor([9 + 2**32]), 2)
+    base = counter_uniform_reference(torch.tensor([5]), torch.tensor([9]), 2)
+    assert base != counter_uniform_reference(torch.tensor([5 + 2**32]), torch.tensor([9]), 2)
+    assert base != counter_uniform_reference(torch.tensor([5]), torch.tensor([9 + 2**32]), 2)
+
+
+def test_uniform_bad_inputs():
+    with pytest.raises(TypeError, match="seed must be an integer tensor"):
+        counter_uniform(torch.zeros(2), torch.zeros(2, dtype=torch.int64), 1)
+    with pytest.raises(TypeError, match="offset must be a torch.Tensor"):
+        counter_uniform(torch.zeros(2, dtype=torch.int64), 0, 1)
+    with pytest.raises(ValueError, match="out must have shape"):
+        counter_uniform(torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), 1, out=torch.empty(3))
 
 
 # ----------------------------------------------------------------------------- filter
@@ -97,14 +130,122 @@ def test_filter_thresholds_triton_match_reference(dtype):
     temp = torch.tensor([1.0, 0.5, 1.0, 1.0, 0.0, 2.0, 1.0, 1.0, 0.9, 1.0])
     top_k = torch.tensor([12, 30, 5, 5, 3, 0, 77, 1, 9, 0], dtype=torch.int32)
     top_p = torch.tensor([1.0, 0.9, 0.5, 0.5, 0.5, 0.3, 1.0, 1.0, 0.75, -0.5])
-    offsets = torch.arange(rows + 1, dtype=torch.int32)  # one row per request
     got, inv_row = filter_thresholds_triton(
-        logits.to(DEVICE), offsets.to(DEVICE), temp.to(DEVICE), top_k.to(DEVICE), top_p.to(DEVICE), 32
-    )
+        logits.to(DEVICE), temp.to(DEVICE), top_k.to(DEVICE), top_p.to(DEVICE), block=32
+    )  # one row per request
     assert torch.equal(inv_row.cpu(), torch.where(temp > 0, 1.0 / temp, 1.0))
     _, expected = _thresholds(logits, temp, top_k, top_p)
     assert torch.equal(got.cpu(), expected), f"{got}\n{expected}"
     assert got[9] == logits[9].float().max()  # top_p <= 0 keeps the maximum only
+
+
+# ----------------------------------------------------------------------------- filtered_probs
+
+
+def test_filtered_probs_are_the_target_distribution(backend, device):
+    rows, vocab = 9, 70
+    logits = torch.randn(rows, vocab) * 2
+    logits[0, :8] = logits[0, 8:16]  # ties at a threshold
+    p = SamplingParams.make(rows, temperature=[1.0, 0.7, 1.3, 1.0, 0.5, 1.0, 2.0, 0.9, 1.0],
+                            top_k=[0, 5, 0, 20, 0, 1, 0, 10, 69], top_p=[1.0, 1.0, 0.8, 0.9, 0.3, 1.0, 1.0, 0.6, 1.0],
+                            device=device)  # fmt: skip
+    out = FilteredProbs(torch.full((rows, vocab), float("nan"), device=device), torch.ones(rows, dtype=torch.bool,
+                        device=device))  # fmt: skip
+    got = filtered_probs(logits.to(device), p, out=out)
+    assert got is out and not got.invalid.any()
+    for r in range(rows):
+        expected = exact_probs(logits[r : r + 1], float(p.temperature[r]), int(p.top_k[r]), float(p.top_p[r]))[0]
+        assert torch.equal(got.probs[r].cpu() > 0, expected > 0), f"row {r}: support"
+        torch.testing.assert_close(got.probs[r].cpu(), expected, atol=1e-6, rtol=1e-5)
+        assert abs(got.probs[r].sum().item() - 1) < 1e-5
+
+
+def test_filtered_probs_are_one_hot_for_greedy_and_invalid_rows(backend, device):
+    vocab = 33
+    logits = torch.randn(6, vocab) * 50  # greedy rows never take a softmax (this one would underflow)
+    logits[1, 4] = float("nan")  # NaN reads as -inf for the argmax
+    logits[2, [7, 9]] = float("inf")  # +inf is the maximum: its first column
+    logits[3] = float("-inf")  # nothing finite: column 0
+    logits[4] = float("nan")
+    temp = [0.0, 1.0, 1.0, 0.0, 1.0, 0.0]
+    got = filtered_probs(logits.to(device), SamplingParams.make(6, temperature=temp, top_k=3, device=device))
+    clean = torch.where(torch.isnan(logits), float("-inf"), logits)
+    expected_argmax = [int(clean[0].argmax()), int(clean[1].argmax()), 7, 0, 0, int(clean[5].argmax())]
+    assert got.invalid.tolist() == [False, True, True, True, True, False]
+    assert got.probs.cpu().argmax(-1).tolist() == expected_argmax
+    assert torch.equal(got.probs.cpu(), torch.nn.functional.one_hot(torch.tensor(expected_argmax), vocab).float())
+
+
+def test_filtered_probs_bad_inputs():
+    logits = torch.randn(2, 10)
+    with pytest.raises(TypeError, match="logits"):
+        filtered_probs(logits.long(), params(2))
+    with pytest.raises(ValueError, match="params.temperature must have shape"):
+        filtered_probs(logits, params(3))
+    with pytest.raises(TypeError, match="out must be a FilteredProbs"):
+        filtered_probs(logits, params(2), out=(torch.empty(2, 10), torch.empty(2, dtype=torch.bool)))
+    with pytest.raises(ValueError, match="out.probs must have shape"):
+        filtered_probs(logits, params(2), out=FilteredProbs(torch.empty(2, 11), torch.empty(2, dtype=torch.bool)))
+
+
+# ----------------------------------------------------------------------------- sample_probs
+
+
+def test_sample_probs_draws_each_token_with_its_probability():
+    n, vocab = 200_000, 16
+    q = torch.softmax(torch.randn(vocab) * 1.5, -1)
+    q[3] = 0.0  # never drawn
+    q /= q.sum()
+    with _backend.use_backend("torch"):
+        tokens = sample_probs(q.expand(n, vocab) * 7.0, params(n), counter=4)  # unnormalised weights are fine
+    assert tv_distance(tokens.long(), q) < tv_bound(q, n)
+    assert not (tokens == 3).any()
+
+
+def test_sample_probs_triton_matches_reference():
+    rows, vocab = 24, 77  # not a multiple of the tile (32 here)
+    probs = torch.softmax(torch.randn(rows, vocab) * 2, -1)
+    probs[0] = 0.0  # no mass: -1
+    probs[1, :70] = 0.0  # mass only in the last tile
+    probs[2, 5] = float("nan")  # NaN, inf and negative entries count as 0
+    probs[3, 6] = float("inf")
+    probs[4, 7] = -1.0
+    probs[5] = torch.nn.functional.one_hot(torch.tensor(76), vocab).float()
+    p = params(rows, seed0=11, offset=3, device=DEVICE)
+    counter = torch.arange(rows, dtype=torch.int32, device=DEVICE)
+    out = torch.full((rows,), -7, dtype=torch.int32, device=DEVICE)
+    with _backend.use_backend("triton"):
+        fast = sample_probs(probs.to(DEVICE), p, counter=counter, out=out)
+    expected = sample_probs_reference(probs, p, counter=counter.cpu())
+    assert fast is out and torch.equal(fast.cpu(), expected)
+    assert expected[0] == -1 and expected[1] >= 70 and expected[5] == 76
+    assert expected[2] != 5 and expected[3] != 6 and expected[4] != 7
+
+
+def test_sample_probs_takes_the_counter_per_row_or_for_all(backend, device):
+    probs = torch.softmax(torch.randn(5, 40), -1).to(device)
+    p = params(5, device=device)
+    by_int = sample_probs(probs, p, counter=9)
+    by_rows = sample_probs(probs, p, counter=torch.full((5,), 9, device=device))
+    assert torch.equal(by_int, by_rows)
+    u = counter_uniform_reference(p.seed.cpu(), p.offset.cpu(), 9)
+    assert torch.equal(by_int.cpu(), (probs.cpu().cumsum(-1) <= (u * probs.cpu().sum(-1))[:, None]).sum(-1).int())
+
+
+def test_sample_probs_bad_inputs():
+    probs = torch.rand(3, 10)
+    with pytest.raises(TypeError, match="probs"):
+        sample_probs(probs.double(), params(3), counter=0)
+    with pytest.raises(ValueError, match="params.seed must have shape"):
+        sample_probs(probs, params(3)._replace(seed=torch.zeros(2, dtype=torch.int64)), counter=0)
+    with pytest.raises(ValueError, match="counter must have shape"):
+        sample_probs(probs, params(3), counter=torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(TypeError, match="counter must have dtype"):
+        sample_probs(probs, params(3), counter=torch.zeros(3))
+    with pytest.raises(TypeError, match="counter"):
+        sample_probs(probs, params(3))  # counter is required
+    with pytest.raises(ValueError, match="out must have shape"):
+        sample_probs(probs, params(3), counter=0, out=torch.empty(4, dtype=torch.int32))
 
 
 # ----------------------------------------------------------------------------- sample()
@@ -114,11 +255,8 @@ def test_sample_greedy_is_argmax_and_invalid_rows_are_flagged(backend, device):
     logits = torch.randn(5, 50) * 100
     logits[3] = float("nan")
     logits[4] = float("-inf")
-    temp = torch.tensor([0.0, 0.0, 1.0, 0.0, 1.0])
-    k, p = torch.zeros(5, dtype=torch.int32), torch.ones(5)
-    tokens, invalid = sample(
-        *(t.to(device) for t in (logits, temp, k, p, torch.arange(5), torch.zeros(5, dtype=torch.long)))
-    )
+    p = SamplingParams.make(5, temperature=[0.0, 0.0, 1.0, 0.0, 1.0], seed=torch.arange(5), device=device)
+    tokens, invalid = sample(logits.to(device), p)
     assert tokens[:2].tolist() == logits[:2].argmax(-1).tolist()
     assert 0 <= int(tokens[2]) < 50
     assert invalid.tolist() == [False, False, False, True, True]
@@ -132,19 +270,8 @@ def test_sample_distribution(temp, top_k, top_p):
     n, vocab = 200_000, 16
     logits = torch.randn(1, vocab) * 1.5
     with _backend.use_backend("torch"):
-        tokens, _ = sample(
-            logits.expand(n, vocab),
-            torch.full((n,), temp),
-            torch.full((n,), top_k, dtype=torch.int32),
-            torch.full((n,), top_p),
-            torch.arange(n),
-            torch.zeros(n, dtype=torch.long),
-        )
-    t = torch.full((1,), temp)
-    s = scaled_logits(logits, t)
-    exact = target_probs_reference(
-        s, filter_thresholds_reference(s, t, torch.full((1,), top_k, dtype=torch.int32), torch.full((1,), top_p))
-    )[0][0].double()
+        tokens, _ = sample(logits.expand(n, vocab), params(n, temp, top_k, top_p))
+    exact = exact_probs(logits, temp, top_k, top_p)[0].double()
     emp = torch.bincount(tokens.long(), minlength=vocab).double() / n
     tv = 0.5 * (emp - exact).abs().sum().item()
     mean = (exact * (1 - exact) / (2 * math.pi * n)).sqrt().sum().item()
@@ -155,30 +282,67 @@ def test_sample_distribution(temp, top_k, top_p):
 def test_sample_triton_matches_torch_and_writes_out():
     rows, vocab = 12, 90
     logits = torch.randn(rows, vocab) * 2
-    temp = torch.tensor([0.0, 1.0, 0.7, 1.3] * 3)
-    top_k = torch.tensor([0, 0, 8, 0, 0, 20, 0, 0, 0, 0, 3, 0], dtype=torch.int32)
-    top_p = torch.tensor([1.0, 1.0, 1.0, 0.8, 1.0, 0.9, 1.0, 1.0, 0.5, 1.0, 1.0, 1.0])
-    args = [t.to(DEVICE) for t in (logits, temp, top_k, top_p, torch.arange(rows) * 7, torch.arange(rows))]
-    out = (torch.full((rows,), -7, dtype=torch.int32, device=DEVICE), torch.ones(rows, dtype=torch.bool, device=DEVICE))
+    p = SamplingParams.make(
+        rows, temperature=[0.0, 1.0, 0.7, 1.3] * 3, top_k=[0, 0, 8, 0, 0, 20, 0, 0, 0, 0, 3, 0],
+        top_p=[1.0, 1.0, 1.0, 0.8, 1.0, 0.9, 1.0, 1.0, 0.5, 1.0, 1.0, 1.0], seed=torch.arange(rows) * 7,
+        offset=torch.arange(rows), device=DEVICE,
+    )  # fmt: skip
+    out = SampleResult(torch.full((rows,), -7, dtype=torch.int32, device=DEVICE),
+                       torch.ones(rows, dtype=torch.bool, device=DEVICE))  # fmt: skip
     with _backend.use_backend("triton"):
-        fast = sample(*args, out=out)
+        fast = sample(logits.to(DEVICE), p, out=out)
     with _backend.use_backend("torch"):
-        ref = sample(*args)
-    assert fast[0] is out[0] and fast[1] is out[1]
-    assert torch.equal(fast[0].cpu(), ref[0].cpu()) and torch.equal(fast[1].cpu(), ref[1].cpu())
+        ref = sample(logits.to(DEVICE), p)
+    assert fast is out
+    assert torch.equal(fast.tokens.cpu(), ref.tokens.cpu()) and torch.equal(fast.invalid.cpu(), ref.invalid.cpu())
 
 
 def test_sample_bad_inputs():
     logits = torch.randn(2, 10)
-    ok = [logits, torch.ones(2), torch.zeros(2, dtype=torch.int32), torch.ones(2), torch.zeros(2, dtype=torch.long),
-          torch.zeros(2, dtype=torch.long)]  # fmt: skip
     with pytest.raises(TypeError, match="logits"):
-        sample(logits.long(), *ok[1:])
+        sample(logits.long(), params(2))
     with pytest.raises(ValueError, match="logits must have 2 dimensions"):
-        sample(logits[0], *ok[1:])
-    with pytest.raises(TypeError, match="top_k"):
-        sample(*ok[:2], ok[2].float(), *ok[3:])
-    with pytest.raises(ValueError, match="seed must have shape"):
-        sample(*ok[:4], torch.zeros(3, dtype=torch.long), ok[5])
-    with pytest.raises(ValueError, match="out\\[0\\]"):
-        sample(*ok, out=(torch.empty(3, dtype=torch.int32), torch.empty(2, dtype=torch.bool)))
+        sample(logits[0], params(2))
+    with pytest.raises(TypeError, match="params.top_k"):
+        sample(logits, params(2)._replace(top_k=torch.zeros(2)))
+    with pytest.raises(ValueError, match="params.seed must have shape"):
+        sample(logits, params(2)._replace(seed=torch.zeros(3, dtype=torch.long)))
+    with pytest.raises(ValueError, match="out.tokens must have shape"):
+        sample(logits, params(2), out=SampleResult(torch.empty(3, dtype=torch.int32), torch.empty(2, dtype=torch.bool)))
+
+
+# ----------------------------------------------------------------------------- registered ops
+
+
+def _op_cases():
+    """(registered name, args) of every sampling / verification op on small random inputs."""
+    vocab = 20
+    p = tuple(params(2, 0.8, 5, 0.9))
+    chain_logits, drafts = torch.randn(5, vocab), torch.randint(0, vocab, (3,), dtype=torch.int32)
+    chain_offsets = torch.tensor([0, 2, 3], dtype=torch.int32)
+    tree_logits, nodes = torch.randn(5, vocab), torch.randint(0, vocab, (5,), dtype=torch.int32)
+    parents = torch.tensor([-1, 0, 0, -1, 0], dtype=torch.int32)
+    node_offsets = torch.tensor([0, 3, 5], dtype=torch.int32)
+    tokens, accepted, invalid = (torch.empty(2, 3, dtype=torch.int32), torch.empty(2, dtype=torch.int32),
+                                 torch.empty(2, dtype=torch.bool))  # fmt: skip
+    tree_outs = (tokens, accepted, torch.empty(2, 3, dtype=torch.int32), invalid)
+    q3, q5 = torch.softmax(torch.randn(3, vocab), -1), torch.softmax(torch.randn(5, vocab), -1)
+    return {
+        "counter_uniform": (p[3], p[4], torch.tensor([1, 2]), torch.empty(2)),
+        "filtered_probs": (torch.randn(2, vocab), *p[:3], torch.empty(2, vocab), torch.empty(2, dtype=torch.bool)),
+        "sample_probs": (q3[:2], p[3], p[4], torch.tensor([0, 1]), torch.empty(2, dtype=torch.int32)),
+        "sample": (torch.randn(2, vocab), *p, torch.empty(2, dtype=torch.int32), torch.empty(2, dtype=torch.bool)),
+        "verify_chain": (chain_logits, drafts, chain_offsets, q3, *p, "stochastic", tokens, accepted, invalid),
+        "verify_tree": (tree_logits, nodes, parents, node_offsets, q5, *p, "stochastic", *tree_outs),
+        "verify_chain_greedy": (chain_logits, drafts, chain_offsets, tokens, accepted, invalid),
+        "verify_tree_greedy": (tree_logits, nodes, parents, node_offsets, *tree_outs),
+    }
+
+
+@pytest.mark.parametrize("name", list(_op_cases()))
+def test_every_sampling_op_passes_opcheck(name, backend, device):
+    """Each op is a torch custom op (torch.compile / CUDA graphs see it whole) with both bodies registered."""
+    import specdec.kernels  # noqa: F401  (registers the ops)
+
+    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in _op_cases()[name])
+    torch.library.opcheck(getattr(torch.ops.specdec, name).default, args)

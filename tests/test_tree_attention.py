@@ -5,7 +5,6 @@ runs a plain softmax over the prefix keys plus the path keys: it never looks at 
 bit mask or a causal flag, so it checks the op's mask handling independently.
 """
 
-import importlib
 import json
 import math
 import os
@@ -20,12 +19,10 @@ import torch
 from helpers import assert_close
 
 from specdec import _backend
-from specdec.kernels import build_tree_metadata, tree_attention
-from specdec.kernels.tree_attention import _plan_launches
-
-# the package re-exports the function under the module's name, so fetch the module itself
-tree_attention_module = importlib.import_module("specdec.kernels.tree_attention")
-
+from specdec.kernels import build_tree_metadata, plan_attention, run_attention, tree_attention
+from specdec.kernels import tree_attention_torch as torch_path
+from specdec.kernels.tree_attention_kernels import tile_config, triton_launches
+from specdec.kernels.tree_attention_torch import tree_attention_reference
 
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (3e-3, 3e-3), torch.bfloat16: (2e-2, 2e-2)}
 
@@ -38,6 +35,21 @@ def chain(n: int) -> list[int]:
     return list(range(-1, n - 1))
 
 
+def level_tree(widths: list[int]) -> list[int]:
+    """A random tree listed level by level (breadth first): ``widths[l]`` nodes at depth l."""
+    parents, first = [-1], 0
+    for depth in range(1, len(widths)):
+        prev = widths[depth - 1]
+        parents += [first + int(torch.randint(0, prev, (1,))) for _ in range(widths[depth])]
+        first += prev
+    return parents
+
+
+def ancestor_mask(tree: list[int], width: int) -> torch.Tensor:
+    return build_tree_metadata(torch.tensor(tree, dtype=torch.int32), torch.tensor([0, len(tree)], dtype=torch.int32),
+                               width).ancestor_mask  # fmt: skip
+
+
 class Batch:
     """Random queries, a random KV cache (contiguous or paged) and the trees' masks."""
 
@@ -47,11 +59,12 @@ class Batch:
         sizes = [len(t) for t in trees]
         self.offsets = torch.tensor([0] + sizes, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
         self.prefix_lens = torch.tensor(prefixes, dtype=torch.int32, device=device)
+        self.tree_start = None
         tokens = sum(sizes)
         self.q = torch.randn(tokens, hq, d, dtype=torch.float32).to(dtype).to(device)
-        lengths = [p + n for p, n in zip(prefixes, sizes)]
+        self.lengths = [p + n for p, n in zip(prefixes, sizes)]
         if paged:
-            blocks = [max(1, -(-length // block_size)) for length in lengths]
+            blocks = [max(1, -(-length // block_size)) for length in self.lengths]
             max_blocks = max(blocks) + 2
             num_blocks = sum(blocks) + spare
             order = torch.randperm(num_blocks).tolist()  # shuffled: a contiguous reading cannot pass
@@ -62,16 +75,11 @@ class Batch:
             shape = (num_blocks, block_size, hkv, d)
         else:
             self.block_table = None
-            shape = (len(trees), max(lengths) + spare, hkv, d)
+            shape = (len(trees), max(self.lengths) + spare, hkv, d)
         self.k = torch.randn(shape, dtype=torch.float32).to(dtype).to(device)
         self.v = torch.randn(shape, dtype=torch.float32).to(dtype).to(device)
-        masks = []
-        for tree in trees:
-            if tree:
-                parents = torch.tensor(tree, dtype=torch.int32)
-                offs = torch.tensor([0, len(tree)], dtype=torch.int32)
-                masks.append(build_tree_metadata(parents, offs, max(max(sizes), 1)).ancestor_mask)
-        self.tree_mask = torch.cat(masks).to(device)
+        width = max(max(sizes), 1)
+        self.tree_mask = torch.cat([ancestor_mask(tree, width) for tree in trees if tree]).to(device)
 
     def kv_at(self, b: int, positions: list[int]):
         """K and V rows [m, Hkv, D] of request b at cache positions."""
@@ -80,6 +88,19 @@ class Batch:
             return self.k[b, pos], self.v[b, pos]
         blocks = self.block_table[b, pos // self.block_size].long()
         return self.k[blocks, pos % self.block_size], self.v[blocks, pos % self.block_size]
+
+    def poison_unused_cache(self):
+        """NaN in every cache slot outside the requests' contexts: a read past a context shows up."""
+        used = torch.zeros(self.k.shape[:2], dtype=torch.bool)
+        for b, length in enumerate(self.lengths):
+            for p in range(length):
+                if self.block_table is None:
+                    used[b, p] = True
+                else:
+                    used[int(self.block_table[b, p // self.block_size]), p % self.block_size] = True
+        used = used.to(self.k.device)
+        self.k[~used] = math.nan
+        self.v[~used] = math.nan
 
     def oracle(self, scale=None):
         """float64 (out [Tq, Hq, D], lse [Tq, Hq]) node by node."""
@@ -103,22 +124,25 @@ class Batch:
                 row += 1
         return torch.stack(outs), torch.stack(lses)
 
-    def run(self, causal=False, **kwargs):
+    def run(self, causal=False, return_lse=True, **kwargs):
         out = torch.full_like(self.q, math.nan)  # poisoned: an unwritten row fails
         mask = None if causal else self.tree_mask
         return tree_attention(
             self.q, self.k, self.v, self.offsets, self.prefix_lens, tree_mask=mask, causal=causal,
-            block_table=self.block_table, out=out, return_lse=True, **kwargs,
+            block_table=self.block_table, out=out, return_lse=return_lse, **kwargs,
         )  # fmt: skip
 
 
 def check(batch: Batch, causal=False, what="", **kwargs):
+    """Out and lse against the oracle; on the PyTorch backend also the fused path that skips lse."""
     out, lse = batch.run(causal=causal, **kwargs)
     ref_out, ref_lse = batch.oracle(kwargs.get("softmax_scale"))
     atol, rtol = TOL[batch.q.dtype]
     assert out.dtype == batch.q.dtype and lse.dtype == torch.float32
     assert_close(out, ref_out, atol, rtol, f"{what} out")
     assert_close(lse, ref_lse, atol, rtol, f"{what} lse")
+    if _backend.forced_backend() == "torch":
+        assert_close(batch.run(causal=causal, return_lse=False, **kwargs), ref_out, atol, rtol, f"{what} out (SDPA)")
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
@@ -131,9 +155,9 @@ def test_trees_match_oracle(backend, device, paged, dtype):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["tree", "causal"])
-def test_reference_query_chunks(monkeypatch, causal):
-    # a small score budget makes the reference split each request's queries into chunks of 8
-    monkeypatch.setattr(tree_attention_module, "REFERENCE_SCORE_BUDGET", 8 * 4 * 90)
+def test_lse_path_in_query_chunks(monkeypatch, causal):
+    # a small score budget makes the PyTorch lse path split the padded queries into chunks of 2
+    monkeypatch.setattr(torch_path, "LSE_SCORE_BUDGET", 2 * 4 * 4 * 90)
     trees = [chain(13), [-1], [], chain(20)] if causal else [random_tree(13), [-1], [], random_tree(20)]
     batch = Batch([0, 37, 5, 70], trees, hq=4, hkv=2, d=64, dtype=torch.float32, device="cpu", paged=True)
     with _backend.use_backend("torch"):
@@ -155,9 +179,12 @@ def test_single_node_is_decode(backend, device):
 
 
 @pytest.mark.parametrize(
-    "d,hq,hkv", [(80, 6, 2), (96, 8, 1), (112, 5, 1), (128, 3, 3), (64, 14, 2)], ids=lambda x: str(x)
+    "d,hq,hkv",
+    [(2, 2, 1), (12, 4, 2), (72, 6, 3), (80, 6, 2), (96, 8, 1), (112, 5, 1), (128, 3, 3), (64, 14, 2)],
+    ids=lambda x: str(x),
 )
 def test_head_dims_and_gqa_ratios(backend, device, d, hq, hkv):
+    # head dims that are no power of two (12 is no multiple of 16): the Triton path pads them to a tile
     trees = [random_tree(6), chain(3)]
     batch = Batch([9, 20], trees, hq=hq, hkv=hkv, d=d, dtype=torch.float16, device=device, paged=True, block_size=8)
     check(batch, what=f"d={d} hq={hq} hkv={hkv}")
@@ -215,11 +242,22 @@ def test_strided_views(backend, device, paged):
     check(batch, what="stacked views")
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_cache_slots_outside_the_contexts_are_never_read(backend, device, paged):
+    # NaN everywhere outside each request's prefix + queries: the padded PyTorch path pads with the
+    # request's own last position, the kernel masks its loads; either way no NaN reaches the output
+    trees = [random_tree(5), [-1], chain(3), [-1]]
+    batch = Batch([3, 40, 0, 17], trees, hq=4, hkv=2, d=16, dtype=torch.float32, device=device, paged=paged,
+                  block_size=8)  # fmt: skip
+    batch.poison_unused_cache()
+    check(batch, what="NaN outside the contexts")
+
+
 def test_out_and_default_allocation_agree(backend, device):
     batch = Batch([8, 3], [random_tree(5), random_tree(4)], hq=2, hkv=1, d=64, dtype=torch.float32, device=device)
     out, lse = batch.run()
     plain = tree_attention(batch.q, batch.k, batch.v, batch.offsets, batch.prefix_lens, tree_mask=batch.tree_mask)
-    assert torch.equal(out, plain)
+    assert_close(out, plain, 1e-6, 1e-6, "out= and allocated")
 
 
 def test_no_query_tokens(backend, device):
@@ -231,14 +269,152 @@ def test_no_query_tokens(backend, device):
     assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
 
 
+def test_a_row_that_sees_nothing_gets_zero_and_minus_infinity(backend, device):
+    # tree_start 0 and an all-zero mask row: no visible position at all
+    k = torch.randn(1, 8, 1, 16, device=device)
+    q = torch.randn(2, 2, 16, device=device)
+    mask = torch.tensor([[0], [3]], dtype=torch.int64, device=device)
+    one = torch.tensor([0, 2], dtype=torch.int32, device=device)
+    zero = torch.zeros(1, dtype=torch.int32, device=device)
+    for return_lse in (True, False):
+        got = tree_attention(q, k, k, one, zero, tree_mask=mask, tree_start=zero, return_lse=return_lse)
+        out, lse = got if return_lse else (got, None)
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+        assert lse is None or (lse[0] == -math.inf).all()
+        ref, _ = tree_attention_reference(q, k, k, one, zero, mask, None, 0.25, zero)
+        assert_close(out[1], ref[1], 1e-5, 1e-5, "row 1")
+
+
+# ---------------------------------------------------------------- incremental trees (tree_start)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_tree_built_level_by_level_equals_the_whole_tree(backend, device, paged):
+    # Each request's tree sits after its prefix; call k sends only level k's nodes, with the earlier
+    # levels already in the cache (prefix_lens = prefix + nodes before the level, tree_start = prefix).
+    widths = [[1, 3, 4, 5], [1, 2, 2], [1, 4, 9, 2]]
+    trees = [level_tree(w) for w in widths]
+    batch = Batch([5, 0, 21], trees, hq=4, hkv=2, d=32, dtype=torch.float32, device=device, paged=paged, block_size=8)
+    whole, whole_lse = batch.run()
+    ref_out, ref_lse = batch.oracle()
+    assert_close(whole, ref_out, 1e-4, 1e-4, "whole tree")
+    tree_start = batch.prefix_lens
+    tree_offsets = batch.offsets.tolist()
+    for level in range(max(len(w) for w in widths)):
+        rows, counts, prefixes = [], [], []
+        for b, w in enumerate(widths):
+            first = sum(w[:level])
+            n = w[level] if level < len(w) else 0
+            rows += range(tree_offsets[b] + first, tree_offsets[b] + first + n)
+            counts.append(n)
+            prefixes.append(batch.prefixes[b] + first)
+        rows = torch.tensor(rows, device=device)
+        offsets = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+        out, lse = tree_attention(
+            batch.q[rows], batch.k, batch.v, offsets, torch.tensor(prefixes, dtype=torch.int32, device=device),
+            tree_mask=batch.tree_mask[rows], tree_start=tree_start, block_table=batch.block_table, return_lse=True,
+        )  # fmt: skip
+        assert_close(out, whole[rows], 1e-5, 1e-5, f"level {level} against the whole tree")
+        assert_close(lse, whole_lse[rows], 1e-5, 1e-5, f"level {level} lse against the whole tree")
+        assert_close(out, ref_out[rows.cpu()], 1e-4, 1e-4, f"level {level} against the oracle")
+
+
+def test_reference_with_tree_start_matches_the_oracle():
+    # the reference's visibility rule, written from the tree_start contract, against the parent-walking oracle
+    trees = [level_tree([1, 2, 3]), level_tree([1, 1, 4])]
+    batch = Batch([7, 2], trees, hq=2, hkv=1, d=16, dtype=torch.float32, device="cpu", paged=True, block_size=4)
+    ref_out, ref_lse = batch.oracle()
+    # queries: level 2 of each tree (nodes 3.. of request 0, nodes 2.. of request 1); earlier levels are cached
+    rows = torch.tensor([3, 4, 5, 6 + 2, 6 + 3, 6 + 4, 6 + 5])
+    offsets = torch.tensor([0, 3, 7], dtype=torch.int32)
+    prefixes = torch.tensor([7 + 3, 2 + 2], dtype=torch.int32)
+    out, lse = tree_attention_reference(
+        batch.q[rows], batch.k, batch.v, offsets, prefixes, batch.tree_mask[rows], batch.block_table, 16**-0.5,
+        batch.prefix_lens,
+    )  # fmt: skip
+    assert out.dtype == torch.float64
+    assert_close(out, ref_out[rows], 1e-6, 1e-6, "reference out")
+    assert_close(lse, ref_lse[rows], 1e-6, 1e-6, "reference lse")
+
+
+# ---------------------------------------------------------------- plans
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["tree", "causal"])
+def test_one_plan_serves_every_layer(backend, device, causal):
+    trees = [chain(4), [-1], chain(6)] if causal else [random_tree(4), [-1], random_tree(6)]
+    batch = Batch([6, 30, 0], trees, hq=4, hkv=2, d=32, dtype=torch.float32, device=device, paged=True, block_size=8)
+    plan = plan_attention(
+        batch.offsets, batch.prefix_lens, num_tokens=batch.q.shape[0], num_heads=4, cache_shape=batch.k.shape,
+        dtype=torch.float32, tree_mask=None if causal else batch.tree_mask, causal=causal,
+        block_table=batch.block_table,
+    )  # fmt: skip
+    assert plan.backend == backend
+    for layer in range(3):  # new K/V and queries per layer, the same plan
+        batch.q, batch.k, batch.v = torch.randn_like(batch.q), torch.randn_like(batch.k), torch.randn_like(batch.v)
+        out, lse = torch.full_like(batch.q, math.nan), torch.full(batch.q.shape[:2], math.nan, device=device)
+        assert run_attention(batch.q, batch.k, batch.v, plan, out, lse) is out
+        ref_out, ref_lse = batch.oracle()
+        assert_close(out, ref_out, 1e-4, 1e-4, f"layer {layer} out")
+        assert_close(lse, ref_lse, 1e-4, 1e-4, f"layer {layer} lse")
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree"])
+@pytest.mark.parametrize("backend_name", ["torch", "triton"])
+def test_a_plan_with_host_bounds_reads_no_device_value(backend_name, tree):
+    # meta tensors have no values: any read (tolist, item, a data-dependent shape) would raise
+    batch, tokens, width = 3, 7, 2
+    meta = dict(device="meta", dtype=torch.int32)
+    with _backend.use_backend(backend_name):
+        plan = plan_attention(
+            torch.empty(batch + 1, **meta), torch.empty(batch, **meta), num_tokens=tokens, num_heads=8,
+            cache_shape=(40, 16, 2, 64), dtype=torch.float16, causal=not tree,
+            tree_mask=torch.empty(tokens, width, dtype=torch.int64, device="meta") if tree else None,
+            tree_start=torch.empty(batch, **meta) if tree else None, block_table=torch.empty(batch, 5, **meta),
+            max_queries=4, max_context=70,
+        )  # fmt: skip
+    assert plan.backend == backend_name and plan.max_queries == 4 and plan.max_context == 70
+    if backend_name == "torch":
+        assert plan.query_rows.shape == (batch, 4) and plan.token_slots.shape == (tokens,)
+        assert plan.kv_rows.shape == (batch * 70,) and plan.attn_bias.shape == (batch, 1, 4, 70)
+        assert plan.attn_bias.dtype == torch.float16 and plan.tile is None
+    else:
+        assert plan.tile is not None and plan.query_rows is None and plan.attn_bias is None
+
+
+def test_bounds_default_to_the_values_on_the_cpu_and_are_checked():
+    offsets, prefixes = torch.tensor([0, 2, 7], dtype=torch.int32), torch.tensor([4, 30], dtype=torch.int32)
+    common = dict(num_tokens=7, num_heads=2, cache_shape=(2, 64, 1, 8), dtype=torch.float32, causal=True)
+    with _backend.use_backend("torch"):
+        plan = plan_attention(offsets, prefixes, **common)
+        assert (plan.max_queries, plan.max_context) == (5, 35)
+        assert plan.attn_bias.shape == (2, 1, 5, 35)
+        with pytest.raises(ValueError, match="max_queries=4 is below request 1's 5 queries"):
+            plan_attention(offsets, prefixes, max_queries=4, **common)
+        with pytest.raises(ValueError, match="max_context=34 is below request 1's context of 35 positions"):
+            plan_attention(offsets, prefixes, max_context=34, **common)
+        with pytest.raises(ValueError, match="max_queries must be an int >= 1, got 0"):
+            plan_attention(offsets, prefixes, max_queries=0, check_bounds=False, **common)
+
+
+def test_sdpa_without_enable_gqa_repeats_the_kv_heads(monkeypatch):
+    monkeypatch.setattr(torch_path, "SDPA_HAS_GQA", False)
+    batch = Batch([5, 12], [random_tree(6), [-1]], hq=6, hkv=2, d=32, dtype=torch.float32, device="cpu", paged=True)
+    with _backend.use_backend("torch"):
+        check(batch, what="repeated KV heads")
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_registered_op_passes_opcheck(backend, device, paged):
-    # the custom op behind tree_attention (torch.compile / CUDA graphs see this one)
+    # the custom op behind tree_attention (torch.compile / CUDA graphs see this one); a split plan on Triton
     batch = Batch([5, 0], [random_tree(4), chain(2)], 4, 2, 64, torch.float32, device, paged=paged)
+    plan = plan_attention(
+        batch.offsets, batch.prefix_lens, num_tokens=6, num_heads=4, cache_shape=batch.k.shape, dtype=torch.float32,
+        tree_mask=batch.tree_mask, block_table=batch.block_table, softmax_scale=0.2, num_splits=2,
+    )  # fmt: skip
     out = torch.full_like(batch.q, math.nan)
     lse = torch.full(batch.q.shape[:2], math.nan, device=device)
-    args = (batch.q, batch.k, batch.v, batch.offsets, batch.prefix_lens, batch.tree_mask, batch.block_table, 0.2, out,
-            lse, 0)  # fmt: skip
+    args = (batch.q, batch.k, batch.v, *plan.op_args(), out, lse)
     torch.library.opcheck(torch.ops.specdec.tree_attention.default, args)  # works on copies of args
     torch.ops.specdec.tree_attention(*args)
     ref_out, ref_lse = batch.oracle(0.2)
@@ -310,6 +486,7 @@ SM90_CASES = {
     "tree32-gqa8": (32, 8, 32, 4, 128, torch.float16, True, True, 1),
     "prefill4k": (4096, 1, 32, 8, 128, torch.float16, True, False, 1),
     "d80-tree-split": (32, 2, 16, 4, 80, torch.float16, True, True, 3),  # padded head dim, lse
+    "d12-tree": (8, 4, 8, 2, 12, torch.float16, True, True, 1),  # a head dim below one 16-wide tile
 }
 
 
@@ -325,7 +502,11 @@ def sm90_report() -> dict:
         mask = torch.zeros(tokens, -(-n // 64), dtype=torch.int64) if tree else None
         table = torch.zeros(batch, 16, dtype=torch.int32) if paged else None
         lse = torch.empty(tokens, hq) if splits > 1 else None
-        launches = _plan_launches(q, cache, cache, offsets, prefix, mask, table, 0.1, torch.empty_like(q), lse, splits)
+        tile = tile_config(tokens, batch, hq // hkv, d, splits)
+        part_out = torch.empty(splits, tokens, hq, d) if splits > 1 else None
+        part_lse = torch.empty(splits, tokens, hq) if splits > 1 else None
+        launches = triton_launches(q, cache, cache, offsets, prefix, prefix, mask, table, part_out, part_lse, 0.1, tile,
+                                   torch.empty_like(q), lse)  # fmt: skip
         report[name] = [(kernel.__name__, *sm90_resources(kernel, args, meta)) for kernel, _, args, meta in launches]
     return report
 
@@ -334,6 +515,8 @@ def sm90_report() -> dict:
 def sm90():
     # Triton's own @jit helpers (tl.cdiv, tl.max) are interpreted in this process, so compile in a fresh one.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = str(Path(__file__).resolve().parent.parent)  # this checkout's specdec, not an installed one
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     code = "import json, test_tree_attention as t; print(json.dumps(t.sm90_report()))"
     run = subprocess.run(
         [sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True, text=True, timeout=600
@@ -445,11 +628,6 @@ def small(**over):
     [
         (dict(q=torch.randn(3, 3, 64)), ValueError, "q has 3 heads, not a multiple"),
         (dict(q=torch.randn(3, 4, 72)), ValueError, "k_cache head dim"),
-        (
-            dict(q=torch.randn(3, 4, 40), k_cache=torch.randn(2, 16, 2, 40), v_cache=torch.randn(2, 16, 2, 40)),
-            ValueError,
-            "q head dim must be a multiple of 16",
-        ),
         (dict(q=torch.randn(3, 4, 64, dtype=torch.float16)), TypeError, "k_cache must have dtype float16"),
         (dict(v_cache=torch.randn(2, 16, 2, 64, dtype=torch.float16)), TypeError, "v_cache must have dtype"),
         (dict(q=torch.randn(3, 4, 64).long()), TypeError, "q must have dtype"),
@@ -470,6 +648,15 @@ def small(**over):
         (dict(out=torch.empty(3, 4, 32)), ValueError, "out must have shape"),
         (dict(softmax_scale=-1.0), ValueError, "softmax_scale must be a positive"),
         (dict(num_splits=0), ValueError, "num_splits must be a positive int"),
+        (dict(tree_start=torch.tensor([4, 1], dtype=torch.int32)), ValueError, r"tree_start\[1\] = 1 must lie in"),
+        (dict(tree_start=torch.tensor([-1, 0], dtype=torch.int32)), ValueError, r"tree_start\[0\] = -1 must lie in"),
+        (dict(tree_start=torch.tensor([0, 0])), TypeError, "tree_start must have dtype int32"),
+        (dict(tree_start=torch.tensor([0], dtype=torch.int32)), ValueError, "tree_start must have shape"),
+        (
+            dict(tree_start=torch.tensor([0, 0], dtype=torch.int32), tree_mask=None, causal=True),
+            ValueError,
+            "tree_start applies to tree masks only",
+        ),
     ],
 )
 def test_bad_input(over, exc, match):
@@ -515,28 +702,57 @@ def test_device_mix():
         small(tree_mask=torch.ones(3, 1, dtype=torch.int64, device="meta"))
 
 
-@pytest.mark.parametrize("paged", [False, True])
-def test_causal_fast_path_matches_the_reference(paged):
-    """Without lse and a tree mask the torch backend runs fused SDPA per request; same numbers."""
-    gen = torch.Generator().manual_seed(21)
-    sizes, prefixes = [1, 7, 0, 3], [5, 0, 9, 17]
-    heads, kv_heads, dim, max_len, page = 6, 2, 32, 24, 4
-    offsets = torch.tensor([0, *sizes], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    q = torch.randn(sum(sizes), heads, dim, generator=gen)
-    if paged:
-        blocks = len(sizes) * (max_len // page)
-        k = torch.randn(blocks, page, kv_heads, dim, generator=gen)
-        v = torch.randn(blocks, page, kv_heads, dim, generator=gen)
-        table = torch.randperm(blocks, generator=gen).view(len(sizes), -1).to(torch.int32)
-    else:
-        k = torch.randn(len(sizes), max_len, kv_heads, dim, generator=gen)
-        v = torch.randn(len(sizes), max_len, kv_heads, dim, generator=gen)
-        table = None
-    prefix = torch.tensor(prefixes, dtype=torch.int32)
-    expected, _ = tree_attention_module.tree_attention_reference(q, k, v, offsets, prefix, None, table, dim**-0.5)
-    fast = torch.full_like(q, float("nan"))
-    tree_attention_module.causal_attention_sdpa(q, k, v, offsets, prefix, table, dim**-0.5, fast)
-    torch.testing.assert_close(fast, expected, atol=1e-5, rtol=1e-5)
+def test_mask_too_short_for_a_tree_that_starts_in_the_cache():
+    # 60 queries after 10 cached tree nodes need 70 mask bits: one word is too short
+    q, kv = torch.randn(60, 2, 16), torch.randn(1, 80, 1, 16)
+    args = (q, kv, kv, torch.tensor([0, 60], dtype=torch.int32), torch.tensor([15], dtype=torch.int32))
+    mask = torch.ones(60, 1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="too short for request 0's tree of 70 nodes"):
+        tree_attention(*args, tree_mask=mask, tree_start=torch.tensor([5], dtype=torch.int32))
+    tree_attention(*args, tree_mask=mask, tree_start=torch.tensor([11], dtype=torch.int32))  # 64 bits: enough
+
+
+def test_head_dims_past_the_triton_tile_are_for_the_torch_path_only():
+    q, kv = torch.randn(2, 2, 272), torch.randn(1, 8, 1, 272)
+    args = (q, kv, kv, torch.tensor([0, 2], dtype=torch.int32), torch.tensor([3], dtype=torch.int32))
+    with _backend.use_backend("triton"), pytest.raises(ValueError, match="head dim 272 is above the Triton"):
+        tree_attention(*args, causal=True)
     with _backend.use_backend("torch"):
-        public = tree_attention(q, k, v, offsets, prefix, causal=True, block_table=table)
-    torch.testing.assert_close(public, expected, atol=1e-5, rtol=1e-5)
+        out = tree_attention(*args, causal=True)
+    ref, _ = tree_attention_reference(q, kv, kv, args[3], args[4], None, None, 272**-0.5)
+    assert_close(out, ref, 1e-5, 1e-5, "head dim 272")
+
+
+def test_docstring_examples():
+    import doctest
+    import importlib
+
+    for name in ("specdec.kernels.tree_attention", "specdec.kernels.attention_plan"):
+        module = importlib.import_module(name)  # (the package re-exports tree_attention under the module's name)
+        result = doctest.testmod(module, extraglobs={"torch": torch})
+        assert result.attempted > 0 and result.failed == 0, name
+
+
+def graph_ops(fn, *args):
+    """Run ``fn`` under torch.compile(fullgraph=True) (no graph break allowed); returns its result and the
+    custom ops the traced graph calls."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    result = torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    return result, [name for name in seen if name.startswith("specdec.")]
+
+
+def test_run_attention_compiles_to_the_registered_op(backend, device):
+    batch = Batch([4, 7], [chain(2), [-1]], hq=4, hkv=2, d=16, dtype=torch.float32, device=device)
+    plan = plan_attention(
+        batch.offsets, batch.prefix_lens, num_tokens=3, num_heads=4, cache_shape=batch.k.shape, dtype=torch.float32,
+        causal=True,
+    )  # fmt: skip
+    out, ops = graph_ops(lambda q, k, v, o: run_attention(q, k, v, plan, o), batch.q, batch.k, batch.v,
+                         torch.full_like(batch.q, math.nan))  # fmt: skip
+    assert ops == ["specdec.tree_attention.default"]
+    assert_close(out, batch.oracle()[0], 1e-4, 1e-4, "compiled")

@@ -1,11 +1,11 @@
-"""Tree metadata: the C++ op (CPU, and CUDA on a GPU) against the PyTorch path."""
+"""Tree metadata: the C++ op (CPU, and CUDA on a GPU) and the PyTorch body against an independent oracle."""
 
 import pytest
 import torch
 
 from specdec import _backend
 from specdec.kernels import build_tree_metadata, pack_mask_rows, unpack_mask_rows
-from specdec.kernels.tree_metadata import tree_metadata_reference
+from specdec.kernels.tree_metadata import tree_metadata_reference, tree_metadata_torch
 
 HAS_EXT = _backend.extension_status()[0] is not None
 needs_ext = pytest.mark.skipif(not HAS_EXT, reason=f"specdec._C unavailable: {_backend.extension_status()[1]}")
@@ -31,30 +31,22 @@ def batch_of(trees: list[list[int]], device="cpu"):
 
 def brute_force(trees: list[list[int]], max_nodes: int):
     """Independent oracle: walk every node to its root."""
-    depth, rows, paths, counts = [], [], [], [0]
+    depth, rows = [], []
     for tree in trees:
-        n = len(tree)
-        has_child = {p for p in tree if p >= 0}
-        for i in range(n):
+        for i in range(len(tree)):
             path = []
             node = i
             while node >= 0:
                 path.append(node)
                 node = tree[node]
-            path.reverse()
             depth.append(len(path) - 1)
             row = [False] * max_nodes
             for j in path:
                 row[j] = True
             rows.append(row)
-            if i not in has_child:
-                paths.append(path + [-1] * (max_nodes - len(path)))
-        counts.append(counts[-1] + n - len(has_child))
     return (
         torch.tensor(depth, dtype=torch.int32),
         pack_mask_rows(torch.tensor(rows, dtype=torch.bool).view(-1, max_nodes)),
-        torch.tensor(paths, dtype=torch.int32).view(-1, max_nodes),
-        torch.tensor(counts, dtype=torch.int32),
     )
 
 
@@ -71,7 +63,7 @@ def shapes_batch(gen):
 
 
 def implementations():
-    impls = [("reference", tree_metadata_reference)]
+    impls = [("reference", tree_metadata_reference), ("torch", tree_metadata_torch)]
     if HAS_EXT:
         impls.append(("cpp", lambda p, o, m: torch.ops.specdec.tree_metadata(p, o, m)))
     return impls
@@ -92,22 +84,22 @@ def test_matches_brute_force(name, impl, kind):
     parents, offsets = batch_of(trees)
     got = impl(parents, offsets, max_nodes)
     want = brute_force(trees, max_nodes)
-    for field, g, w in zip(("depth", "mask", "leaf_paths", "leaf_offsets"), got, want):
+    assert len(got) == 2
+    for field, g, w in zip(("depth", "mask"), got, want):
         assert g.dtype == w.dtype, field
         assert torch.equal(g, w), f"{name} {kind}: {field} differs"
 
 
-@needs_ext
-def test_cpp_agrees_with_reference_on_many_random_batches():
+def test_implementations_agree_on_many_random_batches():
     gen = torch.Generator().manual_seed(0)
     for _ in range(20):
         trees = [random_tree(int(torch.randint(1, 90, (1,), generator=gen)), gen) for _ in range(5)]
         parents, offsets = batch_of(trees)
         for width in (90, 256):
             ref = tree_metadata_reference(parents, offsets, width)
-            cpp = torch.ops.specdec.tree_metadata(parents, offsets, width)
-            for a, b in zip(ref, cpp):
-                assert torch.equal(a, b)
+            for name, impl in implementations()[1:]:
+                for a, b in zip(ref, impl(parents, offsets, width)):
+                    assert torch.equal(a, b), name
 
 
 def test_public_op_and_mask_round_trip():
@@ -115,7 +107,6 @@ def test_public_op_and_mask_round_trip():
     meta = build_tree_metadata(parents, offsets)
     assert meta.depth.tolist() == [0, 1, 1, 2]
     assert meta.ancestor_mask[:, 0].tolist() == [1, 3, 5, 11]
-    assert meta.leaf_paths.tolist() == [[0, 2, -1, -1], [0, 1, 3, -1]]
     bits = unpack_mask_rows(meta.ancestor_mask, 4)
     assert torch.equal(pack_mask_rows(bits), meta.ancestor_mask)
 
@@ -131,7 +122,19 @@ def test_bit_63_is_packed_as_the_sign_bit():
 def test_opcheck():
     gen = torch.Generator().manual_seed(3)
     parents, offsets = batch_of([random_tree(20, gen), chain(7), [-1]])
-    torch.library.opcheck(torch.ops.specdec.tree_metadata.default, (parents, offsets, 20))
+    for check in (True, False):
+        torch.library.opcheck(torch.ops.specdec.tree_metadata.default, (parents, offsets, 20, check))
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "auto"])
+def test_output_shapes_come_from_sizes_alone(backend_name):
+    # meta tensors have no values: with max_nodes given and no checks, nothing is read back
+    parents = torch.empty(300, dtype=torch.int32, device="meta")
+    offsets = torch.empty(9, dtype=torch.int32, device="meta")
+    with _backend.use_backend(backend_name):
+        meta = build_tree_metadata(parents, offsets, 130, check=False)
+    assert meta.depth.shape == (300,) and meta.depth.dtype == torch.int32
+    assert meta.ancestor_mask.shape == (300, 3) and meta.ancestor_mask.dtype == torch.int64
 
 
 @pytest.mark.gpu
@@ -145,8 +148,14 @@ def test_cuda_op_matches_cpu():
     cuda = torch.ops.specdec.tree_metadata(parents.cuda(), offsets.cuda(), 300)
     for a, b in zip(cpu, cuda):
         assert b.is_cuda and torch.equal(a, b.cpu())
-    with pytest.raises(RuntimeError, match=r"parents\[1\]"):
+    with pytest.raises(ValueError, match=r"parents\[1\] = 1 in tree 0 must lie in \[0, 1\)"):
         torch.ops.specdec.tree_metadata(*batch_of([[-1, 1]], "cuda"), 2)
+    # unchecked: no read-back; a malformed parent ends its node's walk, bad offsets give depth -1, in bounds
+    depth, mask = torch.ops.specdec.tree_metadata(*batch_of([[-1, 0, 5, 1]], "cuda"), 4, False)
+    assert depth.tolist() == [0, 1, 0, 2] and mask[:, 0].tolist() == [1, 3, 4, 11]
+    parents, offsets = batch_of([[-1, 0, 0]], "cuda")
+    depth, _ = torch.ops.specdec.tree_metadata(parents, offsets + 2, 1, False)  # offsets [2, 5]: nodes 0, 1 unplaced
+    assert depth.tolist()[:2] == [-1, -1]
 
 
 BAD_INPUTS = [
@@ -168,9 +177,8 @@ def test_malformed_input_is_refused(why, trees, offsets, max_nodes, match, backe
     parents, default_offsets = batch_of(trees)
     offsets = default_offsets if offsets is None else torch.tensor(offsets, dtype=torch.int32)
     width = max_nodes or max(len(t) for t in trees)
-    error = ValueError if backend_name == "torch" else RuntimeError
     with _backend.use_backend("torch" if backend_name == "torch" else "auto"):
-        with pytest.raises(error, match=match):
+        with pytest.raises(ValueError, match=match):
             build_tree_metadata(parents, offsets, width)
 
 
@@ -184,3 +192,24 @@ def test_wrong_dtypes_are_refused():
         build_tree_metadata(parents.view(1, 2), offsets)
     with pytest.raises(ValueError, match="max_nodes must be a positive int"):
         build_tree_metadata(parents, offsets, 0)
+
+
+@needs_ext
+def test_the_cpp_op_raises_the_packages_error_types():
+    # called directly, without the Python wrapper's checks
+    parents, offsets = batch_of([[-1, 0]])
+    with pytest.raises(TypeError, match="parents must have dtype int32"):
+        torch.ops.specdec.tree_metadata(parents.long(), offsets, 2)
+    with pytest.raises(ValueError, match="max_nodes must be positive"):
+        torch.ops.specdec.tree_metadata(parents, offsets, 0)
+    with pytest.raises(ValueError, match=r"offsets\[-1\] must equal the number of parents"):
+        torch.ops.specdec.tree_metadata(parents, offsets[:1], 2)
+
+
+def test_docstring_example():
+    import doctest
+    import importlib
+
+    module = importlib.import_module("specdec.kernels.tree_metadata")
+    result = doctest.testmod(module, extraglobs={"torch": torch})
+    assert result.attempted > 0 and result.failed == 0

@@ -30,9 +30,7 @@ import torch
 from specdec._transfer import offsets_to_device, to_device
 from specdec.decoding.proposal import Proposal, depths, tree_metadata_on
 from specdec.decoding.strategy import Prefill, StepContext, StepResult, check_same_vocabulary
-from specdec.kernels import counter_uniform
-from specdec.kernels.sampling import filter_thresholds_reference, inverse_cdf_reference, scaled_logits
-from specdec.kernels.sampling import target_probs_reference as filtered_probs
+from specdec.kernels import filtered_probs, sample_probs
 from specdec.kernels.sampling_params import RULES, SamplingParams
 from specdec.model.attention_metadata import AttentionMetadata, causal_positions, tree_positions
 
@@ -149,7 +147,7 @@ class DraftModelStrategy:
             last_rows = torch.arange(1, rows + 1, device=device) * per_request - 1
             logits, _ = self.draft(feed, positions, AttentionMetadata(q_offsets), self.cache, logits_rows=last_rows)
             self.cache.advance(counts)
-            q, token = self._sample(logits, step, counter=torch.full((rows,), j, device=device))
+            q, token = self._sample(logits, step, counter=j)
             probs.append(q)
             tokens.append(token)
             feed, per_request = token, 1
@@ -208,7 +206,7 @@ class DraftModelStrategy:
     def _expand(self, logits, step, frontier, parents, tokens, probs) -> None:
         """Give every frontier node its children (in template order) from the draft's logits."""
         rows, width = len(step.running), len(frontier)
-        q = _draft_distribution(logits, step.params.repeat_rows(width))  # [R * width, V]
+        q = filtered_probs(logits, _draft_params(step).repeat_rows(width, rows * width)).probs  # [R * width, V]
         for f, node in enumerate(frontier):
             children = [i for i, p in enumerate(parents) if p == node]
             if not children:
@@ -217,14 +215,13 @@ class DraftModelStrategy:
             if self.rule == "stochastic":
                 probs[:, node] = q_node
                 for c in children:
-                    counter = torch.full((rows,), c, device=q.device)
-                    tokens[:, 1 + c] = _sample_from(q_node, step.params, counter)
+                    tokens[:, 1 + c] = sample_probs(q_node, _draft_params(step), counter=c)
             else:
-                scores = scaled_logits(logits.view(rows, width, -1)[:, f], step.params.temperature)
-                # Children come from q's support; greedy rows (q one-hot) take the draft's top-k instead,
-                # since the target's argmax may be any of them.
+                # Children are the top-k of q (its support, in the order of the scaled logits); greedy rows
+                # (q one-hot) take the draft's top-k logits instead, since the target's argmax may be any of them.
                 greedy = (step.params.temperature <= 0)[:, None]
-                scores = torch.where((q_node > 0) | greedy, scores, float("-inf"))
+                draft_logits = logits.view(rows, width, -1)[:, f].float()
+                scores = torch.where(greedy, draft_logits, torch.where(q_node > 0, q_node, -1.0))
                 top = scores.topk(len(children), dim=-1).indices
                 for j, c in enumerate(children):
                     tokens[:, 1 + c] = top[:, j]
@@ -234,26 +231,14 @@ class DraftModelStrategy:
             s = logits.float()
             token = torch.where(torch.isnan(s), float("-inf"), s).argmax(-1)
             return _one_hot(token, s.shape[-1]), token
-        q = _draft_distribution(logits, step.params)
-        return q, _sample_from(q, step.params, counter)
+        params = _draft_params(step)
+        q = filtered_probs(logits, params).probs  # one-hot at the argmax for rows that cannot be sampled
+        return q, sample_probs(q, params, counter=counter).long()
 
 
-# The draft's filtered distributions and its sampling (TODO: the public filtered_probs / probability-
-# sampling ops replace these two functions when they land; nothing else here calls the kernels).
-
-
-def _draft_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """fp32 [R, V]: the filtered distribution a draft token is drawn from; one-hot argmax when greedy."""
-    s = scaled_logits(logits, params.temperature)
-    thr = filter_thresholds_reference(s, params.temperature, params.top_k, params.top_p)
-    p, argmax, bad = filtered_probs(s, thr)
-    return torch.where(((params.temperature <= 0) | bad)[:, None], _one_hot(argmax, p.shape[-1]), p)
-
-
-def _sample_from(q: torch.Tensor, params: SamplingParams, counter) -> torch.Tensor:
-    """One token per row by inverse CDF on the draft's own uniforms."""
-    u = counter_uniform(params.seed ^ DRAFT_SEED_SALT, params.offset, counter)
-    return inverse_cdf_reference(q, u * q.sum(-1))
+def _draft_params(step: StepContext) -> SamplingParams:
+    """The running requests' sampling parameters with the draft's own seeds (salted)."""
+    return step.params._replace(seed=step.params.seed ^ DRAFT_SEED_SALT)
 
 
 def _one_hot(index: torch.Tensor, size: int) -> torch.Tensor:

@@ -97,11 +97,9 @@ def verify(
     ``TreeVerifyResult`` (output_tokens, num_accepted, accepted_path, invalid; ``[R, ...]``).
     """
     parents = to_device([p for tree in proposal.parents for p in tree], torch.int32, logits.device)
-    # Today's verify_tree takes the five sampling tensors in SamplingParams' field order, and its
-    # rule from draft_probs (None = deterministic; Proposal checked that they agree).
     return verify_tree(
-        logits, proposal.tokens.to(torch.int32), parents, node_offsets, proposal.draft_probs, *params,
-        max_depth=proposal.max_depth(),
+        logits, proposal.tokens.to(torch.int32), parents, node_offsets, params, rule=proposal.rule,
+        draft_probs=proposal.draft_probs, max_depth=proposal.max_depth(),
     )  # fmt: skip
 
 
@@ -184,9 +182,9 @@ class SpeculativeDecoder:
     ) -> Iterator[StepOutput]:
         """Yield one ``StepOutput`` per target forward; ``self.stats`` is updated as it goes.
 
-        Sampling arguments are one value or one per prompt: max_new_tokens int >= 0;
-        temperature 0 (greedy) or >= 1e-30 (smaller ones are refused: 1/T and logits/T must stay
-        finite in float32); top_k int in [0, vocab] (0 = off); top_p in (0, 1]; seed (int: request b gets
+        Sampling arguments are one value or one per prompt: max_new_tokens int >= 0; temperature
+        0 (greedy) or >= 1e-30 (smaller ones are refused: 1/T and logits/T must stay finite in
+        float32); top_k int in [0, vocab] (0 = off); top_p in (0, 1]; seed (int: request b gets
         seed + b; None: drawn from torch's generator); eos_token_id (None: never stop early).
         A prompt plus max_new_tokens beyond the target's max_position_embeddings is refused
         unless ``allow_beyond_max_positions=True``. ``validate`` checks all of this before

@@ -1,4 +1,4 @@
-"""Token-tree metadata: depths, bit-packed ancestor-or-self masks, root-to-leaf paths.
+"""Token-tree metadata: depths and bit-packed ancestor-or-self masks.
 
 A batch of token trees is given by its parent arrays, flattened across requests:
 
@@ -8,23 +8,21 @@ A batch of token trees is given by its parent arrays, flattened across requests:
     offsets  [B+1]  int32   tree b owns nodes offsets[b] .. offsets[b+1]-1; every
                             tree has at least its root
 
-and the op returns
+and the op returns, with shapes from N and ``max_nodes`` only,
 
-    depth          [N]              int32  root = 0; RoPE position = prefix + depth
-    ancestor_mask  [N, W]           int64  W = ceil(max_nodes / 64); bit j of row i
-                                           (word j // 64, bit j % 64) is set when
-                                           local node j is i itself or an ancestor
-    leaf_paths     [L, max_nodes]   int32  local node indices root..leaf, -1 padded
-    leaf_offsets   [B+1]            int32  tree b owns leaf rows leaf_offsets[b]..
+    depth          [N]     int32  root = 0; RoPE position = prefix + depth
+    ancestor_mask  [N, W]  int64  W = ceil(max_nodes / 64); bit j of row i
+                                  (word j // 64, bit j % 64) is set when local
+                                  node j is i itself or an ancestor
 
-Because parents precede children, a root-to-leaf path lists increasing indices,
-and mask row i is row parents[i] plus bit i.
+Because parents precede children, mask row i is row parents[i] plus bit i.
 
-The C++ op ``torch.ops.specdec.tree_metadata`` (csrc/tree_metadata.cpp, and a
-CUDA version in the GPU build) does the work when the extension is built; the
-PyTorch reference below is used otherwise and is the tests' oracle. The number
-of leaves L depends on the data, so on CUDA the op reads one count back to the
-host: build tree metadata once per tree shape, outside the decode loop's hot part.
+The C++ op ``torch.ops.specdec.tree_metadata`` (csrc/tree_metadata.cpp, and a CUDA
+version in the GPU build) does the work when the extension is built; otherwise
+``tree_metadata_torch`` does it with device ops (pointer doubling, no host loop).
+``tree_metadata_reference`` is the readable oracle. Validating the values reads them
+(one sync on a GPU); with ``max_nodes`` given and ``check=False`` no value is read, so
+the call can sit inside a captured or compiled step.
 """
 
 from __future__ import annotations
@@ -42,8 +40,6 @@ MASK_WORD_BITS = 64
 class TreeMetadata(NamedTuple):
     depth: torch.Tensor
     ancestor_mask: torch.Tensor
-    leaf_paths: torch.Tensor
-    leaf_offsets: torch.Tensor
 
 
 def mask_words(max_nodes: int) -> int:
@@ -51,21 +47,60 @@ def mask_words(max_nodes: int) -> int:
     return (max_nodes + MASK_WORD_BITS - 1) // MASK_WORD_BITS
 
 
-def build_tree_metadata(parents: torch.Tensor, offsets: torch.Tensor, max_nodes: int | None = None) -> TreeMetadata:
-    """Depths, ancestor-or-self bit masks and leaf paths of a batch of token trees.
+# --------------------------------------------------------------------------------------------
+# PyTorch body (used without the extension)
+# --------------------------------------------------------------------------------------------
+
+
+def tree_metadata_torch(parents: torch.Tensor, offsets: torch.Tensor, max_nodes: int) -> TreeMetadata:
+    """Depths and masks by pointer doubling: after step k every node holds its ancestors up to 2^k - 1 hops.
+
+    Device ops only, ``ceil(log2(max_nodes))`` steps; inputs assumed valid (see ``build_tree_metadata``).
+    """
+    nodes = parents.numel()
+    index = torch.arange(nodes, device=parents.device)
+    tree = torch.searchsorted(offsets[1:].contiguous(), index.to(offsets.dtype), right=True).clamp_(
+        max=offsets.numel() - 2
+    )
+    start = offsets.long()[tree]
+    local = (index - start).clamp_(0, max_nodes - 1)
+    ancestors = torch.zeros(nodes, max_nodes, dtype=torch.bool, device=parents.device)
+    ancestors[index, local] = True
+    jump = torch.where(parents >= 0, start + parents.long(), -1)  # global index of the parent, -1 past the root
+    for _ in range(max(0, max_nodes - 1).bit_length()):
+        has = (jump >= 0)[:, None]
+        target = jump.clamp(min=0)
+        ancestors |= ancestors[target] & has
+        jump = torch.where(jump >= 0, jump[target], -1)
+    depth = (ancestors.sum(1) - 1).to(torch.int32)
+    return TreeMetadata(depth, pack_mask_rows(ancestors))
+
+
+# --------------------------------------------------------------------------------------------
+# Public op
+# --------------------------------------------------------------------------------------------
+
+
+def build_tree_metadata(
+    parents: torch.Tensor, offsets: torch.Tensor, max_nodes: int | None = None, *, check: bool = True
+) -> TreeMetadata:
+    """Depths and ancestor-or-self bit masks of a batch of token trees.
 
     Parameters
     ----------
     parents : int32 ``[N]``; local parent index of each node, -1 for each tree's root.
     offsets : int32 ``[B+1]``; cu_seqlens-style node offsets of the B trees.
-    max_nodes : mask/path width in nodes (default: the largest tree). Passing it
-        keeps output shapes fixed across steps.
+    max_nodes : mask width in nodes (default: the largest tree, read from ``offsets``).
+        Passing it keeps output shapes fixed across steps.
+    check : validate the values (offsets, roots, parents before children), raising ValueError
+        naming the bad entry. On a GPU that reads them back (one sync); ``check=False`` with
+        ``max_nodes`` given reads nothing. Unchecked malformed trees give undefined rows (the
+        kernels stay inside their buffers).
 
     Returns
     -------
-    TreeMetadata(depth [N] int32, ancestor_mask [N, ceil(max_nodes/64)] int64,
-    leaf_paths [L, max_nodes] int32 padded with -1, leaf_offsets [B+1] int32),
-    on the device of ``parents``.
+    TreeMetadata(depth [N] int32, ancestor_mask [N, ceil(max_nodes/64)] int64), on the device
+    of ``parents``.
 
     Example
     -------
@@ -77,52 +112,45 @@ def build_tree_metadata(parents: torch.Tensor, offsets: torch.Tensor, max_nodes:
     check_tensor("parents", parents, dtype=torch.int32, ndim=1)
     check_tensor("offsets", offsets, dtype=torch.int32, ndim=1)
     check_same_device(parents=parents, offsets=offsets)
+    if offsets.numel() < 1:
+        raise ValueError("offsets must hold B+1 >= 1 entries, got none")
     if max_nodes is None:
         sizes = torch.diff(offsets)
         max_nodes = int(sizes.max()) if sizes.numel() else 1
-    if not isinstance(max_nodes, int) or max_nodes < 1:
+    if not isinstance(max_nodes, int) or isinstance(max_nodes, bool) or max_nodes < 1:
         raise ValueError(f"max_nodes must be a positive int, got {max_nodes!r}")
     ext, _ = _backend.extension_status()
     use_ext = ext is not None and _backend.forced_backend() != "torch"
     if use_ext and (parents.is_cpu or _backend.extension_has_cuda()):
-        return TreeMetadata(*torch.ops.specdec.tree_metadata(parents, offsets, max_nodes))
-    return tree_metadata_reference(parents, offsets, max_nodes)
+        return TreeMetadata(*torch.ops.specdec.tree_metadata(parents, offsets, max_nodes, check))
+    if check:
+        check_trees(parents, offsets, max_nodes)
+    if offsets.numel() == 1:  # no trees
+        return TreeMetadata(parents.new_empty(0), parents.new_empty(0, mask_words(max_nodes), dtype=torch.int64))
+    return tree_metadata_torch(parents, offsets, max_nodes)
 
 
-def tree_metadata_reference(parents: torch.Tensor, offsets: torch.Tensor, max_nodes: int) -> TreeMetadata:
-    """Readable PyTorch implementation of ``build_tree_metadata`` (same contract)."""
-    check_tensor("parents", parents, dtype=torch.int32, ndim=1)
+def check_trees(parents: torch.Tensor, offsets: torch.Tensor, max_nodes: int) -> None:
+    """Validate the values of a batch of trees (reads them to the host)."""
     bounds = check_offsets("offsets", offsets, total=parents.numel())
-    device = parents.device
-    parents_host = parents.cpu().long()
-    depth = torch.zeros(parents.numel(), dtype=torch.int32)
-    ancestors = torch.zeros(parents.numel(), max_nodes, dtype=torch.bool)
-    paths, leaf_counts = [], []
+    parents_host = parents.cpu()
     for b in range(len(bounds) - 1):
         start, end = bounds[b], bounds[b + 1]
         local = parents_host[start:end]
-        _check_tree_parents(local, b, start, max_nodes)
         n = end - start
-        tree_anc = torch.eye(n, max_nodes, dtype=torch.bool)
-        tree_depth = torch.zeros(n, dtype=torch.int32)
-        for i in range(1, n):  # parents precede children, so one pass suffices
-            p = int(local[i])
-            tree_anc[i] |= tree_anc[p]
-            tree_depth[i] = tree_depth[p] + 1
-        ancestors[start:end] = tree_anc
-        depth[start:end] = tree_depth
-        is_parent = torch.zeros(n, dtype=torch.bool)
-        is_parent[local[1:]] = True
-        leaves = (~is_parent).nonzero().flatten()
-        leaf_counts.append(leaves.numel())
-        for leaf in leaves.tolist():
-            path = tree_anc[leaf].nonzero().flatten().to(torch.int32)  # increasing = root to leaf
-            paths.append(torch.cat([path, path.new_full((max_nodes - path.numel(),), -1)]))
-    leaf_paths = torch.stack(paths) if paths else torch.empty(0, max_nodes, dtype=torch.int32)
-    leaf_offsets = torch.tensor([0] + leaf_counts, dtype=torch.int32).cumsum(0).to(torch.int32)
-    return TreeMetadata(
-        depth.to(device), pack_mask_rows(ancestors).to(device), leaf_paths.to(device), leaf_offsets.to(device)
-    )
+        if n == 0:
+            raise ValueError(f"offsets give tree {b} no nodes; every tree needs at least its root")
+        if n > max_nodes:
+            raise ValueError(f"tree {b} has {n} nodes, more than max_nodes={max_nodes}")
+        if int(local[0]) != -1:
+            raise ValueError(f"parents[{start}] (root of tree {b}) must be -1, got {int(local[0])}")
+        bad = ((local < 0) | (local >= torch.arange(n)))[1:].nonzero().flatten()
+        if bad.numel():
+            i = int(bad[0]) + 1
+            raise ValueError(
+                f"parents[{start + i}] = {int(local[i])} in tree {b} must lie in [0, {i}) "
+                "(local index of an earlier node: parents come before children)"
+            )
 
 
 def pack_mask_rows(bits: torch.Tensor) -> torch.Tensor:
@@ -145,38 +173,36 @@ def unpack_mask_rows(words: torch.Tensor, n: int) -> torch.Tensor:
     return bits.flatten(1)[:, :n].bool()
 
 
-def _check_tree_parents(local: torch.Tensor, tree: int, start: int, max_nodes: int) -> None:
-    n = local.numel()
-    if n == 0:
-        raise ValueError(f"offsets give tree {tree} no nodes; every tree needs at least its root")
-    if n > max_nodes:
-        raise ValueError(f"tree {tree} has {n} nodes, more than max_nodes={max_nodes}")
-    if int(local[0]) != -1:
-        raise ValueError(f"parents[{start}] (root of tree {tree}) must be -1, got {int(local[0])}")
-    index = torch.arange(n)
-    bad = ((local < 0) | (local >= index))[1:].nonzero().flatten()
-    if bad.numel():
-        i = int(bad[0]) + 1
-        raise ValueError(
-            f"parents[{start + i}] = {int(local[i])} in tree {tree} must lie in [0, {i}) "
-            "(local index of an earlier node: parents come before children)"
-        )
+# --------------------------------------------------------------------------------------------
+# PyTorch reference
+# --------------------------------------------------------------------------------------------
+
+
+def tree_metadata_reference(parents: torch.Tensor, offsets: torch.Tensor, max_nodes: int) -> TreeMetadata:
+    """Readable ``build_tree_metadata``: tree by tree, node by node (checks the values first)."""
+    check_tensor("parents", parents, dtype=torch.int32, ndim=1)
+    check_trees(parents, offsets, max_nodes)
+    bounds, parents_host = offsets.tolist(), parents.tolist()
+    depth = torch.zeros(parents.numel(), dtype=torch.int32)
+    ancestors = torch.zeros(parents.numel(), max_nodes, dtype=torch.bool)
+    for b in range(len(bounds) - 1):
+        start = bounds[b]
+        for i in range(bounds[b + 1] - start):  # parents precede children, so one pass suffices
+            ancestors[start + i, i] = True
+            p = parents_host[start + i]
+            if p >= 0:
+                ancestors[start + i] |= ancestors[start + p]
+                depth[start + i] = depth[start + p] + 1
+    return TreeMetadata(depth.to(parents.device), pack_mask_rows(ancestors).to(parents.device))
 
 
 def _register_fake() -> None:
-    """Shape-only implementation so the op works under torch.compile and opcheck."""
+    """Shape-only implementation (shapes from N and max_nodes) for torch.compile and opcheck."""
 
     @torch.library.register_fake("specdec::tree_metadata")
-    def _(parents, offsets, max_nodes):
-        ctx = torch.library.get_ctx()
-        leaves = ctx.new_dynamic_size()
+    def _(parents, offsets, max_nodes, check=True):
         n = parents.shape[0]
-        return (
-            parents.new_empty(n),
-            parents.new_empty(n, mask_words(max_nodes), dtype=torch.int64),
-            parents.new_empty(leaves, max_nodes),
-            offsets.new_empty(offsets.shape[0]),
-        )
+        return parents.new_empty(n), parents.new_empty(n, mask_words(max_nodes), dtype=torch.int64)
 
 
 if _backend.extension_status()[0] is not None:

@@ -45,7 +45,9 @@ import torch
 
 from specdec._transfer import to_device
 from specdec.kernels._checks import check_offsets, check_tensor
-from specdec.kernels.kv_cache_ops import DTYPES, check_accepted_path, kv_append, kv_compact
+from specdec.kernels.kv_append import kv_append
+from specdec.kernels.kv_compact import check_accepted_path, kv_compact
+from specdec.kernels.kv_layout import DTYPES
 from specdec.model.block_allocator import BlockAllocator
 from specdec.validation import check_memory, tensor_bytes
 

@@ -1,0 +1,281 @@
+"""The tree walk: which draft nodes the target accepts (one program per request), and the
+acceptance rules it implements -- derived here once for every verification op.
+
+Setting. Every node i of a token tree has a target distribution p_i: its logits row after
+temperature, top-k and top-p (``top_k_top_p``, ``target_stats``); p_i scores node i's
+children. A chain is the tree whose parents are i - 1. Starting at the root, the children
+c_1, c_2, ... of the current node are tried in index order (parents come before children,
+so one ascending scan over the nodes visits every node's children in order). The first
+accepted child becomes the current node; when every child is rejected, or there are none,
+one token is drawn from the current node's final distribution and the walk stops. Under
+every rule the emitted tokens are distributed exactly as the target sampling one token at
+a time.
+
+Stochastic rule (children drawn i.i.d. from the node's draft distribution q; Leviathan et
+al. 2022 and Chen et al. 2023 for chains, SpecInfer's multi-step speculative sampling for
+trees). Child c_j is accepted with probability min(1, p_j(c_j) / q(c_j)), with p_1 = p; on
+rejection p_{j+1} = norm(max(0, p_j - q)); after the last rejection the final token comes
+from the last p_j. Exactness: a child drawn from q and accepted with probability
+min(1, p_j/q) emits x with probability min(p_j, q)(x); it is rejected with probability
+1 - sum_x min(p_j, q)(x) = sum_x max(0, p_j - q)(x), after which norm(max(0, p_j - q))
+(verified by the next sibling the same way, or sampled) supplies exactly the missing
+p_j - min(p_j, q). By induction over the siblings the emitted token follows p.
+Since q >= 0 the nested residuals collapse to two scalars per node:
+p_j = max(0, p - C_j q) / S_j with S_j that numerator's mass, C_1 = 0, S_1 = 1 and
+C_{j+1} = C_j + S_j, because max(0, max(0, p - C q) / S - q) = max(0, p - (C + S) q) / S.
+S costs one pass over the row, and only when another sibling follows a rejection (never in
+a chain). A residual with mass below RESIDUAL_EPS is p == q up to rounding: p is used.
+
+Deterministic rule (children chosen without sampling -- top-k of a draft head, n-gram
+continuations): the stochastic rule with q one-hot at each child. Child c_j is accepted
+with probability p_j(c_j); on rejection c_j is removed and the rest renormalised. With X_j
+the target mass of the distinct rejected siblings, p_j(x) = p(x) / (1 - X_j) off the
+rejected set: c_j is accepted with probability p(c_j) / (1 - X_j), a child equal to a
+rejected sibling has probability 0, and the final token is drawn from p without the
+rejected siblings (from p itself when their mass is rounding noise, 1 - X <= RESIDUAL_EPS).
+
+Greedy (temperature <= 0): follow the first child equal to argmax p; at a node without
+such a child emit argmax p. No softmax, no random number.
+
+Uniforms and edge cases. The test of node j uses ``u = counter_uniform(seed, offset, 2j)``,
+the final draw at node j counter ``2j + 1``. u lies in [0, 1) and the tests are
+``u * q * S < max(0, p - C q)`` and ``u * (1 - X) < p``, so p = 0 is never accepted and
+p >= q always is. A child token outside [0, V) is rejected and never used as an index;
+q(x) = 0, NaN, inf or > 1 is never accepted; negative or non-finite q count as 0 in the
+residual. A request with any row that cannot be sampled is flagged invalid and walks
+nowhere.
+
+The walk reads scalars (a row only to sum S) and hands the final draw to ``final_sample``
+as a mode (``FINAL_*``), the final node and (C, mass); greedy requests' last token, the
+argmax, is written here.
+"""
+
+from __future__ import annotations
+
+from specdec.kernels._triton import jit, tl, triton
+from specdec.kernels.target_stats import (
+    any_row_bad_tl,
+    row_argmax_tl,
+    row_normaliser_tl,
+    target_prob_tl,
+    target_tile_tl,
+)
+from specdec.kernels.top_k_top_p import inverse_temperature_tl
+from specdec.kernels.uniforms import counter_uniform_tl
+
+RESIDUAL_EPS = 1e-5  # a residual with less mass is rounding noise: sample from p instead
+
+# The final draw each request hands to final_sample (fin_i[b, 1]):
+FINAL_DONE = tl.constexpr(0)  # greedy or invalid: the walk wrote the last token already
+FINAL_TARGET = tl.constexpr(1)  # draw from p
+FINAL_RESIDUAL = tl.constexpr(2)  # stochastic rule: draw from max(0, p - C q), its mass summed over the tiles
+FINAL_EXCLUDED = tl.constexpr(3)  # deterministic rule: draw from p without the rejected children, mass 1 - X
+
+
+@jit
+def request_nodes_tl(offsets_ptr, b, CHAIN: tl.constexpr):
+    """(first row, node count, token base) of request b: node j > 0 carries token tokens[base + j].
+
+    Trees: ``offsets`` are node offsets. Chains (``CHAIN``): ``offsets`` are draft offsets; node j > 0
+    is draft ``offsets[b] + j - 1`` and the request's K_b + 1 rows start at ``offsets[b] + b``.
+    """
+    lo = tl.load(offsets_ptr + b)
+    hi = tl.load(offsets_ptr + b + 1)
+    if CHAIN:
+        start, n, base = lo + b, hi - lo + 1, lo - 1
+    else:
+        start, n, base = lo, hi - lo, lo
+    return start, n, base
+
+
+@jit
+def residual_tile_tl(p, q_row_ptr, cols, V, c):
+    """max(0, p - C q) on one tile (negative or non-finite q read as 0; p is 0 past V)."""
+    q = tl.load(q_row_ptr + tl.minimum(cols, V - 1)).to(tl.float32)  # clamped: no lane leaves the row
+    return tl.maximum(p - c * tl.where((q >= 0) & (q < float("inf")), q, 0.0), 0.0)
+
+
+@jit
+def _residual_mass(logits_row, q_row, V, inv_t, thr, m, z, c, BLOCK: tl.constexpr):
+    # Stochastic rule: S = sum of max(0, p - C q) over the row (one streaming pass).
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, V, BLOCK):
+        cols, p = target_tile_tl(logits_row, start, V, inv_t, thr, m, z, BLOCK)
+        acc += residual_tile_tl(p, q_row, cols, V, c)
+    return tl.sum(acc, 0)
+
+
+@jit
+def _stochastic_test(q_row, tok, valid, px, u, c, s):
+    # Accept with probability min(1, p_j(tok) / q(tok)), p_j = max(0, p - C q) / S.
+    qx = tl.load(q_row + tok).to(tl.float32)
+    res = tl.maximum(px - c * tl.where((qx >= 0) & (qx < float("inf")), qx, 0.0), 0.0)
+    return valid & (qx > 0) & (qx <= 1) & (res > 0) & (u * qx * s < res)
+
+
+@jit
+def _deterministic_test(px, u, x_rej):
+    # Accept with probability p(tok) / (1 - X); px is already 0 for a rejected sibling's token.
+    return (px > 0) & (u * (1.0 - x_rej) < px)
+
+
+@jit
+def _is_rejected_sibling(tokens_ptr, parents_ptr, start, cur, j, tok):
+    # Deterministic trees: does an earlier child of cur carry tok? (Every earlier child of cur was
+    # rejected, or the walk would have moved on.)
+    seen = j < 0
+    for i in range(cur + 1, j):
+        seen = seen | ((tl.load(parents_ptr + start + i) == cur) & (tl.load(tokens_ptr + start + i) == tok))
+    return seen
+
+
+@jit
+def _greedy_test(tok, valid, argmax):
+    return valid & (tok == argmax)
+
+
+@jit
+def _tree_walk_kernel(
+    logits_ptr,  # [R, V] target logits, one row per node (unit column stride)
+    tokens_ptr,  # [R] int32 node tokens (roots' ignored); CHAIN: [T] draft tokens
+    parents_ptr,  # [R] int32 local parents, -1 at each root; unread with CHAIN (parent of j is j - 1)
+    offsets_ptr,  # [B+1] int32 node offsets; CHAIN: draft offsets (see request_nodes_tl)
+    q_ptr,  # stochastic: draft rows, row of node i's children = i (CHAIN: draft index); else unread
+    thr_ptr,  # [R] fp32 filter thresholds
+    max_ptr,  # [R, n_tiles] tile statistics (target_stats)
+    sum_ptr,
+    arg_ptr,
+    bad_ptr,
+    temp_ptr,  # [B] fp32
+    seed_ptr,  # [B] int64
+    offset_ptr,  # [B] int64
+    out_tok_ptr,  # [B, W] int32 out: accepted tokens, then (greedy only) the argmax; -1 padded
+    out_path_ptr,  # [B, W] int32 out: local nodes root(0), accepted..., -1 padded
+    num_acc_ptr,  # [B] int32 out
+    invalid_ptr,  # [B] bool out
+    fin_i_ptr,  # [B, 4] int32 out: final node's row, FINAL_* mode, final node, node count
+    fin_f_ptr,  # [B, 2] fp32 out: C, and the final distribution's mass (1 - X, or 1)
+    V,
+    n_tiles,
+    W,
+    stride_l,
+    stride_q,
+    stride_tok,
+    stride_path,
+    RULE: tl.constexpr,  # "stochastic" or "deterministic"
+    CHAIN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    T_PAD: tl.constexpr,
+    W_PAD: tl.constexpr,
+    EPS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    start, n, tok_base = request_nodes_tl(offsets_ptr, b, CHAIN)
+    t = tl.load(temp_ptr + b)
+    greedy = t <= 0
+    inv_t = tl.where(greedy, 1.0, inverse_temperature_tl(t))
+    zero = inv_t * 0.0  # an fp32 zero for the loop-carried scalars
+    seed = tl.load(seed_ptr + b)
+    off = tl.load(offset_ptr + b)
+    invalid = any_row_bad_tl(max_ptr, arg_ptr, bad_ptr, start, n, n_tiles, T_PAD)
+
+    # ---- walk (an invalid request stays at its root)
+    lanes = tl.arange(0, W_PAD)
+    toks = tl.full([W_PAD], -1, tl.int32)
+    path = tl.where(lanes == 0, 0, toks)
+    depth = n * 0
+    cur = n * 0
+    m, am, _bad = row_argmax_tl(max_ptr, arg_ptr, bad_ptr, start, n_tiles, T_PAD)
+    z = row_normaliser_tl(max_ptr, sum_ptr, start, m, n_tiles, T_PAD)
+    c_res = zero  # stochastic: p_j = max(0, p - C q) / S
+    s_res = zero + 1.0
+    pending = n < 0  # S not yet summed for the current C (needed only if another sibling is tried)
+    x_rej = zero  # deterministic: target mass of the distinct rejected siblings
+    for j in range(1, tl.where(invalid, 1, n)):
+        if CHAIN:
+            par = j - 1
+        else:
+            par = tl.load(parents_ptr + start + j)
+        if (par == cur) & (depth < W - 1):
+            row = (start + cur).to(tl.int64)
+            logits_row = logits_ptr + row * stride_l
+            thr = tl.load(thr_ptr + row)
+            tok = tl.load(tokens_ptr + tok_base + j)
+            valid = (tok >= 0) & (tok < V)
+            safe = tl.where(valid, tok, 0)  # never index with an out-of-range id
+            px = tl.where(valid, target_prob_tl(logits_row, safe, inv_t, thr, m, z), 0.0)
+            u = counter_uniform_tl(seed, off, 2 * j)
+            if RULE == "stochastic":
+                q_row = q_ptr + (row - b if CHAIN else row) * stride_q
+                if pending & ~greedy:
+                    s_res = _residual_mass(logits_row, q_row, V, inv_t, thr, m, z, c_res, BLOCK)
+                    reset = s_res <= EPS  # p == q up to rounding: back to p
+                    c_res = tl.where(reset, 0.0, c_res)
+                    s_res = tl.where(reset, 1.0, s_res)
+                    pending = n < 0
+                accept = _stochastic_test(q_row, safe, valid, px, u, c_res, s_res)
+            else:
+                if not CHAIN:  # (a chain node has one child: no siblings)
+                    px = tl.where(_is_rejected_sibling(tokens_ptr, parents_ptr, start, cur, j, tok), 0.0, px)
+                accept = _deterministic_test(px, u, x_rej)
+            accept = tl.where(greedy, _greedy_test(tok, valid, am), accept)
+            if accept:
+                toks = tl.where(lanes == depth, tok, toks)
+                depth += 1
+                path = tl.where(lanes == depth, j, path)
+                cur = j + n * 0
+                c_res = zero
+                s_res = zero + 1.0
+                pending = n < 0
+                x_rej = zero
+                m, am, _bad = row_argmax_tl(max_ptr, arg_ptr, bad_ptr, start + j, n_tiles, T_PAD)
+                z = row_normaliser_tl(max_ptr, sum_ptr, start + j, m, n_tiles, T_PAD)
+            elif not greedy:
+                if RULE == "stochastic":
+                    c_res = c_res + s_res  # p_next = max(0, p - C q) / S; S is summed when needed
+                    pending = n >= 0
+                else:
+                    x_rej = x_rej + px
+
+    # ---- the final draw: greedy requests are done, the others go to final_sample
+    if greedy & ~invalid:
+        toks = tl.where(lanes == depth, am, toks)
+    total = zero + 1.0
+    if RULE == "stochastic":
+        mode = tl.where(pending, FINAL_RESIDUAL, FINAL_TARGET)  # pending <=> a rejection at the final node
+    else:
+        exclude = (x_rej > 0) & (1.0 - x_rej > EPS)  # else the rejected mass is rounding noise: draw from p
+        total = tl.where(exclude, 1.0 - x_rej, total)
+        mode = tl.where(exclude, FINAL_EXCLUDED, FINAL_TARGET)
+    mode = tl.where(invalid | greedy, FINAL_DONE, mode)
+    tl.store(fin_i_ptr + 4 * b, start + cur)
+    tl.store(fin_i_ptr + 4 * b + 1, mode)
+    tl.store(fin_i_ptr + 4 * b + 2, cur)
+    tl.store(fin_i_ptr + 4 * b + 3, n)
+    tl.store(fin_f_ptr + 2 * b, c_res)
+    tl.store(fin_f_ptr + 2 * b + 1, total)
+
+    # ---- write back
+    at = tl.minimum(lanes, W - 1)  # clamped: lanes past the width stay inside the row
+    tl.store(out_tok_ptr + b.to(tl.int64) * stride_tok + at, toks, mask=lanes < W)
+    tl.store(out_path_ptr + b.to(tl.int64) * stride_path + at, path, mask=lanes < W)
+    tl.store(num_acc_ptr + b, depth)
+    tl.store(invalid_ptr + b, invalid)
+
+
+def tree_walk_triton(logits, tokens, parents, offsets, q, thr, stats, params, out, fin_i, fin_f, *,
+                     rule: str, chain: bool, block: int, width: int) -> None:  # fmt: skip
+    """Launch the walk, one program per request: writes ``out`` (output_tokens, num_accepted,
+    accepted_path, invalid) and the final-draw hand-off ``fin_i [B, 4]`` int32 / ``fin_f [B, 2]``
+    fp32. ``q`` holds the draft rows (any tensor for the deterministic rule). Triton launcher, no checks."""
+    out_tok, num_acc, out_path, invalid = out
+    temperature, _top_k, _top_p, seed, offset = params
+    batch = offsets.numel() - 1
+    n_tiles = stats.max.shape[1]
+    _tree_walk_kernel[(batch,)](
+        logits, tokens, parents, offsets, q, thr, *stats, temperature, seed, offset,
+        out_tok, out_path, num_acc, invalid, fin_i, fin_f,
+        logits.shape[1], n_tiles, width, logits.stride(0), q.stride(0), out_tok.stride(0), out_path.stride(0),
+        RULE=rule, CHAIN=chain, BLOCK=block, T_PAD=triton.next_power_of_2(n_tiles),
+        W_PAD=triton.next_power_of_2(width), EPS=RESIDUAL_EPS,
+    )  # fmt: skip

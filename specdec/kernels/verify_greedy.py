@@ -1,0 +1,302 @@
+"""The greedy fast path: ``verify_chain_greedy`` and ``verify_tree_greedy``, for a batch the caller
+knows (on the host) to be greedy throughout -- every temperature <= 0.
+
+Greedy verification needs only each row's argmax: follow the child equal to argmax p, then emit
+argmax p (``tree_walk``). So this path reads the logits once for their argmax and invalid flags
+-- no temperature, filter, exponentials, uniforms or tile sampling -- and walks: two launches
+(``target_stats`` in argmax-only mode, then ``_greedy_walk_kernel``) instead of the general
+pipeline's five. Results equal ``verify_chain`` / ``verify_tree`` at temperature 0 exactly,
+invalid rows included (tested).
+
+Misuse is refused, never answered wrongly: a request with temperature above 0 (or NaN) raises a
+ValueError naming ``params.temperature`` for CPU tensors; on CUDA the same condition is a
+device-side assertion, which costs no host synchronisation and fails the stream loudly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.kernels._checks import check_offsets
+from specdec.kernels._op import register_op
+from specdec.kernels._triton import jit, tl, triton
+from specdec.kernels.sampling_params import SamplingParams
+from specdec.kernels.target_stats import any_row_bad_tl, row_argmax_tl, row_stats_triton
+from specdec.kernels.top_k_top_p import bad_rows, vocab_block
+from specdec.kernels.tree_walk import request_nodes_tl
+from specdec.kernels.verification import result_buffers
+from specdec.kernels.verify_chain import ChainVerifyResult, check_chain
+from specdec.kernels.verify_tree import TreeVerifyResult, check_tree
+
+# ----------------------------------------------------------------------------- Triton
+
+
+@jit
+def _greedy_walk_kernel(
+    tokens_ptr,  # [R] int32 node tokens; CHAIN: [T] draft tokens
+    parents_ptr,  # [R] int32 local parents; unread with CHAIN
+    offsets_ptr,  # [B+1] int32 node offsets; CHAIN: draft offsets (see tree_walk.request_nodes_tl)
+    max_ptr,  # [R, n_tiles] argmax-only tile statistics (target_stats)
+    arg_ptr,
+    bad_ptr,
+    out_tok_ptr,  # [B, W] int32 out
+    num_acc_ptr,  # [B] int32 out
+    out_path_ptr,  # [B, W] int32 out
+    invalid_ptr,  # [B] bool out
+    n_tiles,
+    W,
+    stride_tok,
+    stride_path,
+    CHAIN: tl.constexpr,
+    T_PAD: tl.constexpr,
+    W_PAD: tl.constexpr,
+):
+    b = tl.program_id(0)
+    start, n, tok_base = request_nodes_tl(offsets_ptr, b, CHAIN)
+    invalid = any_row_bad_tl(max_ptr, arg_ptr, bad_ptr, start, n, n_tiles, T_PAD)
+    lanes = tl.arange(0, W_PAD)
+    toks = tl.full([W_PAD], -1, tl.int32)
+    path = tl.where(lanes == 0, 0, toks)
+    depth = n * 0
+    cur = n * 0
+    _m, argmax, _bad = row_argmax_tl(max_ptr, arg_ptr, bad_ptr, start, n_tiles, T_PAD)
+    for j in range(1, tl.where(invalid, 1, n)):
+        if CHAIN:
+            par = j - 1
+        else:
+            par = tl.load(parents_ptr + start + j)
+        if (par == cur) & (depth < W - 1):
+            tok = tl.load(tokens_ptr + tok_base + j)
+            if tok == argmax:  # (a valid row's argmax lies in [0, V), so ids outside never match)
+                toks = tl.where(lanes == depth, tok, toks)
+                depth += 1
+                path = tl.where(lanes == depth, j, path)
+                cur = j + n * 0
+                _m, argmax, _bad = row_argmax_tl(max_ptr, arg_ptr, bad_ptr, start + j, n_tiles, T_PAD)
+    if not invalid:
+        toks = tl.where(lanes == depth, argmax, toks)
+    at = tl.minimum(lanes, W - 1)  # clamped: lanes past the width stay inside the row
+    tl.store(out_tok_ptr + b.to(tl.int64) * stride_tok + at, toks, mask=lanes < W)
+    tl.store(out_path_ptr + b.to(tl.int64) * stride_path + at, path, mask=lanes < W)
+    tl.store(num_acc_ptr + b, depth)
+    tl.store(invalid_ptr + b, invalid)
+
+
+def _greedy_triton(logits, tokens, parents, offsets, out, chain: bool) -> None:
+    """Argmax statistics, then the walk; ``out`` in ``TreeVerifyResult`` order. Triton launcher, no checks."""
+    batch = offsets.numel() - 1
+    if batch == 0:
+        return
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    stats = row_stats_triton(logits, None, None, vocab_block(logits.shape[1]), argmax_only=True)
+    n_tiles, width = stats.max.shape[1], out[0].shape[1]
+    _greedy_walk_kernel[(batch,)](
+        tokens, parents, offsets, stats.max, stats.arg, stats.bad, *out, n_tiles, width,
+        out[0].stride(0), out[2].stride(0),
+        CHAIN=chain, T_PAD=triton.next_power_of_2(n_tiles), W_PAD=triton.next_power_of_2(width),
+    )  # fmt: skip
+
+
+def _chain_greedy_triton(logits, tokens, offsets, output_tokens, num_accepted, invalid) -> None:
+    path = torch.empty_like(output_tokens)  # scratch: a chain's path is 0..num_accepted
+    _greedy_triton(logits, tokens, tokens, offsets, (output_tokens, num_accepted, path, invalid), chain=True)
+
+
+def _chain_greedy_torch(logits, tokens, offsets, *out) -> None:
+    for dst, src in zip(out, verify_chain_greedy_reference(logits, tokens, offsets, max_draft_len=out[0].shape[1] - 1)):
+        dst.copy_(src)
+
+
+def _tree_greedy_triton(logits, tokens, parents, offsets, *out) -> None:
+    _greedy_triton(logits, tokens, parents, offsets, out, chain=False)
+
+
+def _tree_greedy_torch(logits, tokens, parents, offsets, *out) -> None:
+    ref = verify_tree_greedy_reference(logits, tokens, parents, offsets, max_depth=out[0].shape[1] - 1)
+    for dst, src in zip(out, ref):
+        dst.copy_(src)
+
+
+# ----------------------------------------------------------------------------- registered ops
+
+
+@register_op(
+    "verify_chain_greedy",
+    mutates_args=("output_tokens", "num_accepted", "invalid"),
+    triton=_chain_greedy_triton,
+    torch=_chain_greedy_torch,
+)
+def _verify_chain_greedy_op(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_offsets: torch.Tensor,
+    output_tokens: torch.Tensor,
+    num_accepted: torch.Tensor,
+    invalid: torch.Tensor,
+) -> None:
+    """Schema: ``verify_chain_greedy``'s tensors, writing the result in place."""
+
+
+@register_op(
+    "verify_tree_greedy",
+    mutates_args=("output_tokens", "num_accepted", "accepted_path", "invalid"),
+    triton=_tree_greedy_triton,
+    torch=_tree_greedy_torch,
+)
+def _verify_tree_greedy_op(
+    target_logits: torch.Tensor,
+    node_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    node_offsets: torch.Tensor,
+    output_tokens: torch.Tensor,
+    num_accepted: torch.Tensor,
+    accepted_path: torch.Tensor,
+    invalid: torch.Tensor,
+) -> None:
+    """Schema: ``verify_tree_greedy``'s tensors, writing the result in place."""
+
+
+# ----------------------------------------------------------------------------- public functions
+
+
+def check_all_greedy(params: SamplingParams, op: str, general: str) -> None:
+    """Every ``params.temperature`` <= 0: ValueError on the CPU, a device-side assertion on CUDA (no sync)."""
+    greedy = (params.temperature <= 0).all()
+    message = f"params.temperature must be <= 0 for every request of {op}; use {general} for sampled requests"
+    if greedy.device.type == "cpu":
+        if not bool(greedy):
+            raise ValueError(message)
+    else:
+        torch._assert_async(greedy, message)
+
+
+def verify_chain_greedy(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_offsets: torch.Tensor,
+    params: SamplingParams,
+    *,
+    max_draft_len: int | None = None,
+    out: ChainVerifyResult | None = None,
+) -> ChainVerifyResult:
+    """``verify_chain`` for a batch whose every request is greedy: an argmax comparison only.
+
+    Arguments, results and edge cases as ``verify_chain`` (no ``rule``: greedy acceptance is the
+    same under both; no ``draft_probs``). ``params`` is read only to refuse a sampled request.
+
+    Example
+    -------
+    >>> logits = torch.randn(3, 20)                        # B = 1, K = 2
+    >>> drafts = logits[:2].argmax(-1).to(torch.int32)    # the target's own choices: all accepted
+    >>> r = verify_chain_greedy(logits, drafts, torch.tensor([0, 2], dtype=torch.int32), SamplingParams.make(1))
+    >>> r.num_accepted.tolist(), r.output_tokens[0].tolist() == logits.argmax(-1).tolist()
+    ([2], True)
+    """
+    device, batch, max_draft_len = check_chain(target_logits, draft_tokens, draft_offsets, params, max_draft_len)
+    check_all_greedy(params, "verify_chain_greedy", "verify_chain")
+    out = result_buffers(out, ChainVerifyResult, batch, max_draft_len + 1, device)
+    _verify_chain_greedy_op(target_logits, draft_tokens.contiguous(), draft_offsets.contiguous(), *out)
+    return out
+
+
+def verify_tree_greedy(
+    target_logits: torch.Tensor,
+    node_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    node_offsets: torch.Tensor,
+    params: SamplingParams,
+    *,
+    max_depth: int | None = None,
+    out: TreeVerifyResult | None = None,
+) -> TreeVerifyResult:
+    """``verify_tree`` for a batch whose every request is greedy: an argmax comparison only.
+
+    Arguments, results and edge cases as ``verify_tree`` (no ``rule``, no ``draft_probs``);
+    ``params`` is read only to refuse a sampled request.
+
+    Example
+    -------
+    >>> logits = torch.randn(3, 20)                        # a root and two children
+    >>> tokens = torch.tensor([0, (int(logits[0].argmax()) + 1) % 20, int(logits[0].argmax())], dtype=torch.int32)
+    >>> r = verify_tree_greedy(logits, tokens, torch.tensor([-1, 0, 0], dtype=torch.int32),
+    ...                        torch.tensor([0, 3], dtype=torch.int32), SamplingParams.make(1))
+    >>> r.accepted_path.tolist(), r.output_tokens[0, 1].item() == logits[2].argmax().item()
+    ([[0, 2]], True)
+    """
+    device, batch, max_depth = check_tree(target_logits, node_tokens, parents, node_offsets, params, max_depth)
+    check_all_greedy(params, "verify_tree_greedy", "verify_tree")
+    out = result_buffers(out, TreeVerifyResult, batch, max_depth + 1, device)
+    _verify_tree_greedy_op(target_logits, node_tokens.contiguous(), parents.contiguous(), node_offsets.contiguous(),
+                           *out)  # fmt: skip
+    return out
+
+
+# ----------------------------------------------------------------------------- PyTorch references
+
+
+def _argmax_and_bad(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    s = logits.float()
+    return torch.where(torch.isnan(s), float("-inf"), s).argmax(-1), bad_rows(s)
+
+
+def verify_chain_greedy_reference(target_logits, draft_tokens, draft_offsets, *, max_draft_len: int):
+    """Readable PyTorch implementation of ``verify_chain_greedy``: the longest prefix of drafts equal
+    to the target's argmax, then the argmax after it."""
+    bounds = check_offsets("draft_offsets", draft_offsets, total=draft_tokens.numel())
+    device = target_logits.device
+    batch, total = len(bounds) - 1, draft_tokens.numel()
+    every = torch.arange(batch, device=device)
+    draft_start = torch.tensor(bounds[:-1], dtype=torch.long, device=device)
+    drafted = torch.tensor(bounds[1:], dtype=torch.long, device=device) - draft_start
+    k = drafted.clamp_max(max_draft_len)
+    row_start = draft_start + every
+    argmax, bad = _argmax_and_bad(target_logits)
+    row_req = torch.repeat_interleave(every, drafted + 1)
+    invalid = torch.zeros(batch, dtype=torch.long, device=device).scatter_reduce(0, row_req, bad.long(), "amax") > 0
+    tokens = torch.full((batch, max_draft_len + 1), -1, dtype=torch.long, device=device)
+    accepted = torch.zeros(batch, dtype=torch.long, device=device)
+    live = ~invalid
+    for i in range(min(max_draft_len, max(k.tolist(), default=0))):
+        tok = draft_tokens[(draft_start + i).clamp_max(total - 1)].long()
+        took = live & (i < k) & (tok == argmax[row_start + k.clamp_max(i)])
+        tokens[took, i] = tok[took]
+        accepted += took.long()
+        live &= took
+    tokens[every, accepted] = argmax[row_start + accepted]
+    tokens[invalid] = -1
+    return ChainVerifyResult(tokens.to(torch.int32), torch.where(invalid, 0, accepted).to(torch.int32), invalid)
+
+
+def verify_tree_greedy_reference(target_logits, node_tokens, parents, node_offsets, *, max_depth: int):
+    """Readable PyTorch implementation of ``verify_tree_greedy``: from the root, follow the first child
+    equal to the argmax of its parent's row; then emit the argmax of the last node's row."""
+    bounds = check_offsets("node_offsets", node_offsets, total=target_logits.shape[0])
+    device = target_logits.device
+    batch, width = len(bounds) - 1, max_depth + 1
+    every = torch.arange(batch, device=device)
+    starts = torch.tensor(bounds[:-1], dtype=torch.long, device=device)
+    sizes = torch.tensor(bounds[1:], dtype=torch.long, device=device) - starts
+    argmax, bad = _argmax_and_bad(target_logits)
+    row_req = torch.repeat_interleave(every, sizes)
+    invalid = torch.zeros(batch, dtype=torch.long, device=device).scatter_reduce(0, row_req, bad.long(), "amax") > 0
+    cur = torch.zeros(batch, dtype=torch.long, device=device)
+    depth = torch.zeros_like(cur)
+    tokens = torch.full((batch, width), -1, dtype=torch.long, device=device)
+    path = torch.full((batch, width), -1, dtype=torch.long, device=device)
+    path[:, 0] = 0
+    for j in range(1, max(sizes.tolist(), default=1)):
+        exists = j < sizes
+        node = torch.where(exists, starts + j, 0)
+        tok = node_tokens[node].long()
+        took = ~invalid & exists & (parents[node].long() == cur) & (depth < width - 1) & (tok == argmax[starts + cur])
+        tokens[took, depth[took]] = tok[took]
+        depth = depth + took.long()
+        path[took, depth[took]] = j
+        cur = torch.where(took, j, cur)
+    tokens[every, depth] = argmax[starts + cur]
+    tokens[invalid] = -1
+    path[invalid, 1:] = -1
+    return TreeVerifyResult(
+        tokens.to(torch.int32), torch.where(invalid, 0, depth).to(torch.int32), path.to(torch.int32), invalid
+    )

@@ -1,0 +1,53 @@
+"""How vLLM finds the plugin (entry point, VLLM_PLUGINS), and the version gate."""
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import vllm
+from vllm.v1.sample.rejection_sampler import RejectionSampler
+from vllm.v1.worker import gpu_model_runner
+
+from specdec.integrations import vllm as plugin
+from specdec.integrations._vllm_samplers import SpecdecRejectionSampler
+
+PROBE = (
+    "from vllm.plugins import load_general_plugins; load_general_plugins(); "
+    "from vllm.v1.worker import gpu_model_runner; print(gpu_model_runner.RejectionSampler.__name__)"
+)
+
+
+@pytest.mark.parametrize(
+    ("allowed", "expected"),
+    [("specdec", "SpecdecRejectionSampler"), ("lora_filesystem_resolver", "RejectionSampler")],
+)
+def test_vllm_plugins_selects_the_entry_point(allowed, expected):
+    env = dict(os.environ, VLLM_PLUGINS=allowed)
+    result = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == expected
+
+
+def test_untested_vllm_version_is_left_alone(monkeypatch, caplog):
+    plugin.unregister()
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    plugin.logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger=plugin.logger.name):
+            assert plugin.register() is False
+    finally:
+        plugin.logger.removeHandler(caplog.handler)
+    assert gpu_model_runner.RejectionSampler is RejectionSampler
+    assert "vLLM 0.33.0 is outside the tested range (0.32.x)" in caplog.text
+
+
+def test_register_and_unregister_swap_the_class():
+    try:
+        assert plugin.register() is True
+        assert plugin.register() is True  # idempotent: the original is still what unregister restores
+        assert gpu_model_runner.RejectionSampler is SpecdecRejectionSampler
+    finally:
+        plugin.unregister()
+    assert gpu_model_runner.RejectionSampler is RejectionSampler
