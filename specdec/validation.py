@@ -6,7 +6,7 @@ return the value normalised (a Python ``int`` or ``float``, a ``torch.device``).
 
 Integers must be integers: Python ints and NumPy / 0-d integer tensor scalars are accepted
 (anything with ``__index__``); bools and floats are refused, never truncated. Floats accept
-any real number (ints included) but not bools or NaN.
+any real number (ints included) but not bools, NaN or infinities.
 
 Example
 -------
