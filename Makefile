@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_PIN  ?= torch==2.13.0
 TRITON_PIN ?= triton==3.9.0
 RUNTIME_DEPS := $(TORCH_PIN) $(TRITON_PIN) numpy safetensors tokenizers ninja setuptools wheel
-TEST_DEPS    := pytest pytest-xdist ruff transformers
+TEST_DEPS    := pytest pytest-xdist ruff transformers hypothesis
 TEST_JOBS    ?= 2
 
 # The vLLM plugin's tests run in their own environment (.venv-vllm, ~3.5 GB): vLLM's CPU build,
