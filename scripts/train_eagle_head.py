@@ -14,6 +14,11 @@ own earlier predictions, exactly what a chain of j + 1 drafts starting at row q 
 Training sequences are the target's greedy continuations of code prompts (what the head
 faces when the engine runs the target greedily) mixed with corpus windows.
 
+Tried (same data, 400 steps, held-out top-1 at depths 1..5): ``--levels 1`` (EAGLE-1 with
+noise only) 0.86, 0.85, 0.84, 0.84, 0.84; ``--levels 3`` 0.86, 0.87, 0.86, 0.86, 0.86 -- own
+features no longer cost accuracy, so the default is 3. A run stopped by a time cap before its
+learning-rate schedule ended (309 of 500 steps) reached 0.83 at every depth.
+
 Steps (seeded; the same Python version and thread count give the same head):
   1. corpus, split and tokenizer of the embedded pair (``head_training.py``);
   2. greedy continuations of training prompts (specdec's engine, float32);
@@ -21,7 +26,7 @@ Steps (seeded; the same Python version and thread count give the same head):
   4. training (AdamW, warmup + cosine; bf16 autocast on the CPU);
   5. the head saved in bfloat16 (config.json + model.safetensors), loaded back through
      ``specdec.model.EagleHead`` and measured on the held-out set: top-1/2/4 agreement with the
-     target's greedy token at draft depths 1 (true features), 2 and 3 (its own features).
+     target's greedy token at draft depths 1 (true features) to 5 (its own features).
 
 Usage::
 
@@ -230,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(ROOT / "specdec" / "assets" / "eagle"))
     parser.add_argument("--quick", action="store_true", help="a tiny run (about a minute): tests and development")
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--minutes", type=float, default=None, help="wall-time cap on training (steps run recorded)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
@@ -304,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
 
     save_head(head, out, target_config, args.intermediate)
     t_eval = time.perf_counter()
-    shipped = shipped_head_agreement(out, target, heldout, depth=3, stride=1 if args.quick else 2)
+    shipped = shipped_head_agreement(out, target, heldout, depth=5, stride=1)
     eval_minutes = (time.perf_counter() - t_eval) / 60
     steps_run = len(step_times)
     report = {

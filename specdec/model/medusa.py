@@ -151,35 +151,36 @@ class MedusaHeads(nn.Module):
             "vocab_size": self.vocab_size,
         }
         (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        tensors = {}
-        for i in range(self.num_heads):
-            for l in range(self.num_layers):
-                tensors[f"{i}.{l}.linear.weight"] = self.block_weight[i, l]
-                tensors[f"{i}.{l}.linear.bias"] = self.block_bias[i, l]
-            tensors[f"{i}.{self.num_layers}.weight"] = self.proj_weight[i]
+        state = self.state_dict()
+        tensors = {name: state[param][index] for name, (param, index) in authors_layout(self).items()}
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path / HEADS_FILE))
 
 
+def authors_layout(heads: MedusaHeads) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The authors' tensor name -> (stacked parameter, index into it): the one place that knows their names.
+
+    Head i is ``nn.Sequential(ResBlock x L, Linear(hidden, vocab, bias=False))`` in their code,
+    so its blocks are ``i.{l}.linear.*`` and its projection ``i.{L}.weight``.
+    """
+    L = heads.num_layers
+    layout = {}
+    for i in range(heads.num_heads):
+        for l in range(L):
+            layout[f"{i}.{l}.linear.weight"] = ("block_weight", (i, l))
+            layout[f"{i}.{l}.linear.bias"] = ("block_bias", (i, l))
+        layout[f"{i}.{L}.weight"] = ("proj_weight", (i,))
+    return layout
+
+
 def medusa_state_dict(path: Path, heads: MedusaHeads, *, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
-    """The stacked state dict from the authors' per-head tensors: the one place that knows their names."""
-    K, L, H, V = heads.num_heads, heads.num_layers, heads.hidden_size, heads.vocab_size
-    expected = {}
-    for i in range(K):
-        for l in range(L):
-            expected[f"{i}.{l}.linear.weight"] = (H, H)
-            expected[f"{i}.{l}.linear.bias"] = (H,)
-        expected[f"{i}.{L}.weight"] = (V, H)
-    t = load_tensors(path, expected, dtype=dtype, device=device, single_file=HEADS_FILE)
-    state = {
-        "block_weight": torch.empty(K, L, H, H, dtype=dtype, device=device),
-        "block_bias": torch.empty(K, L, H, dtype=dtype, device=device),
-        "proj_weight": torch.empty(K, V, H, dtype=dtype, device=device),
-    }
-    for i in range(K):
-        for l in range(L):
-            state["block_weight"][i, l] = t[f"{i}.{l}.linear.weight"]
-            state["block_bias"][i, l] = t[f"{i}.{l}.linear.bias"]
-        state["proj_weight"][i] = t[f"{i}.{L}.weight"]
+    """The stacked state dict of ``heads`` (shapes only, e.g. on "meta") from a checkpoint in the authors' layout."""
+    shapes = {name: tuple(t.shape) for name, t in heads.state_dict().items()}
+    layout = authors_layout(heads)
+    expected = {name: shapes[param][len(index) :] for name, (param, index) in layout.items()}
+    tensors = load_tensors(path, expected, dtype=dtype, device=device, single_file=HEADS_FILE)
+    state = {param: torch.empty(shape, dtype=dtype, device=device) for param, shape in shapes.items()}
+    for name, (param, index) in layout.items():
+        state[param][index] = tensors[name]
     return state
 
 
