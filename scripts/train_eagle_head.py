@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import sys
 import time
 from pathlib import Path
@@ -257,8 +256,6 @@ def main(argv: list[str] | None = None) -> int:
         args.steps, args.batch, args.seq_len, args.intermediate = 12, 2, 64, 128
         args.greedy_per_file, args.greedy_tokens, args.heldout_per_file, args.heldout_tokens = 1, 24, 1, 24
     torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
     out = Path(args.out)
     t0 = time.perf_counter()
 
@@ -270,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         heldout = HeldOut(heldout.sequences[:4], heldout.prompt_lens[:4], heldout.features[:4])
     data_minutes = (time.perf_counter() - t0) / 60
+    torch.manual_seed(args.seed)  # training starts from the seed whether the data were generated or cached
     print(f"data: {len(greedy)} greedy training sequences, {heldout.generated_tokens} held-out tokens, "
           f"{data_minutes:.1f} min", flush=True)  # fmt: skip
 

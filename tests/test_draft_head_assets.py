@@ -47,9 +47,8 @@ def test_asset_files_sizes_and_reports():
         assert sum(f.stat().st_size for f in directory.iterdir()) <= 10 * 2**20
     eagle = json.loads((EAGLE_DIR / "training_report.json").read_text())
     depth = eagle["agreement_by_depth"]["depth"]
-    assert [int(d) for d in depth] == [1, 2, 3] and all(
-        0 <= v["top1"] <= v["top2"] <= v["top4"] <= 1 for v in depth.values()
-    )
+    assert len(depth) >= 2 and [int(d) for d in depth] == list(range(1, len(depth) + 1))
+    assert all(0 <= v["top1"] <= v["top2"] <= v["top4"] <= 1 for v in depth.values())
     medusa = json.loads((MEDUSA_DIR / "training_report.json").read_text())
     assert (
         len(medusa["agreement_by_head"]["head"])
@@ -91,7 +90,6 @@ def test_medusa_heads_predict_the_targets_greedy_tokens(target, greedy_text):
     assert top1 >= reported["0"]["top1"] - 0.2, f"head 0 top-1 {top1:.2f} on one continuation"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "script, loader, weights",
     [
