@@ -81,8 +81,9 @@ def plan_forward(
 ) -> ForwardPlan:
     """Validate a forward's inputs once, admit its K/V write in ``cache`` and prepare its plan.
 
-    Arguments as ``LlamaModel.forward``. Raises TypeError / ValueError naming the argument.
-    Reads no device value when the cache holds a reservation for the step (``KVCache.reserve``).
+    Arguments as ``LlamaModel.forward``; ``model`` is any decoder with ``config``, ``dtype``, ``device``
+    and ``rotary_rows`` (``LlamaModel``, ``EagleHead``). Raises TypeError / ValueError naming the
+    argument. Reads no device value when the cache holds a reservation for the step (``KVCache.reserve``).
     """
     counts = admit_forward(model, tokens, positions, metadata, cache)
     per_request = counts[0] if len(set(counts)) == 1 and tokens.shape[0] else None
@@ -92,8 +93,7 @@ def plan_forward(
 
 def admit_forward(model, tokens, positions, metadata: AttentionMetadata, cache) -> list[int]:
     """``plan_forward``'s checks and the cache's admission of the write; returns the rows per request."""
-    config, weight = model.config, model.model.embed_tokens.weight
-    device, dtype = weight.device, weight.dtype
+    config, device, dtype = model.config, model.device, model.dtype
     check_tensor("tokens", tokens, dtype=INDEX_DTYPES, ndim=1, device=device)
     num_tokens = tokens.shape[0]
     check_tensor("positions", positions, dtype=INDEX_DTYPES, shape=(num_tokens,), device=device)
@@ -119,7 +119,7 @@ def build_plan(
 ) -> ForwardPlan:
     """The plan of an admitted forward from host bounds: ``max_queries`` rows per request at most, contexts of
     ``max_context`` positions at most, ``per_request`` rows for every request (or None). Device ops only."""
-    num_tokens, dtype = positions.shape[0], model.model.embed_tokens.weight.dtype
+    num_tokens, dtype = positions.shape[0], model.dtype
     q_offsets = metadata.q_offsets
     capacity = cache.max_len if cache.block_tables is None else cache.block_tables.shape[1] * cache.block_size
     attention = build_attention_plan(

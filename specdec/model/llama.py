@@ -20,7 +20,6 @@ after verification) -- and never reads a device value back to the host.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -28,13 +27,14 @@ from torch import nn
 
 from specdec._backend import select_backend
 from specdec.kernels._checks import check_tensor
-from specdec.kernels.rotary import rotary_table, rotate
 from specdec.model import hf_layout
 from specdec.model.attention_metadata import AttentionMetadata
+from specdec.model.block import RotaryRows, layer_params, run_layers
 from specdec.model.config import ModelConfig
 from specdec.model.cuda_graphs import BUCKETS, CudaGraphs
-from specdec.model.forward_plan import LAYER_OPS, ForwardPlan, plan_forward, write_kv
+from specdec.model.forward_plan import ForwardPlan, plan_forward
 from specdec.model.loader import load_tensors
+from specdec.validation import as_device
 
 
 class RMSNorm(nn.Module):
@@ -84,19 +84,6 @@ class Decoder(nn.Module):
 RECOMPILE_LIMIT = 64  # graphs one compiled forward may hold (see compile_run)
 
 
-class LayerParams(NamedTuple):
-    """One layer's modules' ``_parameters`` dicts: ``run`` reads ``["weight"]`` / ``["bias"]`` from them,
-    always the current tensors (loading swaps entries, not dicts), without the ~0.5 us an
-    ``nn.Module`` attribute lookup costs (a forward would do a hundred of them)."""
-
-    input_norm: dict
-    qkv: dict
-    o: dict
-    post_norm: dict
-    gate_up: dict
-    down: dict
-
-
 class LlamaModel(nn.Module):
     """LLaMA-family causal LM: ``forward(tokens, positions, metadata, cache) -> (logits, hidden)``."""
 
@@ -109,14 +96,8 @@ class LlamaModel(nn.Module):
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.register_buffer("rope_inv_freq", config.rope_inv_freq(), persistent=False)
-        self._layer_params = [
-            LayerParams(*(m._parameters for m in (
-                layer.input_layernorm, layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                layer.post_attention_layernorm, layer.mlp.gate_up_proj, layer.mlp.down_proj,
-            )))  # fmt: skip
-            for layer in self.model.layers
-        ]
-        self._rotary = (None, None)  # (inv_freq it was built from, rotary_table): see rotary_rows
+        self._layer_params = layer_params(self.model.layers)
+        self._rotary = RotaryRows()
         self._compiled_run = None  # see compile_run
         self.cuda_graphs: CudaGraphs | None = None  # see use_cuda_graphs
 
@@ -215,15 +196,8 @@ class LlamaModel(nn.Module):
 
     def rotary_rows(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[T, 1, D]`` of ``positions`` (all below the host bound ``max_position``, e.g. the KV
-        cache's capacity), gathered from a table this model keeps (``rotary_table``; rebuilt when the bound
-        grows or ``rope_inv_freq`` changes): one op per forward instead of computing them."""
-        inv_freq, table = self._rotary
-        dtype = self.model.embed_tokens.weight.dtype
-        if inv_freq is not self.rope_inv_freq or table.shape[0] < max_position or table.dtype != dtype:
-            table = rotary_table(max_position, self.rope_inv_freq, dtype)
-            self._rotary = (self.rope_inv_freq, table)
-        rows = table.index_select(0, positions)
-        return rows[:, 0], rows[:, 1]
+        cache's capacity), gathered from a table this model keeps (``block.RotaryRows``)."""
+        return self._rotary(positions, max_position, self.rope_inv_freq, self.model.embed_tokens.weight.dtype)
 
     def plan(self, tokens, positions, metadata: AttentionMetadata, cache) -> ForwardPlan:
         """Check a forward's inputs and build its plan (``forward_plan.plan_forward``); ``run`` executes it."""
@@ -233,36 +207,10 @@ class LlamaModel(nn.Module):
         self, tokens: torch.Tensor, plan: ForwardPlan, logits_rows: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The planned forward: ``forward``'s results for the inputs ``plan`` was built from. No checks."""
-        c = self.config
-        compiling = torch.compiler.is_compiling()
-        ops = LAYER_OPS[plan.backend, compiling]
-        T, H, Hkv, D, eps = tokens.shape[0], c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
-        layers = self._layer_params
         residual = F.embedding(tokens, self.model.embed_tokens.weight)  # [T, hidden]: the residual stream
-        normed = torch.empty_like(residual)  # each norm's output, consumed by the next GEMM
-        attn = residual.new_empty(T, H, D)
-        act = residual.new_empty(T, c.intermediate_size)
-        ops.rms_norm(residual, layers[0].input_norm["weight"], eps, normed)
-        for l, p in enumerate(layers):
-            qkv = F.linear(normed, p.qkv["weight"], p.qkv["bias"]).view(T, H + 2 * Hkv, D)  # heads: q | k | v
-            qk, v = qkv.split_with_sizes((H + Hkv, Hkv), dim=1)
-            if plan.rotary is None:  # Triton: rotate q and k in place, as views of the projection
-                q, k = qk.split_with_sizes((H, Hkv), dim=1)
-                ops.rotary(q, k, plan.positions, self.rope_inv_freq)
-            else:  # PyTorch: q and k rotate as one [T, Hq + Hkv, D] view, with the plan's cos / sin
-                q, k = rotate(qk, *plan.rotary).split_with_sizes((H, Hkv), dim=1)
-            # per-layer views made once by the cache; inside torch.compile the cache enters as one tensor
-            k_cache, v_cache = (plan.cache.data[l, 0], plan.cache.data[l, 1]) if compiling else plan.cache.views[l]
-            write_kv(ops, plan, l, k, v, compiling)
-            ops.attention(q, k_cache, v_cache, *plan.attention_args, attn, None)
-            o = F.linear(attn.view(T, H * D), p.o["weight"], p.o["bias"])
-            ops.add_rms_norm(o, residual, p.post_norm["weight"], eps, normed)  # residual += o
-            gate_up = F.linear(normed, p.gate_up["weight"], p.gate_up["bias"])
-            ops.silu_mul(gate_up, act)
-            down = F.linear(act, p.down["weight"], p.down["bias"])
-            norm = layers[l + 1].input_norm if l + 1 < len(layers) else self.model.norm._parameters
-            ops.add_rms_norm(down, residual, norm["weight"], eps, normed)  # the next layer's input, or the final norm
-        hidden = normed
+        hidden = run_layers(
+            self._layer_params, residual, plan, self.config, self.rope_inv_freq, final_norm=self.model.norm._parameters
+        )
         rows = hidden if logits_rows is None else hidden.index_select(0, logits_rows)
         return F.linear(rows, self.lm_head_weight), hidden
 
@@ -317,6 +265,7 @@ class LlamaModel(nn.Module):
         """
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+        device = as_device("device", device)
         config = ModelConfig.from_pretrained(path)
         with torch.device("meta"):  # shapes only: the checkpoint provides every value
             model = cls(config)
