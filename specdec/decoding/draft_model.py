@@ -148,12 +148,13 @@ class DraftModelStrategy:
             if j < 2:  # the same layout for every later draft token
                 counts = step.full_counts(per_request)
                 q_offsets = offsets_to_device(counts, device)
+                added = to_device(counts, torch.int32, device)  # committed on the device: no upload per token
                 uniform = per_request if len(self.lengths) == rows else None  # every slot running
                 last_rows = torch.arange(per_request - 1, rows * per_request, per_request, device=device)
             self.cache.reserve(counts)
             positions = causal_positions(q_offsets, self.cache.seq_lens, feed.numel(), per_request=uniform)
             logits, _ = self.draft(feed, positions, AttentionMetadata(q_offsets), self.cache, logits_rows=last_rows)
-            self.cache.advance(counts)
+            self.cache.advance(added)
             if step.greedy:
                 feed = logits.argmax(-1)  # (a NaN row drafts some token; verification decides)
             else:
