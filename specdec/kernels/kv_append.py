@@ -144,7 +144,7 @@ def kv_append_torch(data, layer, k, v, seq_lens, q_offsets, block_tables) -> Non
 def append_rows(data, seq_lens, q_offsets, block_tables, num_tokens: int, per_request: int | None = None):
     """int64 ``[T]``: the row of ``data[l, kv].view(-1, Hkv, D)`` each token goes to, by device ops only.
 
-    The hot path's plan computes these once per forward for every layer (``write_rows``); the
+    The model's forward plan computes these once for every layer's ``index_copy_`` of K and V; the
     caller has admitted every position (``KVCache.reserve``), so nothing is dropped or checked.
     ``per_request``: a host fact, every request sends exactly this many tokens (cheaper indexing).
     """
@@ -162,13 +162,6 @@ def append_rows(data, seq_lens, q_offsets, block_tables, num_tokens: int, per_re
     if block_tables is None:
         return b * page + pos
     return block_tables.long()[b, pos // page] * page + pos % page
-
-
-def write_rows(data, layer: int, k, v, rows) -> None:
-    """The hot path's PyTorch K/V write: ``k, v [T, Hkv, D]`` into rows ``append_rows`` computed."""
-    kv_heads, head_dim = data.shape[4], data.shape[5]
-    data[layer, 0].view(-1, kv_heads, head_dim).index_copy_(0, rows, k)
-    data[layer, 1].view(-1, kv_heads, head_dim).index_copy_(0, rows, v)
 
 
 def _rows_inside(data, block_tables, q_offsets, t, b, pos):
