@@ -119,11 +119,21 @@ class EagleHead(nn.Module):
 
         Example
         -------
-        >>> cache = head.new_cache(batch_size=1, max_len=256)
+        >>> from specdec.cli.demo import ASSETS                         # the embedded target and its head
+        >>> from specdec.model import causal_positions
+        >>> target = LlamaModel.from_pretrained(ASSETS / "target")
+        >>> head = EagleHead.from_pretrained(ASSETS.parent / "eagle", target)
+        >>> prompt = torch.tensor([1, 15, 27, 4, 9, 33, 2])
+        >>> whole = AttentionMetadata(torch.tensor([0, 7], dtype=torch.int32))
+        >>> target_cache = target.new_cache(batch_size=1, max_len=16)
+        >>> _, hidden = target(prompt, causal_positions(whole.q_offsets, target_cache.seq_lens, 7), whole, target_cache)
+        >>> cache = head.new_cache(batch_size=1, max_len=16)
         >>> meta = AttentionMetadata(torch.tensor([0, 5], dtype=torch.int32))       # 5 rows of one request
         >>> feats, logits = head(hidden[:5], prompt[1:6], causal_positions(meta.q_offsets, cache.seq_lens, 5),
         ...                      meta, cache)
         >>> cache.advance([5])
+        >>> feats.shape, logits.shape                                  # logits of x_{t+2} for t = 0..4
+        (torch.Size([5, 256]), torch.Size([5, 4096]))
         """
         device, hidden = self.device, self.config.hidden_size
         check_tensor("features", features, dtype=self.dtype, ndim=2, device=device)
@@ -171,8 +181,11 @@ class EagleHead(nn.Module):
 
         Example
         -------
-        >>> target = LlamaModel.from_pretrained("/models/vicuna-7b-v1.3", dtype=torch.float16, device="cuda")
-        >>> head = EagleHead.from_pretrained("/models/EAGLE-Vicuna-7B-v1.3", target)
+        >>> from specdec.cli.demo import ASSETS                         # the embedded target and its head
+        >>> target = LlamaModel.from_pretrained(ASSETS / "target")
+        >>> head = EagleHead.from_pretrained(ASSETS.parent / "eagle", target)
+        >>> head.config.num_layers, head.lm_head_weight is target.lm_head_weight
+        (1, True)
         """
         if not isinstance(target, LlamaModel):
             raise TypeError(f"target must be a LlamaModel, got {type(target).__name__}")
