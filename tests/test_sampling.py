@@ -21,7 +21,12 @@ from specdec.kernels import (
 )
 from specdec.kernels.sample_probs import sample_probs_reference
 from specdec.kernels.target_stats import target_probs_reference
-from specdec.kernels.top_k_top_p import filter_thresholds_reference, filter_thresholds_triton, scaled_logits
+from specdec.kernels.top_k_top_p import (
+    filter_thresholds_reference,
+    filter_thresholds_torch,
+    filter_thresholds_triton,
+    scaled_logits,
+)
 from specdec.kernels.uniforms import counter_uniform_reference, counter_uniform_tl
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -137,6 +142,33 @@ def test_filter_thresholds_triton_match_reference(dtype):
     _, expected = _thresholds(logits, temp, top_k, top_p)
     assert torch.equal(got.cpu(), expected), f"{got}\n{expected}"
     assert got[9] == logits[9].float().max()  # top_p <= 0 keeps the maximum only
+
+
+@pytest.mark.parametrize("vocab", [77, 3000])
+def test_filter_thresholds_torch_match_the_sorting_reference(vocab):
+    """The PyTorch path sorts a head that widens until it holds every cut: flat rows need the whole row."""
+    rows = 12
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    logits[0, :10] = logits[0, 10:20]  # ties at the threshold
+    logits[1, 50:] = float("-inf")
+    logits[2, 3] = float("nan")  # invalid row: no filter
+    logits[3] = float("-inf")
+    logits[10] = torch.randn(vocab, generator=gen) * 0.01  # nearly flat: top-p 0.99 needs most of the row
+    logits[11, :40] = 5.0  # ties spanning the first head
+    temp = torch.tensor([1.0, 0.5, 1.0, 1.0, 0.0, 2.0, 1.0, 1.0, 0.9, 1.0, 1.0, 1.0])
+    top_k = torch.tensor([12, 30, 5, 5, 3, 0, 77, 1, 9, 0, 0, 20], dtype=torch.int32)
+    top_p = torch.tensor([1.0, 0.9, 0.5, 0.5, 0.5, 0.3, 1.0, 1.0, 0.75, -0.5, 0.99, 0.9])
+    s = scaled_logits(logits, temp)
+    got = filter_thresholds_torch(s, temp, top_k, top_p)
+    assert torch.equal(got, filter_thresholds_reference(s, temp, top_k, top_p)), got
+    assert got[10] < s[10].sort(descending=True).values[64]  # the cut lies beyond the first head
+    for top_p_only in (torch.full((rows,), 0.95), torch.ones(rows)):  # each filter on its own
+        no_k = torch.zeros(rows, dtype=torch.int32)
+        assert torch.equal(filter_thresholds_torch(s, temp, no_k, top_p_only),
+                           filter_thresholds_reference(s, temp, no_k, top_p_only))  # fmt: skip
+        assert torch.equal(filter_thresholds_torch(s, temp, top_k, torch.ones(rows)),
+                           filter_thresholds_reference(s, temp, top_k, torch.ones(rows)))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- filtered_probs

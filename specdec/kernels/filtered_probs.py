@@ -28,7 +28,7 @@ from specdec.kernels.target_stats import (
 )
 from specdec.kernels.top_k_top_p import (
     FLOAT_DTYPES,
-    filter_thresholds_reference,
+    filter_thresholds_torch,
     filter_thresholds_triton,
     scaled_logits,
     vocab_block,
@@ -177,6 +177,6 @@ def filtered_probs_reference(logits: torch.Tensor, params: SamplingParams) -> Fi
 
 def _filtered_probs_reference(logits, temperature, top_k, top_p) -> FilteredProbs:
     s = scaled_logits(logits, temperature)
-    p, argmax, bad = target_probs_reference(s, filter_thresholds_reference(s, temperature, top_k, top_p))
+    p, argmax, bad = target_probs_reference(s, filter_thresholds_torch(s, temperature, top_k, top_p))
     one_hot = torch.nn.functional.one_hot(argmax, logits.shape[1]).float()
     return FilteredProbs(torch.where(((temperature <= 0) | bad)[:, None], one_hot, p), bad)

@@ -16,7 +16,7 @@ from specdec.kernels._op import register_op
 from specdec.kernels.sample_probs import inverse_cdf_reference
 from specdec.kernels.sampling_params import SamplingParams, check_params
 from specdec.kernels.target_stats import target_probs_reference
-from specdec.kernels.top_k_top_p import filter_thresholds_reference, scaled_logits
+from specdec.kernels.top_k_top_p import filter_thresholds_torch, scaled_logits
 from specdec.kernels.uniforms import counter_uniform_reference
 from specdec.kernels.verification import check_logits, result_buffers, verify_triton
 
@@ -103,7 +103,7 @@ def sample_reference(logits: torch.Tensor, params: SamplingParams) -> SampleResu
     """Readable PyTorch implementation of ``sample``: inverse CDF over the filtered target row."""
     temperature, top_k, top_p, seed, offset = params
     s = scaled_logits(logits, temperature)
-    p, argmax, bad = target_probs_reference(s, filter_thresholds_reference(s, temperature, top_k, top_p))
+    p, argmax, bad = target_probs_reference(s, filter_thresholds_torch(s, temperature, top_k, top_p))
     u = counter_uniform_reference(seed, offset, SAMPLE_COUNTER)
     tokens = torch.where(temperature <= 0, argmax, inverse_cdf_reference(p, u))
     return SampleResult(torch.where(bad, -1, tokens).to(torch.int32), bad)

@@ -13,8 +13,11 @@ maximum). Both filters together are one threshold ``thr`` per row: keep ``s >= t
 
 The Triton kernel finds ``thr`` without sorting: a search over the fp32 values' ordered
 integer keys, 8 streaming passes over the row, each testing 16 candidate thresholds at once.
-The reference sorts. Every later stage reads a row through ``scaled_tile_tl``, one vocabulary
-tile at a time (``vocab_block`` columns), so no program ever holds a whole row.
+The reference sorts the whole row. The PyTorch path (``filter_thresholds_torch``) sorts only the
+head that decides every threshold, ``topk`` of a width that grows until it does (a whole-row sort
+of a 32,000-entry row costs ~2 ms on one CPU thread). Every later stage reads a row through
+``scaled_tile_tl``, one vocabulary tile at a time (``vocab_block`` columns), so no program ever
+holds a whole row.
 """
 
 from __future__ import annotations
@@ -232,3 +235,40 @@ def filter_thresholds_reference(
     target = top_p_rows.float().clamp_min(0.0) * e.sum(-1)
     first = (e.cumsum(-1) < target[:, None]).sum(-1).clamp_max(vocab - 1)  # first head reaching target
     return torch.where(use_p, ordered.gather(1, first[:, None])[:, 0], thr)
+
+
+def filter_thresholds_torch(
+    s: torch.Tensor, temperature_rows: torch.Tensor, top_k_rows: torch.Tensor, top_p_rows: torch.Tensor
+) -> torch.Tensor:
+    """``filter_thresholds_reference``'s thresholds from the sorted head of each row, not the whole row.
+
+    The head's values are the sorted row's first ``width`` values, so its running mass is the
+    reference's prefix: the top-p cut is found once the head's mass reaches ``top_p`` of the kept
+    mass (summed over the unsorted row), else the head widens 4x up to the whole row. Reads a few
+    host facts (the largest k, whether every cut was reached): it is the CPU's body, never a GPU hot path.
+    """
+    rows, vocab = s.shape
+    ninf = float("-inf")
+    sampled = (temperature_rows > 0) & ~bad_rows(s)
+    use_k = sampled & (top_k_rows > 0) & (top_k_rows < vocab)
+    use_p = sampled & (top_p_rows < 1)
+    thr = torch.full((rows,), ninf, dtype=torch.float32, device=s.device)
+    if rows == 0 or not bool((use_k | use_p).any()):
+        return thr
+    k = top_k_rows.long().clamp(1, vocab)
+    width = min(vocab, max(64, int(torch.where(use_k, k, 1).max())))  # holds every top-k cut
+    head = s.topk(width, dim=-1).values
+    thr = torch.where(use_k, head.gather(1, (k.clamp_max(width) - 1)[:, None])[:, 0], thr)
+    if not bool(use_p.any()):
+        return thr
+    m = head[:, :1]
+    kept = torch.where((s >= thr[:, None]) & (s > ninf), torch.exp(s - m), 0.0)
+    target = top_p_rows.float().clamp_min(0.0) * kept.sum(-1)
+    while True:
+        mass = torch.where((head >= thr[:, None]) & (head > ninf), torch.exp(head - m), 0.0).cumsum(-1)
+        if width == vocab or bool(((mass[:, -1] >= target) | ~use_p).all()):
+            break
+        width = min(vocab, 4 * width)
+        head = s.topk(width, dim=-1).values
+    first = (mass < target[:, None]).sum(-1).clamp_max(width - 1)  # first head entry reaching target
+    return torch.where(use_p, head.gather(1, first[:, None])[:, 0], thr)

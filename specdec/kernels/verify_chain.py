@@ -22,7 +22,7 @@ from specdec.kernels._op import register_op
 from specdec.kernels.sample_probs import inverse_cdf_reference, sanitize_probs
 from specdec.kernels.sampling_params import SamplingParams, check_params, check_rule
 from specdec.kernels.target_stats import target_probs_reference
-from specdec.kernels.top_k_top_p import filter_thresholds_reference, scaled_logits
+from specdec.kernels.top_k_top_p import filter_thresholds_torch, scaled_logits
 from specdec.kernels.tree_walk import RESIDUAL_EPS
 from specdec.kernels.uniforms import request_key, uniform_from_key
 from specdec.kernels.verification import (
@@ -202,7 +202,7 @@ def verify_chain_reference(
     temp_rows = temperature[row_req]
     s = scaled_logits(target_logits, temp_rows)
     p, argmax, bad = target_probs_reference(
-        s, filter_thresholds_reference(s, temp_rows, top_k[row_req], top_p[row_req])
+        s, filter_thresholds_torch(s, temp_rows, top_k[row_req], top_p[row_req])
     )
     invalid = torch.zeros(batch, dtype=torch.long, device=device).scatter_reduce(0, row_req, bad.long(), "amax") > 0
     greedy = temperature <= 0
