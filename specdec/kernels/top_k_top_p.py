@@ -215,17 +215,22 @@ def bad_rows(s: torch.Tensor) -> torch.Tensor:
     return (torch.isnan(s) | (s == float("inf"))).any(-1) | ~(s > float("-inf")).any(-1)
 
 
+def filters_on(s: torch.Tensor, temperature_rows, top_k_rows, top_p_rows) -> tuple[torch.Tensor, ...]:
+    """(use_k, use_p) bool ``[R]``: which rows of ``s [R, V]`` each filter applies to, and the all-off
+    threshold ``-inf [R]`` fp32 (greedy and unsampleable rows keep it)."""
+    sampled = (temperature_rows > 0) & ~bad_rows(s)
+    use_k = sampled & (top_k_rows > 0) & (top_k_rows < s.shape[1])
+    use_p = sampled & (top_p_rows < 1)
+    return use_k, use_p, torch.full((s.shape[0],), float("-inf"), dtype=torch.float32, device=s.device)
+
+
 def filter_thresholds_reference(
     s: torch.Tensor, temperature_rows: torch.Tensor, top_k_rows: torch.Tensor, top_p_rows: torch.Tensor
 ) -> torch.Tensor:
     """Threshold ``thr [R]`` fp32 for scaled logits ``s [R, V]`` (by sorting; the kernel's contract)."""
-    rows, vocab = s.shape
-    ninf = float("-inf")
-    sampled = (temperature_rows > 0) & ~bad_rows(s)
-    use_k = sampled & (top_k_rows > 0) & (top_k_rows < vocab)
-    use_p = sampled & (top_p_rows < 1)
-    thr = torch.full((rows,), ninf, dtype=torch.float32, device=s.device)
-    if rows == 0 or not bool((use_k | use_p).any()):
+    vocab, ninf = s.shape[1], float("-inf")
+    use_k, use_p, thr = filters_on(s, temperature_rows, top_k_rows, top_p_rows)
+    if not bool((use_k | use_p).any()):
         return thr
     ordered = s.sort(dim=-1, descending=True).values
     kth = ordered.gather(1, (top_k_rows.long().clamp(1, vocab) - 1)[:, None])[:, 0]
@@ -247,13 +252,9 @@ def filter_thresholds_torch(
     mass (summed over the unsorted row), else the head widens 4x up to the whole row. Reads a few
     host facts (the largest k, whether every cut was reached): it is the CPU's body, never a GPU hot path.
     """
-    rows, vocab = s.shape
-    ninf = float("-inf")
-    sampled = (temperature_rows > 0) & ~bad_rows(s)
-    use_k = sampled & (top_k_rows > 0) & (top_k_rows < vocab)
-    use_p = sampled & (top_p_rows < 1)
-    thr = torch.full((rows,), ninf, dtype=torch.float32, device=s.device)
-    if rows == 0 or not bool((use_k | use_p).any()):
+    vocab, ninf = s.shape[1], float("-inf")
+    use_k, use_p, thr = filters_on(s, temperature_rows, top_k_rows, top_p_rows)
+    if not bool((use_k | use_p).any()):
         return thr
     k = top_k_rows.long().clamp(1, vocab)
     width = min(vocab, max(64, int(torch.where(use_k, k, 1).max())))  # holds every top-k cut
