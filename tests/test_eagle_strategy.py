@@ -134,7 +134,9 @@ def test_a_depth_d_tree_costs_d_head_forwards_over_new_nodes(tiny, kind):
     recorder = HeadRecorder(head)
     k, depth = 3, 4
     static = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]]
-    strategy = EagleStrategy(head, tree_budget=40, depth=depth, top_k=k, static_tree=static if kind == "eagle1" else None)
+    strategy = EagleStrategy(
+        head, tree_budget=40, depth=depth, top_k=k, static_tree=static if kind == "eagle1" else None
+    )
     fed_per_level = [2, 2, 1]  # static: the depth-1..3 nodes that have children
     strategy_commit = strategy.commit
     accepted: list[list[int]] = []
