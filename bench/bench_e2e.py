@@ -134,7 +134,7 @@ def step_counts(target, draft, prompts, quick: bool) -> Table:
 def eagle_table(target, draft, prompts, new_tokens: int, device: str, repeats: int) -> Table:
     """EAGLE-2 and EAGLE-1 (the shipped head, ``specdec/assets/eagle``) against the draft chain, interleaved:
     greedy tokens/s, tau, acceptance by depth (accepted / reached, depths 1..8), identical to AR greedy."""
-    from specdec.cli.demo import EAGLE, eagle_row
+    from specdec.cli.demo import eagle_row
     from specdec.decoding import NoDraft, SpeculativeDecoder
 
     plan = [
@@ -143,7 +143,8 @@ def eagle_table(target, draft, prompts, new_tokens: int, device: str, repeats: i
         eagle_row(target),
         eagle_row(target, tree_budget=64, depth=6, top_k=8),
         eagle_row(target, tree_budget=64, depth=6, top_k=8, confidence_temperature=1.0),
-        eagle_row(target, static_tree="default", tree_budget=EAGLE["tree_budget"]),
+        eagle_row(target, static_tree="default", tree_budget=8),
+        eagle_row(target, static_tree="default", tree_budget=32, depth=6, top_k=4),
     ]
     labels = [label + (" (paper's confidences)" if i == 4 else "") for i, (label, _) in enumerate(plan)]
     by_depth: dict[str, list[list[int]]] = {label: [[0] * 8, [0] * 8] for label in labels}

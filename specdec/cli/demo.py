@@ -72,7 +72,7 @@ def strategies(draft, tree_rule: str = "deterministic") -> list[tuple[str, objec
 
 
 # EAGLE-2 over the shipped head (specdec/assets/eagle); its confidences sharpened (bench/RESULTS.md, EAGLE section).
-EAGLE = dict(tree_budget=32, depth=6, top_k=4, confidence_temperature=0.3)
+EAGLE = dict(tree_budget=12, depth=5, top_k=2, confidence_temperature=0.3)
 
 
 def eagle_row(target, assets: str | Path = ASSETS, **options) -> tuple[str, object]:
