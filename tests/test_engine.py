@@ -58,6 +58,32 @@ def test_autoregressive_engine_equals_reference_loop_with_paged_cache(pair):
     assert all(s.tau == 1.0 and s.target_forwards == 40 for s in result.stats)
 
 
+def test_a_draft_tree_feeds_each_level_once(pair):
+    """Level 0 feeds the last committed token and the root; each later level only its own nodes, as tree
+    queries over the levels already in the draft cache (tree_start), never the tree so far again."""
+    target, draft = pair
+    calls, forward = [], draft.forward
+
+    def recording(tokens, positions, metadata, cache, logits_rows=None):
+        calls.append((tokens.numel(), metadata.tree_start is not None))
+        return forward(tokens, positions, metadata, cache, logits_rows)
+
+    draft.forward = recording
+    try:
+        prompts = prompts_of(3)
+        steps = SpeculativeDecoder(target, DraftModelStrategy(draft, (3, 2, 1), rule="deterministic")).stream(
+            prompts, max_new_tokens=30, eos_token_id=None
+        )
+        next(steps)
+        for _ in range(3):
+            calls.clear()
+            next(steps)
+            assert calls[-3:] == [(2 * 3, False), (3 * 3, True), (6 * 3, True)], calls
+            assert len(calls) <= 4, "at most a catch-up of the accepted path before the levels"
+    finally:
+        del draft.forward
+
+
 def test_draft_equal_to_target_accepts_every_draft(pair):
     target, _ = pair
     k = 4
