@@ -42,6 +42,7 @@ from common import Table, bench_args, clock, cpu_threads  # noqa: E402
 from specdec.cli.demo import (  # noqa: E402
     ASSETS,
     CHAIN,
+    TREE,
     Run,
     decode_all,
     first_difference,
@@ -137,29 +138,27 @@ def eagle_table(target, draft, prompts, new_tokens: int, device: str, repeats: i
     from specdec.cli.demo import eagle_row
     from specdec.decoding import NoDraft, SpeculativeDecoder
 
+    label, strategy = eagle_row(target, tree_budget=64, depth=6, top_k=8, confidence_temperature=1.0)
+    paper = (label + " (paper's confidences)", strategy)
     plan = [
         ("autoregressive", NoDraft()),
         (f"draft chain K={CHAIN}", DraftModelStrategy(draft, (1,) * CHAIN)),
+        ("draft tree " + ",".join(map(str, TREE)), DraftModelStrategy(draft, TREE, rule="deterministic")),
         eagle_row(target),
         eagle_row(target, tree_budget=64, depth=6, top_k=8),
-        eagle_row(target, tree_budget=64, depth=6, top_k=8, confidence_temperature=1.0),
+        paper,
         eagle_row(target, static_tree="default", tree_budget=8),
         eagle_row(target, static_tree="default", tree_budget=32, depth=6, top_k=4),
     ]
-    labels = [label + (" (paper's confidences)" if i == 4 else "") for i, (label, _) in enumerate(plan)]
-    by_depth: dict[str, list[list[int]]] = {label: [[0] * 8, [0] * 8] for label in labels}
-
-    for label, (_, strategy) in zip(labels, plan):  # warm-up, and acceptance by depth (untimed)
+    by_depth: dict[str, list[list[int]]] = {label: [[0] * 8, [0] * 8] for label, _ in plan}
+    for label, strategy in plan:  # warm-up, and acceptance by depth (untimed)
         decoder = SpeculativeDecoder(target, strategy)
         for ids in prompts:
             stats = decoder.generate([ids], max_new_tokens=new_tokens, eos_token_id=None).stats[0]
             for j, (a, d) in enumerate(zip(stats.accepted_at[:8], stats.drafted_at[:8])):
                 by_depth[label][0][j] += a
                 by_depth[label][1][j] += d
-    methods = [
-        lambda ps, s=s, label=label: decode_all(target, s, label, ps, new_tokens)
-        for label, (_, s) in zip(labels, plan)
-    ]
+    methods = [lambda ps, s=s, label=label: decode_all(target, s, label, ps, new_tokens) for label, s in plan]
     runs = interleaved(methods, prompts, device, repeats)
     base, chain = runs[0], runs[1]
     table = Table(
@@ -167,12 +166,12 @@ def eagle_table(target, draft, prompts, new_tokens: int, device: str, repeats: i
         f"{new_tokens} tokens, fastest of {repeats} (interleaved)",
         ["decoding", "tokens/s", "vs AR", "vs chain", "tau", "acceptance by depth 1..8", "identical"],
     )
-    for label, r in zip(labels, runs):
-        accepted, reached = by_depth[label]
+    for r in runs:
+        accepted, reached = by_depth[r.label]
         depth = " ".join(f"{a / d:.2f}" for a, d in zip(accepted, reached) if d) or "-"
         same = all(first_difference(a, b) is None for a, b in zip(r.tokens, base.tokens))
         table.add(
-            label, r.tokens_per_s, f"{r.tokens_per_s / base.tokens_per_s:.2f}x",
+            r.label, r.tokens_per_s, f"{r.tokens_per_s / base.tokens_per_s:.2f}x",
             f"{r.tokens_per_s / chain.tokens_per_s:.2f}x", f"{r.tau:.2f}", depth, "yes" if same else "NO",
         )  # fmt: skip
     return table

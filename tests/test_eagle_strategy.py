@@ -6,6 +6,7 @@ from the target; a depth-d tree costs d head forwards over new rows only; one ho
 dynamic tree's rerank always selects a tree; bad arguments are refused by name.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -80,6 +81,32 @@ def test_greedy_with_a_random_head_and_a_paged_cache(tiny, kind):
     expected = autoregressive_generate(target, prompts, **options)
     decoder = SpeculativeDecoder(target, EAGLES[kind](head), cache_layout="paged", block_size=4)
     assert decoder.generate(prompts, **options).tokens == expected
+
+
+@pytest.mark.parametrize("kind", list(EAGLES))
+def test_per_request_limits_an_adaptive_caller_sets_are_kept(tiny, kind):
+    """Each step, request r gets its own node and depth limits (as an adaptive caller would vary them):
+    every tree keeps within them, ragged across the batch, and greedy output stays the target's."""
+    target, head = tiny
+    strategy = EAGLES[kind](head)
+    propose, seen = strategy.propose, []
+
+    def limited(step):
+        nodes = [(3 + 5 * r + len(seen)) % 11 + 1 for r in range(len(step.running))]
+        depths = [min(d, (r + len(seen)) % 4) for r, d in enumerate(step.max_depth)]
+        proposal = propose(dataclasses.replace(step, max_nodes=nodes, max_depth=depths))
+        seen.append((proposal.counts, proposal.depths, nodes, depths))
+        return proposal
+
+    strategy.propose = limited
+    prompts = [[3, 9, 4, 3, 9, 4, 3], [7], [5, 5, 2, 8], [1, 2]]
+    expected = autoregressive_generate(target, prompts, max_new_tokens=16, eos_token_id=None)
+    assert SpeculativeDecoder(target, strategy).generate(prompts, max_new_tokens=16, eos_token_id=None).tokens == (
+        expected
+    )
+    for counts, depths, nodes, limits in seen:
+        assert all(c <= n for c, n in zip(counts, nodes)) and all(d <= lim for d, lim in zip(depths, limits))
+    assert any(len(set(counts)) > 1 for counts, *_ in seen), "no ragged step"
 
 
 # ---- sampling: exactly the target's distribution ------------------------------------------------------
@@ -200,6 +227,30 @@ def test_sampled_generation_syncs_once_per_step_on_the_triton_path(tiny, kind):
     assert len(per_step) >= 2
     for i, events in enumerate(per_step):
         assert events == [("Tensor.tolist", "_transfer.py")], f"step {i}: {events}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", list(SMALL))
+def test_generation_runs_under_sync_debug_mode_error(kind):
+    """On a GPU: any synchronising CUDA call but the read-back raises."""
+    import warnings
+
+    target = random_model(tiny_config(vocab_size=48), seed=0).to("cuda")
+    head = random_head(target, seed=1).to("cuda")
+    decoder = SpeculativeDecoder(target, SMALL[kind](head))
+    prompts = [[3, 9, 4, 3, 9, 4, 3], [7, 1], [5, 5, 2, 8]]
+    for sampling in (dict(temperature=0.0), dict(temperature=[1.0, 0.0, 0.7], top_k=[5, 0, 0], seed=1)):
+        steps = decoder.stream(prompts, max_new_tokens=[12, 5, 9], eos_token_id=None, **sampling)
+        next(steps)  # the prefill (one-off allocations and uploads)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                count = sum(1 for _ in steps)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert count >= 3
 
 
 # ---- the dynamic tree's rerank ---------------------------------------------------------------------------

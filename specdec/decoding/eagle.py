@@ -240,7 +240,8 @@ class EagleStrategy:
         drafted = k
         for level in range(1, levels):
             own = torch.zeros(k, tree_bits, dtype=torch.bool, device=device)
-            own[torch.arange(k), (level - 1) * k + torch.arange(k)] = True  # level-order slots in the head cache
+            slot = torch.arange(k, device=device)
+            own[slot, (level - 1) * k + slot] = True  # level-order slots in the head cache
             ancestors = ancestors | own
             mask = pack_mask_rows(ancestors.flatten(0, 1))
             predicted, logits = self._level(step, feed_features.flatten(0, 1), token.flatten(), level, mask, tree_start)
