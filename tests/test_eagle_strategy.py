@@ -20,6 +20,7 @@ from specdec.decoding import SpeculativeDecoder
 from specdec.decoding.autoregressive import generate as autoregressive_generate
 from specdec.decoding.eagle import EagleStrategy
 from specdec.decoding.eagle_trees import rerank
+from specdec.decoding.proposal import DeviceTrees, Proposal, check_proposal
 from specdec.model import EagleHead
 
 pytestmark = pytest.mark.usefixtures("torch_backend")
@@ -331,3 +332,19 @@ def test_budget_one_drafts_nothing(tiny):
     )
     assert result.tokens == autoregressive_generate(target, prompts, max_new_tokens=6, eos_token_id=None)
     assert all(s.drafted == 0 for s in result.stats)
+
+
+def test_device_trees_are_checked_on_their_host_facts():
+    tokens = torch.tensor([5, 7, 9, 4])
+    good = DeviceTrees(torch.tensor([-1, 0, 0, -1], dtype=torch.int32), [3, 1], [1, 0])
+    check_proposal(Proposal(tokens, good, rule="deterministic"), "eagle", 2, [3, 1], [1, 0])
+    with pytest.raises(ValueError, match="eagle proposed tree 0 with 3 nodes and depth 1; the limits were 2 nodes"):
+        check_proposal(Proposal(tokens, good, rule="deterministic"), "eagle", 2, [2, 1], [1, 0])
+    with pytest.raises(ValueError, match="eagle proposed tree 0 with 3 nodes and depth 3"):
+        deep = DeviceTrees(good.parents, [3, 1], [3, 0])  # deeper than its nodes allow
+        check_proposal(Proposal(tokens, deep, rule="deterministic"), "eagle", 2, [3, 1], [5, 5])
+    with pytest.raises(TypeError, match="eagle's DeviceTrees.parents must have dtype int32"):
+        wrong = DeviceTrees(good.parents.long(), [3, 1], [1, 0])
+        check_proposal(Proposal(tokens, wrong, rule="deterministic"), "eagle", 2, [3, 1], [1, 0])
+    with pytest.raises(ValueError, match="eagle proposed 2 trees for 3 running requests"):
+        check_proposal(Proposal(tokens, good, rule="deterministic"), "eagle", 3, [3, 1, 1], [1, 0, 0])

@@ -111,16 +111,16 @@ def check_proposal(proposal, who: str, running: int, max_nodes: Sequence[int], m
     """
     if not isinstance(proposal, Proposal):
         raise TypeError(f"{who}.propose must return a Proposal, got {type(proposal).__name__}")
-    counts, tree_depths = proposal.counts, proposal.depths
-    if len(counts) != running or len(tree_depths) != running:
-        raise ValueError(f"{who} proposed {len(counts)} trees for {running} running requests")
     if proposal.on_host:
         for r, tree in enumerate(proposal.parents):
             if not tree or tree[0] != -1 or any(not 0 <= p < i for i, p in enumerate(tree) if i):
                 raise ValueError(
                     f"{who} proposed tree {r} with parents {tree}: need -1 at node 0, then 0 <= parent < node"
                 )
-    else:
+    counts, tree_depths = proposal.counts, proposal.depths
+    if len(counts) != running or len(tree_depths) != running:
+        raise ValueError(f"{who} proposed {len(counts)} trees for {running} running requests")
+    if not proposal.on_host:
         check_tensor(f"{who}'s DeviceTrees.parents", proposal.parents.parents, dtype=torch.int32,
                      shape=(sum(counts),), device=proposal.tokens.device)  # fmt: skip
     for r, (n, d, nodes, depth) in enumerate(zip(counts, tree_depths, max_nodes, max_depth)):
