@@ -16,8 +16,9 @@ prompt, ``--repeats`` times, each (method, prompt) keeping its fastest run, so d
 background load on a shared machine hits them all alike. Last, per strategy: the host
 syncs of each step (counted, ``tests/sync_counter.py``) and the kernel launches of the
 target forward it runs (counted by ``bench/count_launches.py`` with the Triton path
-interpreted). A PNG bar chart of the greedy tokens/s goes to ``--out`` when matplotlib is
-importable.
+interpreted). Last, EAGLE (the shipped head) against the draft chain: tokens/s, tau and
+acceptance by depth (``--eagle-only`` runs just that table). A PNG bar chart of the greedy
+tokens/s goes to ``--out`` when matplotlib is importable.
 
     python bench/bench_e2e.py --quick            # CPU smoke run: 2 prompts, 32 tokens
     python bench/bench_e2e.py --out OUT          # 6 prompts, 96 tokens, 3 repeats (CPU: one thread)
@@ -40,6 +41,8 @@ from common import Table, bench_args, clock, cpu_threads  # noqa: E402
 
 from specdec.cli.demo import (  # noqa: E402
     ASSETS,
+    CHAIN,
+    TREE,
     Run,
     decode_all,
     first_difference,
@@ -47,6 +50,7 @@ from specdec.cli.demo import (  # noqa: E402
     load_pair,
     strategies,
 )
+from specdec.decoding import DraftModelStrategy  # noqa: E402
 
 
 class ForwardCounter:
@@ -128,6 +132,51 @@ def step_counts(target, draft, prompts, quick: bool) -> Table:
     return table
 
 
+def eagle_table(target, draft, prompts, new_tokens: int, device: str, repeats: int) -> Table:
+    """EAGLE-2 and EAGLE-1 (the shipped head, ``specdec/assets/eagle``) against the draft chain, interleaved:
+    greedy tokens/s, tau, acceptance by depth (accepted / reached, depths 1..8), identical to AR greedy."""
+    from specdec.cli.demo import eagle_row
+    from specdec.decoding import NoDraft, SpeculativeDecoder
+
+    label, strategy = eagle_row(target, tree_budget=64, depth=6, top_k=8, confidence_temperature=1.0)
+    paper = (label + " (paper's confidences)", strategy)
+    plan = [
+        ("autoregressive", NoDraft()),
+        (f"draft chain K={CHAIN}", DraftModelStrategy(draft, (1,) * CHAIN)),
+        ("draft tree " + ",".join(map(str, TREE)), DraftModelStrategy(draft, TREE, rule="deterministic")),
+        eagle_row(target),
+        eagle_row(target, tree_budget=64, depth=6, top_k=8),
+        paper,
+        eagle_row(target, static_tree="default", tree_budget=8),
+        eagle_row(target, static_tree="default", tree_budget=32, depth=6, top_k=4),
+    ]
+    by_depth: dict[str, list[list[int]]] = {label: [[0] * 8, [0] * 8] for label, _ in plan}
+    for label, strategy in plan:  # warm-up, and acceptance by depth (untimed)
+        decoder = SpeculativeDecoder(target, strategy)
+        for ids in prompts:
+            stats = decoder.generate([ids], max_new_tokens=new_tokens, eos_token_id=None).stats[0]
+            for j, (a, d) in enumerate(zip(stats.accepted_at[:8], stats.drafted_at[:8])):
+                by_depth[label][0][j] += a
+                by_depth[label][1][j] += d
+    methods = [lambda ps, s=s, label=label: decode_all(target, s, label, ps, new_tokens) for label, s in plan]
+    runs = interleaved(methods, prompts, device, repeats)
+    base, chain = runs[0], runs[1]
+    table = Table(
+        f"EAGLE vs the draft chain, greedy, embedded pair, {device}, batch 1, {len(prompts)} held-out prompts x "
+        f"{new_tokens} tokens, fastest of {repeats} (interleaved)",
+        ["decoding", "tokens/s", "vs AR", "vs chain", "tau", "acceptance by depth 1..8", "identical"],
+    )
+    for r in runs:
+        accepted, reached = by_depth[r.label]
+        depth = " ".join(f"{a / d:.2f}" for a, d in zip(accepted, reached) if d) or "-"
+        same = all(first_difference(a, b) is None for a, b in zip(r.tokens, base.tokens))
+        table.add(
+            r.label, r.tokens_per_s, f"{r.tokens_per_s / base.tokens_per_s:.2f}x",
+            f"{r.tokens_per_s / chain.tokens_per_s:.2f}x", f"{r.tau:.2f}", depth, "yes" if same else "NO",
+        )  # fmt: skip
+    return table
+
+
 def load_hf(directory: Path, device: str):
     from transformers import LlamaForCausalLM
 
@@ -164,13 +213,20 @@ def chart(runs: list[Run], baseline: Run, path: Path) -> str:
 def main() -> None:
     args = bench_args(
         __doc__.splitlines()[0],
-        lambda p: p.add_argument("--repeats", type=int, default=None, help="runs per (method, prompt); fastest kept"),
+        lambda p: (
+            p.add_argument("--repeats", type=int, default=None, help="runs per (method, prompt); fastest kept"),
+            p.add_argument("--eagle-only", action="store_true", help="only the EAGLE table"),
+        ),
     )
     device = args.device
     cpu_threads(device)
     num_prompts, new_tokens = (2, 32) if args.quick else (6, 96)
     repeats = args.repeats or (1 if args.quick or device.startswith("cuda") else 3)
     target, draft, tokenizer = load_pair(device, assets=ASSETS)
+    if args.eagle_only:
+        prompts = [tokenizer.encode(p["text"]).ids for p in heldout_prompts(ASSETS)[:num_prompts]]
+        eagle_table(target, draft, prompts, new_tokens, device, repeats).write(args.out, "e2e_eagle")
+        return
     target_dir, draft_dir = ASSETS / "target", ASSETS / "draft"
     hf_target, hf_draft = load_hf(target_dir, device), load_hf(draft_dir, device)
     counter = ForwardCounter(hf_target)
@@ -244,6 +300,7 @@ def main() -> None:
         )  # fmt: skip
     t1.write(args.out, "e2e_temperature1")
     step_counts(target, draft, prompts, args.quick).write(args.out, "e2e_step_counts")
+    eagle_table(target, draft, prompts, new_tokens, device, repeats).write(args.out, "e2e_eagle")
 
 
 if __name__ == "__main__":

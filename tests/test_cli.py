@@ -24,6 +24,9 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
         (["--draft", str(PAIR / "draft"), "--tree", "2,2"], "[draft tree (7 nodes, deterministic)]"),
         (["--ngram", "3"], "[n-gram (K=3, n<=3)]"),
         ([], "[autoregressive]"),
+        (["--eagle", str(PAIR.parent / "eagle"), "--tree-budget", "12", "--depth", "4", "--eagle-top-k", "2"],
+         "[EAGLE-2 (budget 12, depth 4, top-k 2)]"),
+        (["--eagle", str(PAIR.parent / "eagle"), "--static-tree", "--tree-budget", "8"], "[EAGLE-1 (8 nodes)]"),
     ],
 )
 def test_generate_streams_and_summarises(strategy, label):

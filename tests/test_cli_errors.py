@@ -57,7 +57,17 @@ def paths(tmp_path_factory):
         "other_vocab": save_checkpoint(root / "other_vocab", tiny_hf(100), tokenizer=False),
         "nan": save_checkpoint(root / "nan", tiny_hf(4096), nan=True),
         "no_weights": str(root / "empty"),
+        "eagle": str(PAIR.parent / "eagle"),
+        "eagle_pickle": eagle_pickle(root / "eagle_pickle"),
     }
+
+
+def eagle_pickle(path: Path) -> str:
+    """An EAGLE head directory as the authors publish it: config.json and pytorch_model.bin only."""
+    path.mkdir()
+    shutil.copy(PAIR.parent / "eagle" / "config.json", path / "config.json")
+    (path / "pytorch_model.bin").write_bytes(b"not read")
+    return str(path)
 
 
 def run(capsys, *args: str) -> tuple[int, str, str]:
@@ -113,6 +123,22 @@ CASES = {
     "tree empty": (["--draft", "{draft}", "--tree", ""], 2, r"argument --tree: must be positive ints, .* got ''$"),
     "tree 2,0": (["--draft", "{draft}", "--tree", "2,0"], 2, r"argument --tree: must be positive ints, .* got '2,0'$"),
     "tree without a draft": (["--ngram", "2", "--tree", "2,2"], 2, r"--tree needs --draft \(n-gram drafts are chains"),
+    "eagle-top-k beyond the vocabulary": (
+        ["--eagle", "{eagle}", "--eagle-top-k", "5000"], 2,
+        r"--eagle-top-k must be at most the vocabulary \(4096\), got 5000$",
+    ),
+    "tree-budget 0": (
+        ["--eagle", "{eagle}", "--tree-budget", "0"], 2, r"argument --tree-budget: must be an int >= 1, got 0$",
+    ),
+    "depth 0": (["--eagle", "{eagle}", "--depth", "0"], 2, r"argument --depth: must be an int >= 1, got 0$"),
+    "eagle head for another target": (
+        ["--eagle", "{draft}"], 1,
+        r"--eagle .*draft: EAGLE head .* does not fit the target: its hidden_size is 128, the target's is 256$",
+    ),
+    "eagle pickle": (
+        ["--eagle", "{eagle_pickle}"], 1,
+        r"--eagle .*eagle_pickle: .* holds only pytorch_model.bin, a pickle checkpoint",
+    ),
     "device tpu9": (["--device", "tpu9"], 2, r"argument --device: 'tpu9' is not a device torch knows"),
     "max-new-tokens 1e9 beyond positions": (
         ["--max-new-tokens", "1000000000"], 2,

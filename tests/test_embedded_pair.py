@@ -107,7 +107,7 @@ def test_run_demo_reports_equality_and_table(pair):
     out = io.StringIO()
     assert demo.run_demo("cpu", num_prompts=1, max_new_tokens=12, show=1, out=out) == 0
     text = out.getvalue()
-    for label, _ in demo.strategies(pair[1])[1:]:
+    for label, _ in demo.strategies(pair[1])[1:] + [demo.eagle_row(pair[0])]:
         assert f"{label}: all 1 outputs identical to target-only greedy decoding" in text
         assert f"| {label} |" in text
     assert "| autoregressive |" in text and "baseline" in text

@@ -4,13 +4,10 @@ import math
 
 import pytest
 import torch
-from helpers import forward_prompts, noisy_copy, random_model, tiny_config
+from helpers import noisy_copy, random_model, target_joint, tiny_config
 
 from specdec.decoding import DraftModelStrategy, NgramStrategy, SpeculativeDecoder, check_same_vocabulary
 from specdec.decoding.autoregressive import generate as autoregressive_generate
-from specdec.kernels.target_stats import target_probs_reference
-from specdec.kernels.top_k_top_p import filter_thresholds_reference, scaled_logits
-from specdec.model.llama import LlamaModel
 
 pytestmark = pytest.mark.usefixtures("torch_backend")
 
@@ -59,6 +56,32 @@ def test_autoregressive_engine_equals_reference_loop_with_paged_cache(pair):
     )
     assert result.tokens == expected
     assert all(s.tau == 1.0 and s.target_forwards == 40 for s in result.stats)
+
+
+def test_a_draft_tree_feeds_each_level_once(pair):
+    """Level 0 feeds the last committed token and the root; each later level only its own nodes, as tree
+    queries over the levels already in the draft cache (tree_start), never the tree so far again."""
+    target, draft = pair
+    calls, forward = [], draft.forward
+
+    def recording(tokens, positions, metadata, cache, logits_rows=None):
+        calls.append((tokens.numel(), metadata.tree_start is not None))
+        return forward(tokens, positions, metadata, cache, logits_rows)
+
+    draft.forward = recording
+    try:
+        prompts = prompts_of(3)
+        steps = SpeculativeDecoder(target, DraftModelStrategy(draft, (3, 2, 1), rule="deterministic")).stream(
+            prompts, max_new_tokens=30, eos_token_id=None
+        )
+        next(steps)
+        for _ in range(3):
+            calls.clear()
+            next(steps)
+            assert calls[-3:] == [(2 * 3, False), (3 * 3, True), (6 * 3, True)], calls
+            assert len(calls) <= 4, "at most a catch-up of the accepted path before the levels"
+    finally:
+        del draft.forward
 
 
 def test_draft_equal_to_target_accepts_every_draft(pair):
@@ -121,23 +144,6 @@ def test_seeded_sampling_is_reproducible_alone_and_in_any_batch(pair, strategy):
 # ---- exactness: the emitted distribution is the target's ------------------------------------------
 
 
-def exact_joint(target: LlamaModel, prompt: list[int], steps: int, temperature: float, top_k: int, top_p: float):
-    """The target's filtered joint distribution of the next ``steps`` tokens, by enumeration."""
-    vocab = target.config.vocab_size
-    contexts, probs = [[]], torch.ones(1)
-    for _ in range(steps):
-        texts = [prompt + c for c in contexts]
-        logits, _, _ = forward_prompts(target, texts)
-        rows = len(texts)
-        t = torch.full((rows,), temperature)
-        s = scaled_logits(logits, t)
-        thr = filter_thresholds_reference(s, t, torch.full((rows,), top_k), torch.full((rows,), top_p))
-        p, _, _ = target_probs_reference(s, thr)
-        probs = (probs[:, None] * p.double()).flatten()
-        contexts = [c + [v] for c in contexts for v in range(vocab)]
-    return probs  # index = sum(token_i * vocab^(steps-1-i))
-
-
 @pytest.mark.parametrize(
     "strategy,temperature,top_k,top_p",
     [
@@ -163,7 +169,7 @@ def test_first_tokens_follow_the_exact_target_joint(strategy, temperature, top_k
     )  # fmt: skip
     index = torch.tensor([sum(t * vocab ** (steps - 1 - i) for i, t in enumerate(toks)) for toks in result.tokens])
     empirical = torch.bincount(index, minlength=vocab**steps).double() / draws
-    exact = exact_joint(target, prompt, steps, temperature, top_k, top_p)
+    exact = target_joint(target, prompt, steps, temperature, top_k, top_p)
     support = int((exact > 0).sum())
     expected_tvd = 0.5 * math.sqrt(2 * (support - 1) / (math.pi * draws))
     tvd = 0.5 * (empirical - exact).abs().sum().item()

@@ -34,3 +34,16 @@ def test_engine_tour_runs():
         greedy = plain.generate([[1, 15, 27]], max_new_tokens=32, seed=0)
     assert result.tokens[0] == greedy.tokens[0], "the greedy request must equal plain greedy decoding"
     assert result.stats[0].tau > 1, "the embedded draft gets tokens accepted"
+
+
+def test_eagle_tour_runs():
+    text = README.read_text()
+    code = python_block(text, "from pathlib import Path\nimport specdec\n")
+    code += python_block(text, "from specdec.decoding import EagleStrategy\n")
+    scope: dict = {}
+    with use_backend("torch"):
+        exec(compile("import torch\n" + code, str(README), "exec"), scope)
+        plain = scope["SpeculativeDecoder"](scope["target"], scope["NoDraft"]())
+        greedy = plain.generate([[1, 15, 27]], max_new_tokens=32)
+    assert scope["result"].tokens == greedy.tokens
+    assert scope["result"].stats[0].accepted > 0, "the shipped EAGLE head gets tokens accepted"

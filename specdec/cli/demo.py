@@ -3,9 +3,10 @@
 The pair (``specdec/assets/pair``) is a small LLaMA target and a one-layer draft distilled
 from it, both trained on the Python standard library by ``scripts/train_embedded_pair.py``.
 The demo completes held-out code prompts with plain autoregressive decoding, a greedy draft
-chain, a draft token tree and n-gram (prompt lookup) drafts; checks that every speculative
-output equals the target's own greedy output token for token; and prints tokens/s,
-speedup, tau (tokens per target forward) and the draft acceptance rate.
+chain, a draft token tree, n-gram (prompt lookup) drafts and EAGLE-2 (the EAGLE head shipped
+in ``specdec/assets/eagle``); checks that every speculative output equals the target's own
+greedy output token for token; and prints tokens/s, speedup, tau (tokens per target forward)
+and the draft acceptance rate.
 """
 
 from __future__ import annotations
@@ -68,6 +69,22 @@ def strategies(draft, tree_rule: str = "deterministic") -> list[tuple[str, objec
         (f"draft tree {tree}", DraftModelStrategy(draft, TREE, rule=tree_rule)),
         (f"n-gram K={CHAIN}", NgramStrategy(num_draft=CHAIN, max_ngram=3)),
     ]
+
+
+# EAGLE-2 over the shipped head (specdec/assets/eagle); its confidences sharpened (bench/RESULTS.md, EAGLE section).
+EAGLE = dict(tree_budget=12, depth=5, top_k=2, confidence_temperature=0.3)
+
+
+def eagle_row(target, assets: str | Path = ASSETS, **options) -> tuple[str, object]:
+    """(label, EagleStrategy) with the EAGLE head shipped for the embedded target; ``options`` override ``EAGLE``."""
+    from specdec.decoding.eagle import EagleStrategy
+    from specdec.model.eagle import EagleHead
+
+    head = EagleHead.from_pretrained(Path(assets).parent / "eagle", target)
+    options = {**EAGLE, **options}
+    strategy = EagleStrategy(head, **options)
+    kind = "EAGLE-1" if options.get("static_tree") else "EAGLE-2"
+    return f"{kind} {options['tree_budget']} nodes, depth {options['depth']}", strategy
 
 
 @dataclass
@@ -217,7 +234,7 @@ def _demo(device, num_prompts, max_new_tokens, show, assets, out) -> int:
         "every output is checked against the target's own greedy decoding\n",
         file=out,
     )
-    plan = strategies(draft)
+    plan = strategies(draft) + [eagle_row(target, assets)]
     # Warm-up: first calls pay one-off costs (allocations, kernel selection) that are not decoding speed.
     for _, strategy in plan:
         decode_all(target, strategy, "", ids[:1], 8)

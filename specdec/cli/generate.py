@@ -48,6 +48,8 @@ def build_strategy(args: argparse.Namespace, target, dtype, tokenizer):
 
     if args.ngram is not None:
         return NgramStrategy(num_draft=args.num_draft, max_ngram=args.ngram)
+    if args.eagle is not None:
+        return eagle_strategy(args, target)
     if args.draft is None:
         return NoDraft()
     with loading("--draft", args.draft):
@@ -57,6 +59,30 @@ def build_strategy(args: argparse.Namespace, target, dtype, tokenizer):
     if args.tree:
         return DraftModelStrategy(draft, args.tree, max_nodes=args.max_nodes, rule=args.tree_rule)
     return DraftModelStrategy(draft, (1,) * args.num_draft)
+
+
+EAGLE_FLAGS = {"tree_budget": "--tree-budget", "depth": "--depth", "top_k": "--eagle-top-k",
+               "confidence_temperature": "--confidence-temperature"}  # fmt: skip
+
+
+def eagle_strategy(args: argparse.Namespace, target):
+    """``EagleStrategy`` from --eagle DIR and its flags; refusals name the flag."""
+    from specdec.decoding.eagle import EagleStrategy
+    from specdec.model.eagle import EagleHead
+
+    with loading("--eagle", args.eagle):
+        head = EagleHead.from_pretrained(args.eagle, target)
+    try:
+        return EagleStrategy(
+            head, tree_budget=args.tree_budget, depth=args.depth, top_k=args.eagle_top_k,
+            static_tree="default" if args.static_tree else None, confidence_temperature=args.confidence_temperature,
+        )  # fmt: skip
+    except ValueError as exc:
+        message = str(exc)
+        for name, flag in EAGLE_FLAGS.items():
+            if message.startswith(name + " "):
+                message = flag + message[len(name) :]
+        raise CliError(message, USAGE) from exc
 
 
 def run_generate(args: argparse.Namespace) -> int:

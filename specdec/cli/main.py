@@ -105,6 +105,19 @@ def build_parser() -> argparse.ArgumentParser:
     draft.add_argument(
         "--ngram", type=_checked(as_int, int, low=1), metavar="N", help="prompt-lookup drafts matching up to N tokens"
     )
+    # EAGLE (specdec.decoding.eagle): a draft head reading the target's features; EAGLE-2 trees unless --static-tree.
+    draft.add_argument("--eagle", type=_directory, metavar="DIR", help="EAGLE head checkpoint directory (safetensors)")
+    gen.add_argument("--tree-budget", type=_checked(as_int, int, low=1), default=64, help="EAGLE: nodes per tree")
+    gen.add_argument("--depth", type=_checked(as_int, int, low=1), default=6, help="EAGLE: deepest draft level")
+    gen.add_argument(
+        "--eagle-top-k", type=_checked(as_int, int, low=1), default=8, metavar="K",
+        help="EAGLE: candidates per expanded node (--top-k is the sampling filter)",
+    )  # fmt: skip
+    gen.add_argument("--static-tree", action="store_true", help="EAGLE-1: a static tree instead of EAGLE-2's")
+    gen.add_argument(
+        "--confidence-temperature", type=_checked(as_float, float, low=0.0, low_open=True), default=1.0,
+        help="EAGLE-2: temperature of the head's confidences (below 1 sharpens an under-confident head)",
+    )  # fmt: skip
     gen.add_argument("--tree", type=_branching, help="draft tree branching per depth, e.g. 4,2,2,1 (default: a chain)")
     gen.add_argument("--tree-rule", choices=("stochastic", "deterministic"), default="deterministic")
     gen.add_argument("--max-nodes", type=_checked(as_int, int, low=2), default=64, help="tree nodes, root included")

@@ -3,13 +3,15 @@
 ``SpeculativeDecoder(target, strategy)`` runs batched generation with any ``Strategy``
 (``specdec.decoding.strategy``: the contract and how to add a drafter): ``NoDraft`` (plain
 autoregressive decoding; also what ``strategy=None`` means), ``DraftModelStrategy`` (a draft
-model's chain or token tree) or ``NgramStrategy`` (prompt lookup).
+model's chain or token tree), ``EagleStrategy`` (an EAGLE head's static or dynamic tree) or
+``NgramStrategy`` (prompt lookup).
 """
 
 from specdec.decoding.draft_model import DraftModelStrategy
+from specdec.decoding.eagle import EagleStrategy
 from specdec.decoding.engine import SpeculativeDecoder
 from specdec.decoding.ngram import NgramStrategy, propose_ngram
-from specdec.decoding.proposal import Proposal
+from specdec.decoding.proposal import DeviceTrees, Proposal
 from specdec.decoding.requests import FINISH_REASONS
 from specdec.decoding.results import GenerationResult, RequestStats, StepOutput
 from specdec.decoding.strategy import (
@@ -23,7 +25,9 @@ from specdec.decoding.strategy import (
 
 __all__ = [
     "FINISH_REASONS",
+    "DeviceTrees",
     "DraftModelStrategy",
+    "EagleStrategy",
     "GenerationResult",
     "NgramStrategy",
     "NoDraft",

@@ -6,16 +6,17 @@ its first forward re-feeds that token together with the new root, so each step h
 the same shape whatever was accepted last time (re-writing a cached token's K/V
 rewrites the same values). After verification the engine calls ``commit`` and the
 draft cache is cut back to ``L' - 1`` -- its rollback mirrors the target's. Tokens the
-cache missed (tree levels write their K/V out of order; a step may draft nothing) are fed
-before the next draft.
+cache missed (a tree's accepted nodes; a step that drafted nothing) are fed before the
+next draft.
 
 Chains decode K tokens one forward at a time, each sampled from the draft's own
 filtered distribution ``q`` (recorded for verification; one-hot for greedy
-requests). Trees grow level by level from a static template of branching factors:
-each level's forward runs the whole tree-so-far with its ancestor mask (the
-attention op reads a node's K/V at prefix + node index, so the earlier levels are
-re-fed rather than cached), then every frontier node gets its children -- the top-k
-tokens of ``q`` (deterministic rule) or k i.i.d. samples from ``q`` (stochastic rule).
+requests). Trees grow level by level from a static template of branching factors: the
+first forward feeds the last committed token and the root; each later one feeds only the
+new level's nodes, as tree queries whose ancestors (the earlier levels) are already in the
+draft cache (``AttentionMetadata(tree_start=...)``); then every frontier node gets its
+children -- the top-k tokens of ``q`` (deterministic rule) or k i.i.d. samples from ``q``
+(stochastic rule). The levels are cut from the cache once the tree is drafted.
 
 The draft's random numbers come from the request's seed mixed with a salt, so they
 are independent of the verification's.
@@ -32,7 +33,7 @@ from specdec.decoding.proposal import Proposal, depths, tree_metadata_on
 from specdec.decoding.strategy import Prefill, StepContext, StepResult, check_same_vocabulary
 from specdec.kernels import filtered_probs, sample_probs
 from specdec.kernels.sampling_params import RULES, SamplingParams
-from specdec.model.attention_metadata import AttentionMetadata, causal_positions, tree_positions
+from specdec.model.attention_metadata import AttentionMetadata, causal_positions
 
 DRAFT_SEED_SALT = 0x5DEECE66D  # keeps draft sampling independent of the verification uniforms
 
@@ -170,38 +171,51 @@ class DraftModelStrategy:
 
     def _draft_tree(self, step, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[R, n] template tokens and ([R, n, V] child distributions, or None for the deterministic rule and
-        greedy steps), one forward per level."""
+        greedy steps), one forward per level, each over that level's nodes only."""
         device, rows = self.draft.device, len(step.running)
         parents, depth = self.parents[:n], self.depth[:n]
         self._catch_up(step)
-        # The fed tree: the last committed token on top, the template under it.
-        ext_parents = [-1] + [p + 1 for p in parents]
-        ext_depth, ext_mask = tree_metadata_on([ext_parents] * rows, device)
-        ext_depth, ext_mask = ext_depth.view(rows, n + 1), ext_mask.view(rows, n + 1, -1)
-        tokens = torch.zeros(rows, n + 1, dtype=torch.int64, device=device)
-        tokens[:, 0] = to_device(step.previous, torch.int64, device)
-        tokens[:, 1] = to_device(step.roots, torch.int64, device)
+        tokens = torch.zeros(rows, n, dtype=torch.int64, device=device)
+        tokens[:, 0] = to_device(step.roots, torch.int64, device)
         sampled = self.rule == "stochastic" and not step.greedy  # greedy: every q is one-hot, no probs kept
         probs = torch.zeros(rows, n, self.draft.config.vocab_size, device=device) if sampled else None
-        for level in range(max(depth)):
+        # Level 0: the last committed token and the root, causal; they are committed text, so the cache keeps them.
+        counts = step.full_counts(2)
+        q_offsets = offsets_to_device(counts, device)
+        self.cache.reserve(counts)
+        feed = to_device([t for pair in zip(step.previous, step.roots) for t in pair], torch.int64, device)
+        uniform = 2 if len(self.lengths) == rows else None  # every slot running
+        positions = causal_positions(q_offsets, self.cache.seq_lens, 2 * rows, per_request=uniform)
+        root_rows = torch.arange(1, 2 * rows, 2, device=device)
+        logits, _ = self.draft(feed, positions, AttentionMetadata(q_offsets), self.cache, logits_rows=root_rows)
+        self.cache.advance(counts)
+        for b in step.running:
+            self.lengths[b] += 2
+        self._expand(logits, step, [0], parents, tokens, probs)
+        # Levels 1..: each level's nodes as tree queries over the levels already in the cache (written from
+        # tree_start in template order, which is level order: node i sits at tree_start + i - 1).
+        tree_start = self.cache.seq_lens.clone()
+        start = tree_start.index_select(0, to_device(step.running, torch.int64, device)).long()
+        _, masks = tree_metadata_on([[p - 1 for p in parents[1:]]], device)  # the tree below the root, a forest
+        for level in range(1, max(depth)):
             frontier = [i for i in range(n) if depth[i] == level]
-            fed = 1 + max(i for i in range(n) if depth[i] <= level) + 1
-            counts = step.full_counts(fed)
+            width = len(frontier)
+            counts = step.full_counts(width)
             q_offsets = offsets_to_device(counts, device)
             self.cache.reserve(counts)
-            metadata = AttentionMetadata(q_offsets, ext_mask[:, :fed].flatten(0, 1))
-            positions = tree_positions(q_offsets, self.cache.seq_lens, ext_depth[:, :fed].flatten())
-            frontier_rows = torch.arange(rows, device=device)[:, None] * fed + to_device(
-                [1 + i for i in frontier], torch.int64, device
-            )
-            fed_tokens = tokens[:, :fed].flatten()
-            logits, _ = self.draft(fed_tokens, positions, metadata, self.cache, logits_rows=frontier_rows.flatten())
+            nodes = to_device(frontier, torch.int64, device)
+            mask = masks.index_select(0, nodes - 1).repeat(rows, 1)
+            positions = (start + level - 1)[:, None].expand(rows, width).flatten()
+            metadata = AttentionMetadata(q_offsets, mask, tree_start=tree_start)
+            logits, _ = self.draft(tokens.index_select(1, nodes).flatten(), positions, metadata, self.cache)
+            self.cache.advance(counts)
             self._expand(logits, step, frontier, parents, tokens, probs)
-        return tokens[:, 1:], probs
+        self.cache.truncate(self.lengths)  # the levels go; verification decides which nodes are text
+        return tokens, probs
 
     def _catch_up(self, step) -> None:
         """Feed the tokens committed since the draft cache's last advance (the previous step's accepted
-        path when tree levels wrote its K/V out of order, or a step that drafted nothing), so the cache
+        path of a tree, whose levels were cut after drafting, or a step that drafted nothing), so the cache
         again holds all but the last two."""
         device = self.draft.device
         missing = [h[self.lengths[b] : len(h) - 2] for b, h in zip(step.running, step.histories)]
@@ -230,12 +244,12 @@ class DraftModelStrategy:
                 best = scores.argmax(-1)  # [R, width] (a NaN row drafts some token; verification decides)
                 for f, node in enumerate(frontier):
                     for c in children[node]:
-                        tokens[:, 1 + c] = best[:, f]
+                        tokens[:, c] = best[:, f]
             else:  # the top-k of the draft's logits (the target's argmax may be any of them)
                 top = scores.topk(most, dim=-1).indices  # [R, width, most]
                 for f, node in enumerate(frontier):
                     for j, c in enumerate(children[node]):
-                        tokens[:, 1 + c] = top[:, f, j]
+                        tokens[:, c] = top[:, f, j]
             return
         q = filtered_probs(logits, _draft_params(step).repeat_rows(width, rows * width)).probs  # [R * width, V]
         for f, node in enumerate(frontier):
@@ -245,7 +259,7 @@ class DraftModelStrategy:
             if self.rule == "stochastic":
                 probs[:, node] = q_node
                 for c in children[node]:
-                    tokens[:, 1 + c] = sample_probs(q_node, _draft_params(step), counter=c)
+                    tokens[:, c] = sample_probs(q_node, _draft_params(step), counter=c)
             else:
                 # Children are the top-k of q (its support, in the order of the scaled logits); greedy rows
                 # (q one-hot) take the draft's top-k logits instead, since the target's argmax may be any of them.
@@ -254,7 +268,7 @@ class DraftModelStrategy:
                 scores = torch.where(greedy, draft_logits, torch.where(q_node > 0, q_node, -1.0))
                 top = scores.topk(len(children[node]), dim=-1).indices
                 for j, c in enumerate(children[node]):
-                    tokens[:, 1 + c] = top[:, j]
+                    tokens[:, c] = top[:, j]
 
     def _sample(self, logits, step, counter) -> tuple[torch.Tensor, torch.Tensor]:
         params = _draft_params(step)

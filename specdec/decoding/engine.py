@@ -37,7 +37,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from specdec._transfer import offsets_to_device, read_back, to_device
-from specdec.decoding.proposal import Proposal, check_proposal, depths, tree_metadata_on
+from specdec.decoding.proposal import Proposal, check_proposal, device_tree_metadata, tree_metadata_on
 from specdec.decoding.requests import DEFAULT_EOS, Requests, encode_prompts, make_requests
 from specdec.decoding.results import GenerationResult, RequestStats, StepOutput
 from specdec.decoding.strategy import NoDraft, Prefill, StepContext, StepResult, Strategy
@@ -234,17 +234,20 @@ class _Run:
         self.cache.reserve(counts)
         num_nodes = sum(counts)
         # Chains (plain decoding, draft chains, n-gram) need no mask: causal attention is the same thing.
-        chains = all(tree == list(range(-1, len(tree) - 1)) for tree in proposal.parents)
+        chains = proposal.on_host and all(tree == list(range(-1, len(tree) - 1)) for tree in proposal.parents)
+        all_running = len(self.running) == self.req.batch_size  # then the trees' offsets are the forward's
+        node_offsets = q_offsets if all_running else offsets_to_device(proposal.counts, self.device)
         if chains:
             positions = causal_positions(q_offsets, self.cache.seq_lens, num_nodes, per_request=_uniform(counts))
             metadata = AttentionMetadata(q_offsets)
         else:
-            depth, mask = tree_metadata_on(proposal.parents, self.device)
+            if proposal.on_host:
+                depth, mask = tree_metadata_on(proposal.parents, self.device)
+            else:  # shapes chosen on the device (EAGLE-2): the mask is built there
+                depth, mask = device_tree_metadata(proposal.parents, node_offsets)
             positions = tree_positions(q_offsets, self.cache.seq_lens, depth)
             metadata = AttentionMetadata(q_offsets, mask)
         logits, hidden = self.target(proposal.tokens, positions, metadata, self.cache)
-        all_running = len(self.running) == self.req.batch_size  # then the trees' offsets are the forward's
-        node_offsets = q_offsets if all_running else offsets_to_device(proposal.counts, self.device)
         commit = "chains" if chains else "trees"
         return self._verify_and_emit(logits, hidden, proposal, node_offsets, context.params, commit=commit)
 
@@ -266,7 +269,7 @@ class _Run:
         packed = torch.cat((result.output_tokens, result.num_accepted[:, None], result.invalid[:, None].int()), dim=1)
         rows = read_back(packed)  # HOST SYNC: the step's one read-back, to stream and decide termination
         running = self.running
-        output = self._emit(rows, proposal.parents)
+        output = self._emit(rows, proposal.counts, proposal.depths)
         self.strategy.commit(
             StepResult(
                 running=running,
@@ -297,18 +300,20 @@ class _Run:
             path.index_copy_(0, self._running()[0], result.accepted_path)
         self.cache.compact(path, check=False)
 
-    def _emit(self, rows: list[list[int]], trees: list[list[int]]) -> StepOutput:
-        """Append each running request's tokens, update its stats, retire finished requests."""
+    def _emit(self, rows: list[list[int]], counts: list[int], tree_depths: list[int]) -> StepOutput:
+        """Append each running request's tokens, update its stats, retire finished requests.
+
+        ``counts``, ``tree_depths``: each tree's nodes and depth (a bound for trees shaped on the device,
+        whose deepest drafted level then counts as drafted in ``drafted_at``)."""
         requests, tokens, finished = [], [], {}
-        for b, row, tree in zip(self.running, rows, trees):
+        for b, row, nodes, depth in zip(self.running, rows, counts, tree_depths):
             accepted, bad = row[-2], bool(row[-1])
             stats = self.stats[b]
             stats.target_forwards += 1
             if bad:
                 finished[b] = "invalid"
                 continue
-            depth = max(depths(tree))
-            stats.drafted += len(tree) - 1
+            stats.drafted += nodes - 1
             stats.accepted += accepted
             _grow(stats.drafted_at, depth)
             _grow(stats.accepted_at, depth)

@@ -6,9 +6,12 @@ Node 0 of each tree is its root: the last emitted token, which the target has no
 seen yet. Trees are laid out in topological order with local parent indices, as
 ``build_tree_metadata`` and ``verify_tree`` expect.
 
-The tree *shapes* (parents, node counts) are host data the strategy already knows,
+The tree *shapes* (parents, node counts) are usually host data the strategy already knows,
 so their metadata is built from those lists on the host and sent to the device without
-a sync; only the tokens and the draft distributions are device tensors.
+a sync; only the tokens and the draft distributions are device tensors. A dynamic tree
+(EAGLE-2: the shape follows the draft's confidences) is chosen on the device instead: the
+strategy passes ``DeviceTrees`` -- its parents as a device tensor, its node counts and a depth
+bound per tree as host ints -- and the engine builds the mask on the device, reading nothing back.
 """
 
 from __future__ import annotations
@@ -20,8 +23,27 @@ from dataclasses import dataclass
 import torch
 
 from specdec._transfer import to_device
-from specdec.kernels import pack_mask_rows
+from specdec.kernels import build_tree_metadata, pack_mask_rows
+from specdec.kernels._checks import check_tensor
 from specdec.kernels.sampling_params import check_rule
+
+
+@dataclass(frozen=True)
+class DeviceTrees:
+    """Tree shapes chosen on the device: what the host knows of them is their sizes.
+
+    parents  [N] int32 (device)  local parents of every node, tree after tree, -1 at each root
+                                 (topological order: 0 <= parent < node within its tree)
+    counts   list[int] (host)    nodes per tree, root included
+    depths   list[int] (host)    an upper bound of each tree's depth (its drafted levels)
+
+    The engine cannot check the parents without reading them back; the strategy vouches for
+    them (``build_tree_metadata``'s contract, ``check=False``).
+    """
+
+    parents: torch.Tensor
+    counts: list[int]
+    depths: list[int]
 
 
 @dataclass(frozen=True)
@@ -29,7 +51,8 @@ class Proposal:
     """Token trees of the running requests, flattened in running order.
 
     tokens       [N] int64 (device)     node tokens; node 0 of each tree is its root
-    parents      list[list[int]] (host) local parents per tree, -1 for the root
+    parents      list[list[int]] (host) local parents per tree, -1 for the root; or ``DeviceTrees``
+                                        for shapes chosen on the device (module docstring)
     rule         "stochastic" or "deterministic": how the children were chosen (see
                  ``specdec.kernels.sampling_params``)
     draft_probs  [N, V] fp32 or None    stochastic rule only: row i is the distribution node i's
@@ -51,15 +74,25 @@ class Proposal:
         check_rule(self.rule, self.draft_probs)
 
     @property
+    def on_host(self) -> bool:
+        """The tree shapes are host lists (else ``DeviceTrees``)."""
+        return not isinstance(self.parents, DeviceTrees)
+
+    @property
     def counts(self) -> list[int]:
-        return [len(p) for p in self.parents]
+        return [len(p) for p in self.parents] if self.on_host else list(self.parents.counts)
 
     @property
     def num_drafted(self) -> list[int]:
-        return [len(p) - 1 for p in self.parents]
+        return [n - 1 for n in self.counts]
+
+    @property
+    def depths(self) -> list[int]:
+        """Depth of each tree (for ``DeviceTrees``, its bound)."""
+        return [max(depths(p)) for p in self.parents] if self.on_host else list(self.parents.depths)
 
     def max_depth(self) -> int:
-        return max((max(depths(p)) for p in self.parents), default=0)
+        return max(self.depths, default=0)
 
 
 def depths(parents: list[int]) -> list[int]:
@@ -78,17 +111,25 @@ def check_proposal(proposal, who: str, running: int, max_nodes: Sequence[int], m
     """
     if not isinstance(proposal, Proposal):
         raise TypeError(f"{who}.propose must return a Proposal, got {type(proposal).__name__}")
-    if len(proposal.parents) != running:
-        raise ValueError(f"{who} proposed {len(proposal.parents)} trees for {running} running requests")
-    for r, (tree, nodes, depth) in enumerate(zip(proposal.parents, max_nodes, max_depth)):
-        if not tree or tree[0] != -1 or any(not 0 <= p < i for i, p in enumerate(tree) if i):
-            raise ValueError(f"{who} proposed tree {r} with parents {tree}: need -1 at node 0, then 0 <= parent < node")
-        if len(tree) > nodes or max(depths(tree)) > max(depth, 0):
+    if proposal.on_host:
+        for r, tree in enumerate(proposal.parents):
+            if not tree or tree[0] != -1 or any(not 0 <= p < i for i, p in enumerate(tree) if i):
+                raise ValueError(
+                    f"{who} proposed tree {r} with parents {tree}: need -1 at node 0, then 0 <= parent < node"
+                )
+    counts, tree_depths = proposal.counts, proposal.depths
+    if len(counts) != running or len(tree_depths) != running:
+        raise ValueError(f"{who} proposed {len(counts)} trees for {running} running requests")
+    if not proposal.on_host:
+        check_tensor(f"{who}'s DeviceTrees.parents", proposal.parents.parents, dtype=torch.int32,
+                     shape=(sum(counts),), device=proposal.tokens.device)  # fmt: skip
+    for r, (n, d, nodes, depth) in enumerate(zip(counts, tree_depths, max_nodes, max_depth)):
+        if not 1 <= n <= nodes or not 0 <= d <= max(depth, 0) or d > n - 1:
             raise ValueError(
-                f"{who} proposed tree {r} with {len(tree)} nodes and depth {max(depths(tree))}; "
+                f"{who} proposed tree {r} with {n} nodes and depth {d}; "
                 f"the limits were {nodes} nodes and depth {max(depth, 0)}"
             )
-    total = sum(proposal.counts)
+    total = sum(counts)
     if proposal.tokens.shape != (total,):
         raise ValueError(f"{who} proposed tokens of shape {tuple(proposal.tokens.shape)} for {total} nodes")
     if proposal.draft_probs is not None and proposal.draft_probs.shape[0] != total:
@@ -112,6 +153,13 @@ def tree_metadata_on(parents: list[list[int]], device: torch.device) -> tuple[to
     depth = to_device([d for tree_depth, _ in shapes for d in tree_depth], torch.int32, device)
     mask = to_device(torch.cat([tree_mask for _, tree_mask in shapes]), torch.int64, device)
     return depth, mask
+
+
+def device_tree_metadata(trees: DeviceTrees, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(depth [N] int32, ancestor_mask [N, W] int64) of ``DeviceTrees`` whose node offsets are ``offsets [R+1]``,
+    built on the device (nothing read back; W from the host counts)."""
+    meta = build_tree_metadata(trees.parents, offsets, max(trees.counts), check=False)
+    return meta.depth, meta.ancestor_mask
 
 
 @functools.lru_cache(maxsize=1024)

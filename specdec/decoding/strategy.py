@@ -15,13 +15,16 @@ How to add a drafter
 --------------------
 Write a class with the members of ``Strategy`` (no base class needed; ``NoDraft`` below is the
 smallest complete example, ``NgramStrategy`` a model-free one, ``DraftModelStrategy`` one with
-its own model and KV cache) and pass it to ``SpeculativeDecoder(target, strategy)``:
+its own model and KV cache, ``EagleStrategy`` one reading the target's features) and pass it
+to ``SpeculativeDecoder(target, strategy)``:
 
 1. ``propose`` returns a ``Proposal``: per running request (in ``step.running`` order) a tree in
    topological order whose node 0 is ``step.roots[r]`` (the last emitted token, not yet seen by
    the target), with at most ``step.max_nodes[r]`` nodes and depth at most ``step.max_depth[r]``.
    The engine checks this and refuses a proposal that breaks it, naming the strategy. A request
    the drafter has nothing for gets the one-node tree ``[-1]`` (that step is plain decoding).
+   A tree whose shape is chosen on the device (EAGLE-2) is passed as ``DeviceTrees``: device
+   parents with host node counts and depth bounds, so nothing is read back (``proposal.py``).
 2. Say how the children were chosen: ``rule="stochastic"`` when they were sampled from draft
    distributions (pass them as ``draft_probs``: row i is the distribution node i's children
    were drawn from, i.i.d.), ``rule="deterministic"`` when they were picked without sampling

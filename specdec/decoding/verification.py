@@ -49,7 +49,10 @@ def verify(
         j = torch.arange(depth + 1, device=device, dtype=torch.int32)  # a chain's path: its first nodes
         path = torch.where(j <= chain.num_accepted[:, None], j, -1)
         return TreeVerifyResult(chain.output_tokens, chain.num_accepted, path, chain.invalid)
-    parents = to_device([p for tree in proposal.parents for p in tree], torch.int32, device)
+    if proposal.on_host:
+        parents = to_device([p for tree in proposal.parents for p in tree], torch.int32, device)
+    else:
+        parents = proposal.parents.parents
     if greedy:
         return run_verify_tree_greedy(logits, tokens, parents, node_offsets, max_depth=depth)
     return run_verify_tree(
