@@ -153,7 +153,7 @@ def test_bad_pool_arguments_are_refused_by_name(pair):
     with pytest.raises(TypeError, match="num_blocks must be an int"):
         SpeculativeDecoder(target, cache_layout="paged", num_blocks=2.5)
     decoder = SpeculativeDecoder(target, cache_layout="paged", block_size=4, num_blocks=3)
-    with pytest.raises(ValueError, match=r"num_blocks \(3\) cannot hold the prompts: .* need 4 blocks of 4 tokens"):
+    with pytest.raises(ValueError, match=r"num_blocks \(3\) is too small: every prompt .*, 4 blocks of 4 tokens in"):
         decoder.validate([[1] * 8, [2] * 3], max_new_tokens=4)  # 8 + 1 tokens: 3 blocks, 3 + 1: 1 block
     decoder.validate([[1] * 7, [2] * 3], max_new_tokens=4)  # 2 + 1 blocks fit
 

@@ -58,8 +58,8 @@ def check_pool(num_blocks: int, block_size: int, prompts: list[list[int]]) -> No
     needed = sum(-(-(len(p) + 1) // block_size) for p in prompts)
     if needed > num_blocks:
         raise ValueError(
-            f"num_blocks ({num_blocks}) cannot hold the prompts: with their first tokens they need {needed} "
-            f"blocks of {block_size} tokens at once; raise num_blocks or send fewer prompts"
+            f"num_blocks ({num_blocks}) is too small: every prompt and its first token must fit at once, "
+            f"{needed} blocks of {block_size} tokens in all; raise num_blocks or send a smaller batch"
         )
 
 
