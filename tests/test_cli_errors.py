@@ -154,6 +154,13 @@ CASES = {
     "empty prompt": (["--prompt", ""], 2, r"--prompt\[1\] is empty; every prompt needs at least one token$"),
     "missing --prompt": (["--target", "{target}"], 2, r"the following arguments are required: --prompt$"),
     "unknown flag": (["--top_k", "3"], 2, r"unrecognized arguments: --top_k 3$"),
+    "num-blocks 0": (["--num-blocks", "0"], 2, r"argument --num-blocks: must be an int >= 1, got 0$"),
+    "block-size 1.5": (["--num-blocks", "4", "--block-size", "1.5"], 2, r"argument --block-size: must be an int"),
+    "num-blocks below the prompt": (
+        ["--num-blocks", "1", "--block-size", "4"], 2,
+        r"--num-blocks \(1\) is too small: every prompt and its first token must fit at once, 2 blocks of 4 tokens "
+        r"in all; raise --num-blocks or send a smaller batch$",
+    ),
 }
 
 
@@ -193,6 +200,18 @@ def test_nan_weights_report_the_invalid_request_and_fail(paths, capsys):
     assert "[autoregressive] 0 tokens" in out
     assert re.search(r"^error: --prompt 'def add\(a, b\):' ended 'invalid' after 0 tokens: the target's logits held "
                      r"no valid token \(NaN or all -inf", error_line(err))  # fmt: skip
+
+
+def test_a_request_the_bounded_cache_cannot_hold_is_reported_and_fails(capsys):
+    # 7 prompt tokens in a pool of 2 x 8 slots: the 10th new token is the last the pool can take.
+    args = ["--target", TARGET, "--prompt", PROMPT, "--max-new-tokens", "40", "--num-blocks", "2", "--block-size", "8"]
+    status, out, err = run(capsys, *args)
+    assert status == 1
+    assert "[autoregressive] 10 tokens" in out
+    assert re.search(r"^error: --prompt 'def add\(a, b\):' ended 'cache' after 10 tokens: the paged KV cache's pool "
+                     r"\(--num-blocks\) could not hold it", error_line(err))  # fmt: skip
+    status, out, err = run(capsys, *args[:5], "10", *args[6:])  # 10 new tokens fit: a clean run
+    assert status == 0 and err == "" and "[autoregressive] 10 tokens" in out
 
 
 def test_a_good_run_exits_0_and_prints_no_error(capsys):

@@ -6,7 +6,8 @@ each call either returns valid output (tokens in the vocabulary, at most max_new
 request, a documented finish reason consistent with the tokens; greedy rows equal plain greedy
 decoding) or raises TypeError / ValueError -- the same one ``validate`` raises before anything
 runs, whose message starts with the argument's name. Never another exception, an invalid
-request or an out-of-range token.
+request or an out-of-range token. With a bounded paged pool (any size that holds the prompts),
+greedy requests return the unbounded run's tokens, or a prefix of them for one that ended 'cache'.
 
 Runs are derandomized (the same examples on every machine) and have no deadline: a loaded
 2-core CI machine makes timings meaningless, and every call is bounded (at most 8 tokens).
@@ -156,3 +157,34 @@ def test_valid_arguments_give_valid_output(kind, k, args):
 def test_a_wrong_argument_is_refused_by_name(kind, k, args):
     with use_backend("torch"):
         check_run(kind, k, *args)
+
+
+@settings(FUZZ, max_examples=60)
+@given(
+    kind=kinds,
+    k=st.integers(1, 3),
+    prompts=st.lists(st.lists(token, min_size=1, max_size=10), min_size=1, max_size=3),
+    max_new_tokens=st.lists(st.integers(0, 20), min_size=3, max_size=3),
+    block_size=st.sampled_from([1, 2, 4]),
+    spare=st.integers(0, 2) | st.integers(3, 12),
+    eos=st.sampled_from([None, "config"]),
+)
+def test_a_bounded_paged_pool_loses_nothing(kind, k, prompts, max_new_tokens, block_size, spare, eos):
+    """Any pool that holds the prompts: greedy tokens are the unbounded run's, or a prefix of them for a
+    request that ended 'cache', which only happens once it filled the whole pool."""
+    options = dict(max_new_tokens=max_new_tokens[: len(prompts)], eos_token_id=eos, allow_beyond_max_positions=True)
+    num_blocks = sum(-(-(len(p) + 1) // block_size) for p in prompts) + spare
+    with use_backend("torch"):
+        expected = SpeculativeDecoder(TARGET, make_strategy(kind, k)).generate(prompts, **options).tokens
+        decoder = SpeculativeDecoder(
+            TARGET, make_strategy(kind, k), cache_layout="paged", block_size=block_size, num_blocks=num_blocks
+        )
+        result = decoder.generate(prompts, **options)
+    event(f"preempted: {sum(s.preemptions for s in result.stats) > 0}")
+    for b, (tokens, stats) in enumerate(zip(result.tokens, result.stats)):
+        event(f"finished: {stats.finish_reason}")
+        if stats.finish_reason == "cache":
+            assert tokens == expected[b][: len(tokens)] and len(tokens) < len(expected[b])
+            assert len(prompts[b]) + len(tokens) > num_blocks * block_size, "ended 'cache' with room left"
+        else:
+            assert tokens == expected[b]

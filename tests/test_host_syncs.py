@@ -66,6 +66,19 @@ def test_greedy_generation_syncs_once_per_step(pair, strategy, layout):
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_a_bounded_paged_pool_adds_no_sync(pair, strategy):
+    """Planning, pausing and resuming (the recompute forward included) read nothing back."""
+    target, draft = pair
+    decoder = SpeculativeDecoder(target, STRATEGIES[strategy](draft), cache_layout="paged", block_size=4, num_blocks=6)
+    prompts = [[3, 9, 4, 3, 9, 4, 3], [7, 1], [5, 5, 2, 8]]
+    with use_backend("torch"):
+        per_step = count_per_step(decoder, prompts, max_new_tokens=[14, 5, 12], eos_token_id=None, seed=0)
+    assert sum(s.preemptions for s in decoder.stats) > 0, "the pool should have been too small for every request"
+    assert [s.finish_reason for s in decoder.stats] == ["length"] * 3
+    assert_one_read_back_per_step(per_step, min_steps=4)
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_sampled_generation_syncs_once_per_step_on_the_triton_path(pair, strategy):
     target, draft = pair
     decoder = SpeculativeDecoder(target, STRATEGIES[strategy](draft))

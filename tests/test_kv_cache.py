@@ -10,7 +10,7 @@ import pytest
 import torch
 from kv_helpers import assert_same_bits, pad, random_bits_, random_path, row, same_bits
 
-from specdec.model import BlockAllocator, KVCache
+from specdec.model import BlockAllocator, KVCache, PagedBlocks
 
 # ---- the cache object ---------------------------------------------------------------------------
 
@@ -117,10 +117,10 @@ def test_known_lengths_tighten_bounds_and_free_pages_without_a_device_read():
     cache = KVCache(1, 2, 1, 2, max_len=12, dtype=torch.float16, device="cpu", layout="paged", block_size=2)
     write_step(cache, [8, 8], gen)
     cache.compact(pad([[0, 3], [0]], 8))
-    held = cache.allocator.num_free
+    held = cache.pages.num_free
     cache.known_lengths([2, 1])  # what the caller's own read-back said
     assert cache.length_bounds() == [2, 1] and cache.room() == [10, 11]
-    assert cache.allocator.num_free == held + 6  # 4 + 4 blocks held for the bounds, 1 + 1 needed now
+    assert cache.pages.num_free == held + 6  # 4 + 4 blocks held for the bounds, 1 + 1 needed now
     with pytest.raises(ValueError, match=r"lengths\[0\] = 3 must lie in \[0, 2\]"):
         cache.known_lengths([3, 1])
 
@@ -167,7 +167,7 @@ def test_uncommitted_forward_is_replaced_or_discarded(layout):
     assert cache.length_bounds() == [1, 2]
     assert_same_bits(logical(cache, 1), again[:, :, 1:3], "request 1")
     if layout == "paged":
-        assert [len(b) for b in cache._blocks] == [1, 1]
+        assert [len(b) for b in cache.pages.blocks] == [1, 1]
     tree, _ = write_step(cache, [5, 5], gen)
     cache.release(0)  # mid-step: request 1's uncommitted tree keeps its blocks
     cache.compact(pad([[], [0, 3, 4]], 3))
@@ -177,7 +177,7 @@ def test_uncommitted_forward_is_replaced_or_discarded(layout):
     cache.discard()
     assert cache.length_bounds() == [0, 5] and cache.seq_lens.tolist() == [0, 5]
     if layout == "paged":
-        assert cache.allocator.num_free == cache.allocator.num_blocks - 3
+        assert cache.pages.num_free == cache.pages.num_blocks - 3
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
@@ -193,11 +193,11 @@ def test_truncate_rollback_release(layout):
     cache.rollback(torch.tensor([1, 9, 0], dtype=torch.int32))
     assert cache.seq_lens.tolist() == [2, 0, 0]
     if layout == "paged":
-        assert [len(b) for b in cache._blocks] == [1, 0, 0]
+        assert [len(b) for b in cache.pages.blocks] == [1, 0, 0]
     cache.release(0)
     assert cache.seq_lens.tolist() == [0, 0, 0]
     if layout == "paged":
-        assert cache.allocator.num_free == cache.allocator.num_blocks
+        assert cache.pages.num_free == cache.pages.num_blocks
 
 
 @pytest.mark.parametrize("steps", [40])
@@ -237,17 +237,17 @@ def test_paged_allocator_reuse_without_leaks(backend, device, steps):
         paged.compact(paths)
         twin.compact(paths)
         for b in range(B):
-            for block in paged._blocks[b]:
+            for block in paged.pages.blocks[b]:
                 seen_owners.setdefault(block, set()).add(b)
         assert torch.equal(paged.seq_lens, twin.seq_lens)
-        owned = [blk for blocks in paged._blocks for blk in blocks]
+        owned = [blk for blocks in paged.pages.blocks for blk in blocks]
         assert len(owned) == len(set(owned)), "a block is owned twice"
-        assert paged.allocator.num_free + len(owned) == 20, "blocks leaked"
+        assert paged.pages.num_free + len(owned) == 20, "blocks leaked"
         for b in range(B):
             assert same_bits(logical(paged, b), logical(twin, b)), f"step {step}, request {b}"
     assert any(len(owners) > 1 for owners in seen_owners.values()), "no block was ever reused by another request"
     paged.release()
-    assert paged.allocator.num_free == 20
+    assert paged.pages.num_free == 20
 
 
 def test_paged_pool_exhaustion_is_refused():
@@ -276,12 +276,27 @@ def test_block_allocator():
         alloc.allocate(3)
 
 
-def test_docstring_examples():
+def test_paged_blocks_grow_trim_and_refuse():
+    pages = PagedBlocks(batch_size=3, max_len=40, block_size=8, num_blocks=6, device="cpu")
+    pages.grow([9, 1, 0])
+    assert [len(b) for b in pages.blocks] == [2, 1, 0] and pages.num_free == 3
+    assert pages.tables[0, :2].tolist() == pages.blocks[0] and pages.tables[1, 0].item() == pages.blocks[1][0]
+    assert [pages.short(0, 24), pages.short(1, 8), pages.short(2, 17)] == [1, 0, 3]
+    with pytest.raises(ValueError, match=r"out of blocks: this step needs 4 more but only 3 are free \(request 2 "):
+        pages.grow([9, 1, 25])
+    assert [len(b) for b in pages.blocks] == [2, 1, 0] and pages.num_free == 3  # nothing taken
+    pages.trim([0, 1, 0])
+    assert [len(b) for b in pages.blocks] == [0, 1, 0] and pages.num_free == 5
+    pages.grow([0, 1, 40])  # the freed blocks serve another request
+    assert len(pages.blocks[2]) == 5 and pages.num_free == 0
+
+
+@pytest.mark.parametrize("module", ["kv_cache", "paged_blocks", "block_allocator"])
+def test_docstring_examples(module):
     import doctest
+    import importlib
 
-    import specdec.model.kv_cache
-
-    result = doctest.testmod(specdec.model.kv_cache, extraglobs={"torch": torch})
+    result = doctest.testmod(importlib.import_module(f"specdec.model.{module}"), extraglobs={"torch": torch})
     assert result.attempted > 0 and result.failed == 0
 
 

@@ -92,6 +92,12 @@ def test_uniform_bad_inputs():
         counter_uniform(torch.zeros(2, dtype=torch.int64), 0, 1)
     with pytest.raises(ValueError, match="out must have shape"):
         counter_uniform(torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), 1, out=torch.empty(3))
+    ids = torch.zeros(2, dtype=torch.int64)
+    for counter in (1.5, True, "1"):  # never truncated or read as 1
+        with pytest.raises(TypeError, match="counter must be an int or an integer tensor"):
+            counter_uniform(ids, ids, counter)
+    with pytest.raises(TypeError, match="counter must be an integer tensor, got float32"):
+        counter_uniform(ids, ids, torch.tensor([1.5, 2.0]))
 
 
 # ----------------------------------------------------------------------------- filter

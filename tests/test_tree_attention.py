@@ -633,6 +633,8 @@ def small(**over):
         (dict(q=torch.randn(3, 4, 64).long()), TypeError, "q must have dtype"),
         (dict(v_cache=torch.randn(2, 15, 2, 64)), ValueError, "v_cache must have shape"),
         (dict(q_offsets=torch.tensor([0, 2, 3])), TypeError, "q_offsets must have dtype int32"),
+        (dict(q_offsets=[0, 2, 3]), TypeError, "q_offsets must be a torch.Tensor, got list"),
+        (dict(prefix_lens=[4, 0]), TypeError, "prefix_lens must be a torch.Tensor, got list"),
         (dict(q_offsets=torch.tensor([0, 3, 2], dtype=torch.int32)), ValueError, "q_offsets must be non-decreasing"),
         (dict(q_offsets=torch.tensor([0, 1, 2], dtype=torch.int32)), ValueError, r"q_offsets\[-1\] must equal"),
         (dict(prefix_lens=torch.tensor([4], dtype=torch.int32)), ValueError, "prefix_lens must have shape"),

@@ -192,6 +192,11 @@ def test_wrong_dtypes_are_refused():
         build_tree_metadata(parents.view(1, 2), offsets)
     with pytest.raises(ValueError, match="max_nodes must be a positive int"):
         build_tree_metadata(parents, offsets, 0)
+    # Without max_nodes the width comes from the offsets, which are checked first (not "max_nodes ... -1").
+    with pytest.raises(ValueError, match="offsets must be non-decreasing"):
+        build_tree_metadata(parents, torch.tensor([0, 3, 2], dtype=torch.int32))
+    with pytest.raises(ValueError, match="offsets must start at 0"):
+        build_tree_metadata(parents[:0], torch.tensor([1, 0], dtype=torch.int32))
 
 
 @needs_ext

@@ -2,7 +2,7 @@
 
     0  success
     1  a runtime failure: a checkpoint that does not load, a draft with another vocabulary,
-       not enough memory, a request that ended 'invalid', an unexpected error
+       not enough memory, a request that ended other than 'eos' or 'length', an unexpected error
     2  a usage error: a flag or argument value the command refuses (argparse's own errors included)
 
 No traceback is printed unless ``--debug`` or ``SPECDEC_DEBUG=1`` asks for one. Messages from
@@ -24,6 +24,7 @@ DEBUG_ENV = "SPECDEC_DEBUG"
 _FLAGS = {
     "allow_beyond_max_positions=True": "--allow-beyond-max-positions",
     "max_new_tokens": "--max-new-tokens",
+    "num_blocks": "--num-blocks",
     "temperature": "--temperature",
     "prompts": "--prompt",
     "top_k": "--top-k",

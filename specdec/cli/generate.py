@@ -99,7 +99,10 @@ def run_generate(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(args.target)
         target = LlamaModel.from_pretrained(args.target, dtype=dtype, device=args.device)
     strategy = build_strategy(args, target, dtype, tokenizer)
-    decoder = SpeculativeDecoder(target, strategy, compile=args.compile)
+    pool = {}
+    if args.num_blocks is not None:
+        pool = dict(cache_layout="paged", block_size=args.block_size, num_blocks=args.num_blocks)
+    decoder = SpeculativeDecoder(target, strategy, compile=args.compile, **pool)
     prompts = [tokenizer.encode(p).ids for p in args.prompt]
     sampling = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -142,7 +145,7 @@ def run_generate(args: argparse.Namespace) -> int:
     for i, why in failed.items():
         print(
             f"error: --prompt {args.prompt[i][:40]!r} ended {why!r} after {len(outputs[i])} tokens: "
-            f"{FINISH_REASONS.get(why, 'see the README')}",
+            f"{as_flags(FINISH_REASONS.get(why, 'see the README'))}",
             file=sys.stderr,
         )
     return RUNTIME if failed else 0

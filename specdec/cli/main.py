@@ -137,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     threads = "CPU intra-op threads (default: torch's; 1 suits small models)"
     gen.add_argument("--threads", type=_checked(as_int, int, low=1), help=threads)
     gen.add_argument("--compile", action="store_true", help="torch.compile the model forwards (slow first steps)")
+    # A bounded paged KV cache for the target (SpeculativeDecoder's num_blocks).
+    gen.add_argument(
+        "--num-blocks", type=_checked(as_int, int, low=1), metavar="N",
+        help="bound the target's KV cache to N paged blocks shared on demand (requests pause and resume)",
+    )  # fmt: skip
+    gen.add_argument("--block-size", type=_checked(as_int, int, low=1), default=16, help="tokens per paged block")
     gen.add_argument("--debug", **debug)
     gen.set_defaults(func=cmd_generate)
     return parser

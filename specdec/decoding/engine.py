@@ -22,6 +22,9 @@ Nothing else in a step reads a device value: the forward's plan, the cache's cap
 every size come from host data (tested by counting, on the CPU, every operation that would
 synchronise on a GPU), and the same code runs on both.
 
+A bounded paged target cache (``num_blocks``) is shared on demand, each step planned first:
+``specdec.decoding.schedule`` (trees shrink, requests pause and resume, nothing generated is lost).
+
 The prefill is the same with the whole prompts as causal rows, and each request's last prompt
 token as a one-node tree whose verification samples the first token.
 
@@ -40,12 +43,13 @@ from specdec._transfer import offsets_to_device, read_back, to_device
 from specdec.decoding.proposal import Proposal, check_proposal, device_tree_metadata, tree_metadata_on
 from specdec.decoding.requests import DEFAULT_EOS, Requests, encode_prompts, make_requests
 from specdec.decoding.results import GenerationResult, RequestStats, StepOutput
+from specdec.decoding.schedule import SharedPool, check_pool
 from specdec.decoding.strategy import NoDraft, Prefill, StepContext, StepResult, Strategy
 from specdec.decoding.verification import verify
 from specdec.kernels import TreeVerifyResult
 from specdec.kernels.sampling_params import SamplingParams
 from specdec.model.attention_metadata import AttentionMetadata, causal_positions, tree_positions
-from specdec.validation import InsufficientMemoryError
+from specdec.validation import InsufficientMemoryError, as_int
 
 
 class SpeculativeDecoder:
@@ -56,6 +60,9 @@ class SpeculativeDecoder:
     target : a ``LlamaModel``.
     strategy : a ``Strategy`` (``DraftModelStrategy``, ``NgramStrategy``, ...); None means ``NoDraft()``.
     cache_layout, block_size : the KV caches' layout ("contiguous" or "paged") and page size.
+    num_blocks : paged only: the target cache's pool in blocks, shared on demand (``specdec.decoding.schedule``:
+        trees shrink, requests pause and resume, one that can never fit ends 'cache'); it must hold every
+        prompt plus one token at once. None: the worst case (a draft model's cache always takes that).
     compile : run the target's (and a ``DraftModelStrategy``'s draft's) planned forwards through
         ``torch.compile(fullgraph=True)`` (``LlamaModel.compile_run``; the models are changed in place).
         Opt-in: the first steps pay the compilation.
@@ -85,6 +92,7 @@ class SpeculativeDecoder:
         *,
         cache_layout: str = "contiguous",
         block_size: int = 16,
+        num_blocks: int | None = None,
         compile: bool = False,
         graphs: bool = False,
     ):
@@ -108,6 +116,11 @@ class SpeculativeDecoder:
                 if model.cuda_graphs is None:
                     model.use_cuda_graphs()
         self.cache_options = {"layout": cache_layout, "block_size": block_size}
+        if num_blocks is not None:
+            num_blocks = as_int("num_blocks", num_blocks, low=1)
+            if cache_layout != "paged":
+                raise ValueError(f"num_blocks bounds a paged cache; pass cache_layout='paged' (got {cache_layout!r})")
+        self.num_blocks = num_blocks
         self.stats: list[RequestStats] = []
 
     def generate(self, prompts, *, tokenizer=None, **sampling) -> GenerationResult:
@@ -131,10 +144,13 @@ class SpeculativeDecoder:
             raise TypeError(f"allow_beyond_max_positions must be a bool, got {allow_beyond_max_positions!r}")
         config = self.target.config
         max_positions = None if allow_beyond_max_positions else config.max_position_embeddings
-        return make_requests(
+        req = make_requests(
             prompts, vocab_size=config.vocab_size, config_eos=config.eos_token_ids, max_positions=max_positions,
             **sampling,
         )  # fmt: skip
+        if self.num_blocks is not None:
+            check_pool(self.num_blocks, self.cache_options["block_size"], req.prompts)
+        return req
 
     @torch.inference_mode()
     def stream(
@@ -162,7 +178,8 @@ class SpeculativeDecoder:
         The KV caches are allocated up front for prompt + max_new_tokens (plus one tree); caches
         that would not fit in the memory available are refused with
         ``specdec.validation.InsufficientMemoryError`` (a ValueError) naming max_new_tokens.
-        Each request ends with a reason from ``FINISH_REASONS``: 'eos', 'length' or 'invalid'.
+        Each request ends with a reason from ``FINISH_REASONS``: 'eos', 'length', 'invalid', or
+        'cache' (a bounded paged pool, ``num_blocks``, that could not hold it even alone).
         """
         req = self.validate(
             prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
@@ -182,9 +199,11 @@ class SpeculativeDecoder:
         except InsufficientMemoryError as exc:
             longest, batch = max(req.max_new_tokens), req.batch_size
             drivers = f"max_new_tokens ({longest}; caches hold prompt + max_new_tokens) or the batch ({batch})"
+            if self.num_blocks is not None:
+                drivers += f", or num_blocks ({self.num_blocks})"
             raise exc.blame(drivers) from None
         yield StepOutput(first.requests, first.tokens, {**done, **first.finished})  # 0-token requests end here
-        while run.running:
+        while run.running or (run.pool is not None and run.pool.paused):
             yield run.step()
 
 
@@ -198,7 +217,10 @@ class _Run:
         # The last step starts with prompt + max_new - 2 tokens cached and writes one tree after them.
         widest = self.strategy.max_nodes
         self.max_len = max(len(p) + max(m - 2, 0) + widest for p, m in zip(req.prompts, req.max_new_tokens))
-        self.cache = self.target.new_cache(req.batch_size, self.max_len, **decoder.cache_options)
+        pool = {} if decoder.num_blocks is None else {"num_blocks": decoder.num_blocks}
+        self.cache = self.target.new_cache(req.batch_size, self.max_len, **decoder.cache_options, **pool)
+        self.pool = None if self.cache.pages is None else SharedPool(self.target, self.cache, self.strategy.max_nodes)
+        self.budgets: list[int] = []  # nodes each running request's next tree may have (``_schedule``)
         self.params = req.sampling_params(self.device)  # [B]; each step selects the running rows
         self._rows: tuple[list[int], torch.Tensor, SamplingParams] | None = None  # see _running
         self.texts = [list(p) for p in req.prompts]
@@ -225,6 +247,9 @@ class _Run:
         return self._verify_and_emit(logits, last_hidden, roots, node_offsets, self._running_params(), commit=None)
 
     def step(self) -> StepOutput:
+        ended = self._schedule()
+        if not self.running:  # every request left ended with 'cache'
+            return StepOutput((), (), ended)
         context = self._context()
         proposal = self.strategy.propose(context)
         check_proposal(proposal, self.strategy.name, len(self.running), context.max_nodes, context.max_depth)
@@ -249,18 +274,26 @@ class _Run:
             metadata = AttentionMetadata(q_offsets, mask)
         logits, hidden = self.target(proposal.tokens, positions, metadata, self.cache)
         commit = "chains" if chains else "trees"
-        return self._verify_and_emit(logits, hidden, proposal, node_offsets, context.params, commit=commit)
+        return self._verify_and_emit(logits, hidden, proposal, node_offsets, context.params, commit=commit, ended=ended)
+
+    def _schedule(self) -> dict[int, str]:
+        """Fit the step in the target's cache (pausing, resuming, tree budgets); the requests ended 'cache'."""
+        if self.pool is None:
+            self.budgets = [self.strategy.max_nodes] * len(self.running)
+            return {}
+        plan = self.pool.plan(self.running, self.texts, self.stats)
+        self.running, self.budgets = plan.running, plan.max_nodes
+        return {b: "cache" for b in plan.out_of_cache}
 
     # ---- verification and bookkeeping --------------------------------------------------------------
 
-    def _verify_and_emit(
-        self, logits, hidden, proposal: Proposal, node_offsets, params: SamplingParams, *, commit: str | None
-    ) -> StepOutput:
+    def _verify_and_emit(self, logits, hidden, proposal: Proposal, node_offsets, params, *, commit, ended=None):
         """Verify the running requests' trees, commit the accepted K/V, read back, emit, tell the strategy.
 
         ``commit``: "trees" moves the accepted nodes' K/V next to the prefix; "chains" (every tree a
         chain, a host fact) has nothing to move and only advances the lengths; None for the prefill,
-        whose ``advance`` already committed its prompts.
+        whose ``advance`` already committed its prompts. ``ended``: requests that finished before the
+        step ran (out of cache), reported with this step's finished ones.
         """
         greedy = all(self.req.temperature[b] <= 0 for b in self.running)
         result = verify(logits, proposal, node_offsets, params, greedy=greedy, chains=commit == "chains")
@@ -269,7 +302,7 @@ class _Run:
         packed = torch.cat((result.output_tokens, result.num_accepted[:, None], result.invalid[:, None].int()), dim=1)
         rows = read_back(packed)  # HOST SYNC: the step's one read-back, to stream and decide termination
         running = self.running
-        output = self._emit(rows, proposal.counts, proposal.depths)
+        output = self._emit(rows, proposal.counts, proposal.depths, ended or {})
         self.strategy.commit(
             StepResult(
                 running=running,
@@ -300,12 +333,15 @@ class _Run:
             path.index_copy_(0, self._running()[0], result.accepted_path)
         self.cache.compact(path, check=False)
 
-    def _emit(self, rows: list[list[int]], counts: list[int], tree_depths: list[int]) -> StepOutput:
+    def _emit(
+        self, rows: list[list[int]], counts: list[int], tree_depths: list[int], ended: dict[int, str]
+    ) -> StepOutput:
         """Append each running request's tokens, update its stats, retire finished requests.
 
         ``counts``, ``tree_depths``: each tree's nodes and depth (a bound for trees shaped on the device,
-        whose deepest drafted level then counts as drafted in ``drafted_at``)."""
-        requests, tokens, finished = [], [], {}
+        whose deepest drafted level then counts as drafted in ``drafted_at``); ``ended``: requests the
+        step's schedule already ended ('cache')."""
+        requests, tokens, finished = [], [], dict(ended)
         for b, row, nodes, depth in zip(self.running, rows, counts, tree_depths):
             accepted, bad = row[-2], bool(row[-1])
             stats = self.stats[b]
@@ -313,13 +349,7 @@ class _Run:
             if bad:
                 finished[b] = "invalid"
                 continue
-            stats.drafted += nodes - 1
-            stats.accepted += accepted
-            _grow(stats.drafted_at, depth)
-            _grow(stats.accepted_at, depth)
-            for j in range(depth):
-                stats.drafted_at[j] += accepted >= j
-                stats.accepted_at[j] += accepted > j
+            stats.count_tree(nodes - 1, depth, accepted)
             out = []
             for t in row[: accepted + 1]:
                 out.append(t)
@@ -352,7 +382,7 @@ class _Run:
             previous=[self.texts[b][-2] for b in running],
             histories=[self.texts[b] for b in running],
             max_depth=[self.req.max_new_tokens[b] - self.generated[b] - 1 for b in running],
-            max_nodes=[self.strategy.max_nodes] * len(running),
+            max_nodes=list(self.budgets),
             params=self._running_params(),
             greedy=all(self.req.temperature[b] <= 0 for b in running),
             device=self.device,
@@ -375,7 +405,3 @@ class _Run:
 def _uniform(counts: list[int]) -> int | None:
     """The rows every request sends when they all send the same number (a host fact the ops use), else None."""
     return counts[0] if len(set(counts)) == 1 else None
-
-
-def _grow(values: list[int], size: int) -> None:
-    values.extend([0] * (size - len(values)))

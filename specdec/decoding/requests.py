@@ -29,6 +29,7 @@ FINISH_REASONS = {
     "eos": "it emitted one of its EOS tokens (the last token returned)",
     "length": "it generated max_new_tokens tokens",
     "invalid": "the target's logits held no valid token (NaN or all -inf; check the weights and inputs)",
+    "cache": "the paged KV cache's pool (num_blocks) could not hold it even with every other request paused",
 }
 
 

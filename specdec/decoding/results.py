@@ -17,6 +17,7 @@ class RequestStats:
     drafted_at: list[int] = field(default_factory=list)  # position j reached with a draft to test
     accepted_at: list[int] = field(default_factory=list)  # ... and that draft was accepted
     finish_reason: str | None = None
+    preemptions: int = 0  # times paused for KV-cache blocks (a bounded paged pool) and resumed later
 
     @property
     def tau(self) -> float:
@@ -29,14 +30,25 @@ class RequestStats:
     def acceptance_by_position(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
 
+    def count_tree(self, drafted: int, depth: int, accepted: int) -> None:
+        """Count one verified tree: ``drafted`` nodes below the root, ``depth`` deep, ``accepted`` of them taken."""
+        self.drafted += drafted
+        self.accepted += accepted
+        for counts in (self.drafted_at, self.accepted_at):
+            counts.extend([0] * (depth - len(counts)))
+        for j in range(depth):
+            self.drafted_at[j] += accepted >= j
+            self.accepted_at[j] += accepted > j
+
 
 @dataclass(frozen=True)
 class StepOutput:
     """Tokens emitted in one step: request ``requests[i]`` produced ``tokens[i]`` (a tuple).
 
     ``finished`` maps each request that ended this step to why: 'eos' (its EOS token is the
-    last of its tokens), 'length' (reached max_new_tokens) or 'invalid' (its target logits had
-    no valid token: NaN / all -inf; nothing emitted for it this step).
+    last of its tokens), 'length' (reached max_new_tokens), 'invalid' (its target logits had
+    no valid token: NaN / all -inf; nothing emitted for it this step) or 'cache' (a bounded
+    paged KV cache could not hold it even alone; nothing emitted for it this step).
     """
 
     requests: tuple[int, ...]

@@ -120,7 +120,7 @@ class StepResult:
     running        batch slots verified this step
     lengths        B host ints: tokens the target has committed per slot (prompt + generated - 1:
                    the last emitted token is the next root, not cached yet)
-    finished       slots that ended this step (EOS, length or invalid logits): release their state
+    finished       slots that ended this step (EOS, length, invalid logits, out of cache): release their state
     accepted       host ints: draft nodes accepted per running request (emitted = accepted + 1)
     accepted_path  [R, P] int32 device: local node indices of the accepted path, root first, -1 padded
     hidden         [N, H] device: the target's final-norm hidden states of every node verified

@@ -74,6 +74,8 @@ def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
     for name, value in tensors.items():
         if value is None:
             continue
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
         if device is None:
             device, first = value.device, name
         elif value.device != device:

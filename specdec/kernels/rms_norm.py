@@ -46,10 +46,15 @@ def _rms_norm_kernel(
     # meta-parameters
     ADD_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    EVEN: tl.constexpr,  # H == BLOCK
 ):
     t = tl.program_id(0).to(tl.int64)
-    i = tl.arange(0, BLOCK)
-    mask = i < H
+    lane = tl.arange(0, BLOCK)
+    mask = lane < H
+    if EVEN:  # the row fills the tile: no lane past it, contiguous (vectorised) accesses
+        i = lane
+    else:  # masked lanes address the row's last element, never past the row
+        i = tl.minimum(lane, H - 1)
     h = tl.load(x_ptr + t * stride_xt + i, mask=mask, other=0.0)
     if ADD_RESIDUAL:
         r = tl.load(residual_ptr + t * stride_rt + i, mask=mask, other=0.0)
@@ -71,7 +76,7 @@ def _rms_norm_kernel(
 
 def _tile(hidden: int) -> dict:
     block = triton.next_power_of_2(hidden)
-    return dict(BLOCK=block, num_warps=min(max(block // 512, 4), 16))
+    return dict(BLOCK=block, EVEN=block == hidden, num_warps=min(max(block // 512, 4), 16))
 
 
 def _launch(x, residual, weight, eps, out) -> None:

@@ -32,10 +32,12 @@ _MAX_TILE = 256  # heads x pairs per program
 
 
 @jit
-def _rotate_heads(ptr, heads, first_head, stride_h, cos, sin, i, HALF, HEAD_BLOCK: tl.constexpr):
-    # rotate heads first_head .. first_head + HEAD_BLOCK - 1 (those < heads) of one token, in place
-    h = first_head + tl.arange(0, HEAD_BLOCK)
-    mask = (h < heads)[:, None] & (i < HALF)[None, :]
+def _rotate_heads(ptr, heads, first_head, stride_h, cos, sin, i, pair_mask, HALF, HEAD_BLOCK: tl.constexpr):
+    # rotate heads first_head .. first_head + HEAD_BLOCK - 1 (those < heads) of one token, in place;
+    # masked lanes address the last head / pair (clamped), never past the tensor
+    head = first_head + tl.arange(0, HEAD_BLOCK)
+    mask = (head < heads)[:, None] & pair_mask[None, :]
+    h = tl.minimum(head, heads - 1)
     lo = ptr + h[:, None] * stride_h + i[None, :]
     x1 = tl.load(lo, mask=mask, other=0.0)
     x2 = tl.load(lo + HALF, mask=mask, other=0.0)
@@ -68,21 +70,27 @@ def _rotary_kernel(
     # meta-parameters
     HEAD_BLOCK: tl.constexpr,
     HALF_BLOCK: tl.constexpr,
+    EVEN_PAIRS: tl.constexpr,  # HALF == HALF_BLOCK
 ):
     t = tl.program_id(0).to(tl.int64)
     first_head = tl.program_id(1) * HEAD_BLOCK
 
     # ---- the token's angles, cos and sin rounded to the model dtype
-    i = tl.arange(0, HALF_BLOCK)
+    pair = tl.arange(0, HALF_BLOCK)
+    pair_mask = pair < HALF
+    if EVEN_PAIRS:  # the pairs fill the tile: contiguous (vectorised) accesses
+        i = pair
+    else:  # masked lanes address the last pair, never past the head
+        i = tl.minimum(pair, HALF - 1)
     position = tl.load(positions_ptr + t).to(tl.float32)
-    angle = position * tl.load(inv_freq_ptr + i, mask=i < HALF, other=0.0)
+    angle = position * tl.load(inv_freq_ptr + i, mask=pair_mask, other=0.0)
     dtype = q_ptr.dtype.element_ty
     cos = tl.cos(angle).to(dtype).to(tl.float32)[None, :]
     sin = tl.sin(angle).to(dtype).to(tl.float32)[None, :]
 
     # ---- this program's block of query heads and of KV heads (masked off past the last head)
-    _rotate_heads(q_ptr + t * stride_qt, Hq, first_head, stride_qh, cos, sin, i, HALF, HEAD_BLOCK)
-    _rotate_heads(k_ptr + t * stride_kt, Hkv, first_head, stride_kh, cos, sin, i, HALF, HEAD_BLOCK)
+    _rotate_heads(q_ptr + t * stride_qt, Hq, first_head, stride_qh, cos, sin, i, pair_mask, HALF, HEAD_BLOCK)
+    _rotate_heads(k_ptr + t * stride_kt, Hkv, first_head, stride_kh, cos, sin, i, pair_mask, HALF, HEAD_BLOCK)
 
 
 # --------------------------------------------------------------------------------------------
@@ -93,7 +101,7 @@ def _rotary_kernel(
 def _tile(heads: int, half: int) -> dict:
     half_block = triton.next_power_of_2(half)
     head_block = min(triton.next_power_of_2(heads), max(_MAX_TILE // half_block, 1))
-    return dict(HEAD_BLOCK=head_block, HALF_BLOCK=half_block, num_warps=4)
+    return dict(HEAD_BLOCK=head_block, HALF_BLOCK=half_block, EVEN_PAIRS=half_block == half, num_warps=4)
 
 
 def _apply_rotary_triton(q, k, positions, inv_freq) -> None:

@@ -33,10 +33,15 @@ def _silu_mul_kernel(
     stride_in,
     stride_out,
     BLOCK: tl.constexpr,
+    EVEN: tl.constexpr,  # I % BLOCK == 0
 ):
     t = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = j < I
+    lane = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = lane < I
+    if EVEN:  # the tiles cover the row exactly: no lane past it, contiguous (vectorised) accesses
+        j = lane
+    else:  # masked lanes address the last column, never past the row
+        j = tl.minimum(lane, I - 1)
     row = gate_up_ptr + t * stride_in
     gate = tl.load(row + j, mask=mask, other=0.0)
     up = tl.load(row + I + j, mask=mask, other=0.0).to(tl.float32)
@@ -56,7 +61,9 @@ def _silu_mul_triton(gate_up, out) -> None:
         return
     block = min(triton.next_power_of_2(I), _MAX_BLOCK)
     grid = (T, triton.cdiv(I, block))
-    _silu_mul_kernel[grid](gate_up, out, I, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+    _silu_mul_kernel[grid](
+        gate_up, out, I, gate_up.stride(0), out.stride(0), BLOCK=block, EVEN=I % block == 0, num_warps=4
+    )
 
 
 def _silu_mul_torch(gate_up, out) -> None:

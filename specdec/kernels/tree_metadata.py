@@ -114,9 +114,9 @@ def build_tree_metadata(
     check_same_device(parents=parents, offsets=offsets)
     if offsets.numel() < 1:
         raise ValueError("offsets must hold B+1 >= 1 entries, got none")
-    if max_nodes is None:
-        sizes = torch.diff(offsets)
-        max_nodes = int(sizes.max()) if sizes.numel() else 1
+    if max_nodes is None:  # the largest tree, from offsets that must make sense first (one read)
+        bounds = check_offsets("offsets", offsets, total=parents.numel())
+        max_nodes = max((end - start for start, end in zip(bounds, bounds[1:])), default=1) or 1
     if not isinstance(max_nodes, int) or isinstance(max_nodes, bool) or max_nodes < 1:
         raise ValueError(f"max_nodes must be a positive int, got {max_nodes!r}")
     ext, _ = _backend.extension_status()

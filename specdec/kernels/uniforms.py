@@ -15,6 +15,8 @@ token at node j with ``2j + 1`` (``sample`` is the final draw at node 0: counter
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from specdec.kernels._checks import check_tensor
@@ -120,7 +122,11 @@ def counter_uniform(
     >>> u.dtype, u.shape, bool(((u >= 0) & (u < 1)).all())
     (torch.float32, torch.Size([2]), True)
     """
-    for name, value in (("seed", seed), ("offset", offset)):
+    plain_int = isinstance(counter, numbers.Integral) and not isinstance(counter, bool)
+    if not (plain_int or isinstance(counter, torch.Tensor)):
+        raise TypeError(f"counter must be an int or an integer tensor, got {type(counter).__name__}")
+    tensors = (("seed", seed), ("offset", offset), ("counter", counter))
+    for name, value in tensors if isinstance(counter, torch.Tensor) else tensors[:2]:
         check_tensor(name, value, device=seed.device if isinstance(seed, torch.Tensor) else None)
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             raise TypeError(f"{name} must be an integer tensor, got {str(value.dtype).replace('torch.', '')}")

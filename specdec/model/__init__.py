@@ -7,6 +7,7 @@ from specdec.model.eagle import EagleHead
 from specdec.model.kv_cache import KVCache
 from specdec.model.llama import LlamaModel
 from specdec.model.medusa import MedusaHeads
+from specdec.model.paged_blocks import PagedBlocks
 
 __all__ = [
     "AttentionMetadata",
@@ -16,6 +17,7 @@ __all__ = [
     "LlamaModel",
     "MedusaHeads",
     "ModelConfig",
+    "PagedBlocks",
     "RopeScaling",
     "causal_positions",
     "tree_positions",

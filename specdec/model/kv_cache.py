@@ -22,23 +22,21 @@ request *might* overflow (or the paged pool runs dry) does the cache read ``seq_
 back once (``sync_lengths``) and decide on exact lengths. A write that still does not
 fit is refused with a ValueError naming the request and the excess, before anything is
 written. ``room()`` gives each request's guaranteed free slots so a strategy can shorten
-its draft instead. An engine that reads each step's results back anyway can call
-``sync_lengths()`` right after that read-back (the stream is drained, so it waits for
-nothing) to keep the bounds exact and the paged pool tight.
+its draft instead. An engine that reads each step's results back anyway passes the exact
+lengths to ``known_lengths`` (no device access), keeping the bounds exact and the pool tight.
 
-Paged allocation. Blocks come from a free list on the host. ``reserve`` gives each
-request the blocks its bound plus the new tokens need; committing tightens the bound and
-immediately returns the blocks past it to the free list (no device round trip: block ids
-are host data, and later kernels run after the compaction in stream order).
-``sync_lengths`` returns the blocks between the exact length and the old bound; ``release``
-returns all of a request's blocks at its end. Block-table entries past a request's blocks
-are stale but always valid ids (0 at first), so an over-read in a masked lane stays inside
-the pool; the table is copied to the device (asynchronously) only when a request grows.
+Paged allocation (``specdec.model.paged_blocks``). Blocks come from a shared pool on the host.
+``reserve`` gives each request the blocks its bound plus the new tokens need; committing tightens
+the bound and immediately returns the blocks past it to the free list (no device round trip: block
+ids are host data, and later kernels run after the compaction in stream order). ``sync_lengths``
+returns the blocks between the exact length and the old bound; ``release`` returns all of a
+request's blocks at its end. A pool smaller than ``batch_size * ceil(max_len / block_size)`` is
+shared on demand; when a step cannot get the blocks it needs, ``reserve`` refuses it (the engine
+plans around that: ``specdec.decoding.schedule``).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -49,7 +47,7 @@ from specdec.kernels._checks import check_offsets, check_tensor
 from specdec.kernels.kv_append import kv_append
 from specdec.kernels.kv_compact import check_accepted_path, compact_rows, kv_compact, kv_compact_op
 from specdec.kernels.kv_layout import DTYPES
-from specdec.model.block_allocator import BlockAllocator
+from specdec.model.paged_blocks import PagedBlocks
 from specdec.validation import check_memory, tensor_bytes
 
 LAYOUTS = ("contiguous", "paged")
@@ -100,14 +98,8 @@ class KVCache:
         block_size: int = 16,
         num_blocks: int | None = None,
     ):
-        for name, value in (
-            ("num_layers", num_layers),
-            ("batch_size", batch_size),
-            ("num_kv_heads", num_kv_heads),
-            ("head_dim", head_dim),
-            ("max_len", max_len),
-            ("block_size", block_size),
-        ):
+        names = ("num_layers", "batch_size", "num_kv_heads", "head_dim", "max_len", "block_size")
+        for name, value in zip(names, (num_layers, batch_size, num_kv_heads, head_dim, max_len, block_size)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if dtype not in DTYPES:
@@ -125,33 +117,29 @@ class KVCache:
         if layout == "contiguous":
             self.block_size = None
             self.block_tables = None
-            self.allocator = None
+            self.pages = None
             shape = (num_layers, 2, batch_size, max_len, num_kv_heads, head_dim)
             check_memory(tensor_bytes(shape, dtype), self.device, f"KV cache {shape}", drivers="max_len or batch_size")
         else:
             self.block_size = block_size
-            max_blocks = math.ceil(max_len / block_size)
             if num_blocks is None:
-                num_blocks = batch_size * max_blocks
+                num_blocks = batch_size * -(-max_len // block_size)
             if not isinstance(num_blocks, int) or num_blocks < 1:
                 raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
             shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
             check_memory(tensor_bytes(shape, dtype), self.device, f"paged KV cache {shape}", drivers="num_blocks")
-            self.allocator = BlockAllocator(num_blocks)
-            self._blocks: list[list[int]] = [[] for _ in range(batch_size)]  # block ids per request, in order
-            self._host_tables = torch.zeros(batch_size, max_blocks, dtype=torch.int32)
-            self.block_tables = torch.zeros_like(self._host_tables, device=self.device)
+            self.pages = PagedBlocks(
+                batch_size=batch_size, max_len=max_len, block_size=block_size, num_blocks=num_blocks, device=self.device
+            )
+            self.block_tables = self.pages.tables
         self.data = torch.zeros(shape, dtype=dtype, device=self.device)
         # Per layer, made once: (k, v) as ``layer`` returns them, and their token rows [-1, Hkv, D].
         self.views = [(self.data[l, 0], self.data[l, 1]) for l in range(num_layers)]
         self.row_views = [tuple(t.view(-1, num_kv_heads, head_dim) for t in kv) for kv in self.views]
 
     def __repr__(self) -> str:
-        pool = (
-            ""
-            if self.allocator is None
-            else f", block_size={self.block_size}, blocks free {self.allocator.num_free}/{self.allocator.num_blocks}"
-        )
+        p = self.pages
+        pool = "" if p is None else f", block_size={self.block_size}, blocks free {p.num_free}/{p.num_blocks}"
         return (
             f"KVCache({self.layout}, layers={self.num_layers}, batch={self.batch_size}, kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, max_len={self.max_len}, {str(self.dtype)[6:]}, {self.device}{pool})"
@@ -193,23 +181,13 @@ class KVCache:
                         f"request {b} would pass its capacity of {self.max_len} tokens by {length + c - self.max_len} "
                         f"({length} cached + {c} new)"
                     )
-        if self.layout == "paged":
+        if self.pages is not None:
             targets = [bound + c for bound, c in zip(self._bound, counts)]
-            if self._blocks_short(targets) > self.allocator.num_free:
+            if self.pages.total_short(targets) > self.pages.num_free:
                 self._pending = None
                 self.sync_lengths()  # give back blocks held past the exact lengths, then retry
                 targets = [bound + c for bound, c in zip(self._bound, counts)]
-            short = self._blocks_short(targets)
-            if short > self.allocator.num_free:
-                worst = max(
-                    range(self.batch_size), key=lambda b: self._blocks_needed(targets[b]) - len(self._blocks[b])
-                )
-                raise ValueError(
-                    f"the paged cache is out of blocks: this step needs {short} more but only "
-                    f"{self.allocator.num_free} are free (request {worst} alone needs "
-                    f"{self._blocks_needed(targets[worst]) - len(self._blocks[worst])})"
-                )
-            self._grow_pages(targets)
+            self.pages.grow(targets)  # refuses (ValueError) before taking any block if the pool is short
         self._pending = counts
         self._written = set()
 
@@ -273,8 +251,8 @@ class KVCache:
             for b, (bound, c) in enumerate(zip(self._bound, added)):
                 if c < 0 or bound + c > self.max_len:
                     raise ValueError(f"counts[{b}] = {c} must be in [0, {self.max_len - bound}] (capacity)")
-            if self.layout == "paged":
-                self._grow_pages([bound + c for bound, c in zip(self._bound, added)])
+            if self.pages is not None:
+                self.pages.grow([bound + c for bound, c in zip(self._bound, added)])
             self.seq_lens += to_device(added, torch.int32, self.device)
         self._commit([bound + c for bound, c in zip(self._bound, added)])
 
@@ -368,7 +346,7 @@ class KVCache:
             self._bound[b] = 0
             if self._pending is not None:
                 self._pending[b] = 0
-        if self.layout == "paged":
+        if self.pages is not None:
             self._trim_pages()
 
     def sync_lengths(self) -> list[int]:
@@ -388,7 +366,7 @@ class KVCache:
             if not 0 <= n <= bound:
                 raise ValueError(f"lengths[{b}] = {n} must lie in [0, {bound}] (the cache's bound for request {b})")
         self._bound = lengths
-        if self.layout == "paged":
+        if self.pages is not None:
             self._trim_pages()
 
     # ---- internals ----------------------------------------------------------------------------
@@ -396,7 +374,7 @@ class KVCache:
     def _commit(self, bounds: list[int]) -> None:
         self._bound = bounds
         self._pending = None
-        if self.layout == "paged":
+        if self.pages is not None:
             self._trim_pages()
 
     def _host_ints(self, name: str, values) -> list[int]:
@@ -410,30 +388,7 @@ class KVCache:
             raise ValueError(f"{name} must hold {self.batch_size} ints (one per request), got {values!r}")
         return values
 
-    def _blocks_needed(self, length: int) -> int:
-        return -(-length // self.block_size)
-
-    def _blocks_short(self, targets: list[int]) -> int:
-        return sum(max(self._blocks_needed(t) - len(self._blocks[b]), 0) for b, t in enumerate(targets))
-
-    def _grow_pages(self, targets: list[int]) -> None:
-        changed = False
-        for b, target in enumerate(targets):
-            missing = self._blocks_needed(target) - len(self._blocks[b])
-            if missing > 0:
-                ids = self.allocator.allocate(missing)
-                first = len(self._blocks[b])
-                self._blocks[b].extend(ids)
-                self._host_tables[b, first : first + missing] = torch.tensor(ids, dtype=torch.int32)
-                changed = True
-        if changed:
-            to_device(self._host_tables, torch.int32, self.device, out=self.block_tables)
-
     def _trim_pages(self) -> None:
         """Return blocks past each request's bound (plus any uncommitted tokens) to the free list."""
         pending = self._pending or [0] * self.batch_size
-        for b in range(self.batch_size):
-            keep = self._blocks_needed(self._bound[b] + pending[b])
-            if len(self._blocks[b]) > keep:
-                self.allocator.free(self._blocks[b][keep:])
-                del self._blocks[b][keep:]
+        self.pages.trim([bound + p for bound, p in zip(self._bound, pending)])
