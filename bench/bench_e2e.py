@@ -17,10 +17,13 @@ background load on a shared machine hits them all alike. Last, per strategy: the
 syncs of each step (counted, ``tests/sync_counter.py``) and the kernel launches of the
 target forward it runs (counted by ``bench/count_launches.py`` with the Triton path
 interpreted). A PNG bar chart of the greedy tokens/s goes to ``--out`` when matplotlib is
-importable.
+importable. Then the engine peers at batch 1 and 6 (``vllm_peer_rows``): specdec's engine, vLLM stock and
+vLLM with specdec's plugin, run in vLLM's own environment (``make install-vllm`` builds .venv-vllm, or
+point ``SPECDEC_VLLM_PYTHON`` at a Python with vLLM); skipped with the reason when there is none.
 
     python bench/bench_e2e.py --quick            # CPU smoke run: 2 prompts, 32 tokens
     python bench/bench_e2e.py --out OUT          # 6 prompts, 96 tokens, 3 repeats (CPU: one thread)
+    python bench/bench_e2e.py --vllm-only        # only the engine-peer table
 """
 
 from __future__ import annotations
@@ -128,6 +131,76 @@ def step_counts(target, draft, prompts, quick: bool) -> Table:
     return table
 
 
+def vllm_peer_rows(target, draft, prompts, new_tokens: int, repeats: int, device: str) -> Table | None:
+    """Engine peers at batch 1 and 6, greedy: specdec's own engine next to vLLM stock and vLLM with specdec's
+    plugin (autoregressive, draft model and n-gram, K = 5 drafts), the same held-out prompts and token count.
+
+    vLLM runs in its own environment (``bench_vllm_plugin.vllm_python``: this interpreter, else
+    ``$SPECDEC_VLLM_PYTHON``, else ``.venv-vllm``), one child process per configuration holding its engine;
+    without one the table is skipped with the reason. Batch 1 decodes each prompt alone, batch 6 all six
+    together. Every configuration and batch runs in turn, ``repeats`` times, keeping its fastest: CPU time
+    of specdec's thread (one intra-op thread) and of vLLM's process (one thread, in-process engine core).
+    """
+    from bench_vllm_plugin import VllmChild, vllm_python
+
+    from specdec.cli.demo import CHAIN
+    from specdec.decoding import SpeculativeDecoder
+
+    python, where = vllm_python()
+    if python is None or device != "cpu":
+        print(f"\nvLLM peer rows skipped: {where if python is None else 'measured on the CPU build only'}")
+        return None
+    batches = (1, min(6, len(prompts)))
+    plan = dict(strategies(draft))
+    mine = {"autoregressive": "autoregressive", "draft": f"draft chain K={CHAIN}", "ngram": f"n-gram K={CHAIN}"}
+    configs = [(engine, method) for method in mine for engine in ("specdec", "vLLM stock", "vLLM + specdec plugin")]
+    configs.remove(("vLLM + specdec plugin", "autoregressive"))  # nothing to verify: the plugin never runs
+    children = {
+        c: VllmChild(python, c[1], 0 if c[1] == "autoregressive" else CHAIN, "plugin" in c[0], max(batches))
+        for c in configs if c[0] != "specdec"
+    }  # fmt: skip
+    now = clock(device)
+
+    def run_specdec(method: str, batch: int) -> tuple[float, list]:
+        decoder, tokens = SpeculativeDecoder(target, plan[mine[method]]), []
+        start = now()
+        for i in range(0, len(prompts), batch):
+            group = prompts[i : i + batch]
+            tokens += decoder.generate(group, max_new_tokens=new_tokens, temperature=0.0, eos_token_id=None).tokens
+        return now() - start, tokens
+
+    best, tokens = {}, {}
+    for _ in range(repeats):
+        for config in configs:
+            for batch in batches:
+                if config[0] == "specdec":
+                    seconds, out = run_specdec(config[1], batch)
+                else:
+                    reply = children[config].generate(batch, new_tokens, len(prompts))
+                    assert reply["verify_calls"] > 0 or "plugin" not in config[0], "the plugin did not run"
+                    seconds, out = reply["seconds"], reply["tokens"]
+                best[config, batch] = min(best.get((config, batch), float("inf")), seconds)
+                tokens[config, batch] = out
+    for child in children.values():
+        child.close()
+    generated = len(prompts) * new_tokens
+    b1, b6 = batches
+    table = Table(
+        f"Engine peers: specdec's engine, vLLM ({where}) stock and with specdec's plugin, embedded pair, greedy, "
+        f"{len(prompts)} prompts x {new_tokens} tokens, CPU time, one thread, fastest of {repeats} interleaved",
+        ["engine", "decoding", f"batch {b1} tok/s", f"batch {b6} tok/s", "plugin / stock", "identical to own AR"],
+    )
+    for engine, method in configs:
+        rates = [generated / best[(engine, method), b] for b in batches]
+        stock = ("vLLM stock", method)
+        ratio = " / ".join(f"{best[stock, b] / best[(engine, method), b]:.2f}x" for b in batches)
+        own_ar = (engine if engine != "vLLM + specdec plugin" else "vLLM stock", "autoregressive")
+        same = all(tokens[(engine, method), b] == tokens[own_ar, b] for b in batches)
+        label = method if method == "autoregressive" else mine[method].replace("draft chain", "draft model")
+        table.add(engine, label, *rates, ratio if "plugin" in engine else "-", "yes" if same else "NO")
+    return table
+
+
 def load_hf(directory: Path, device: str):
     from transformers import LlamaForCausalLM
 
@@ -162,15 +235,22 @@ def chart(runs: list[Run], baseline: Run, path: Path) -> str:
 
 
 def main() -> None:
-    args = bench_args(
-        __doc__.splitlines()[0],
-        lambda p: p.add_argument("--repeats", type=int, default=None, help="runs per (method, prompt); fastest kept"),
-    )
+    def extra(parser):
+        parser.add_argument("--repeats", type=int, default=None, help="runs per (method, prompt); fastest kept")
+        parser.add_argument("--vllm-only", action="store_true", help="only the engine-peer table (vLLM rows)")
+
+    args = bench_args(__doc__.splitlines()[0], extra)
     device = args.device
     cpu_threads(device)
     num_prompts, new_tokens = (2, 32) if args.quick else (6, 96)
     repeats = args.repeats or (1 if args.quick or device.startswith("cuda") else 3)
     target, draft, tokenizer = load_pair(device, assets=ASSETS)
+    if args.vllm_only:
+        prompts = [tokenizer.encode(p["text"]).ids for p in heldout_prompts(ASSETS)[:num_prompts]]
+        table = vllm_peer_rows(target, draft, prompts, new_tokens, repeats, device)
+        if table is not None:
+            table.write(args.out, "e2e_vllm")
+        return
     target_dir, draft_dir = ASSETS / "target", ASSETS / "draft"
     hf_target, hf_draft = load_hf(target_dir, device), load_hf(draft_dir, device)
     counter = ForwardCounter(hf_target)
@@ -244,6 +324,9 @@ def main() -> None:
         )  # fmt: skip
     t1.write(args.out, "e2e_temperature1")
     step_counts(target, draft, prompts, args.quick).write(args.out, "e2e_step_counts")
+    peers = vllm_peer_rows(target, draft, prompts, new_tokens, repeats, device)
+    if peers is not None:
+        peers.write(args.out, "e2e_vllm")
 
 
 if __name__ == "__main__":
