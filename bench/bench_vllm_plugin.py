@@ -22,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -62,15 +63,17 @@ class VllmChild:
                "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
         cmd = [python, __file__, "--serve", method, str(k), str(max_num_seqs)]
         self.with_plugin = with_plugin
-        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True, cwd=REPO)  # fmt: skip
+        self.log = tempfile.TemporaryFile("w+")  # vLLM's own logging, shown if the child fails
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                     text=True, cwd=REPO)  # fmt: skip
         self._reply()  # the engine is built
 
     def _reply(self) -> dict:
         for line in self.proc.stdout:
             if line.startswith("RESULT "):
                 return json.loads(line[len("RESULT ") :])
-        raise RuntimeError(f"vLLM child exited with {self.proc.wait()} (run it by hand: {self.proc.args})")
+        self.log.seek(0)
+        raise RuntimeError(f"vLLM child {self.proc.args} exited with {self.proc.wait()}:\n{self.log.read()[-3000:]}")
 
     def generate(self, batch: int, max_tokens: int, prompts: int) -> dict:
         """{"seconds": CPU s, "tokens": [[ids] per prompt], "verify_calls": plugin calls so far}."""

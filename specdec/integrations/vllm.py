@@ -108,7 +108,8 @@ def _fold_pending() -> None:
     for device in {accepted.device for accepted, _ in _pending}:
         steps = [pair for pair in _pending if pair[0].device == device]
         pair = torch.stack([torch.cat(column).sum(dtype=torch.int64) for column in zip(*steps)])
-        _totals[device] = _totals[device].add_(pair) if device in _totals else pair
+        # out of place: vLLM steps run under inference mode, stats() may not (no in-place update of their tensors)
+        _totals[device] = _totals[device] + pair if device in _totals else pair
     _pending.clear()
 
 
