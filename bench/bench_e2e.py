@@ -138,8 +138,9 @@ def vllm_peer_rows(target, draft, prompts, new_tokens: int, repeats: int, device
     vLLM runs in its own environment (``bench_vllm_plugin.vllm_python``: this interpreter, else
     ``$SPECDEC_VLLM_PYTHON``, else ``.venv-vllm``), one child process per configuration holding its engine;
     without one the table is skipped with the reason. Batch 1 decodes each prompt alone, batch 6 all six
-    together. Every configuration and batch runs in turn, ``repeats`` times, keeping its fastest: CPU time
-    of specdec's thread (one intra-op thread) and of vLLM's process (one thread, in-process engine core).
+    together; every configuration decodes a group of prompts before any moves to the next, ``repeats``
+    times over, each (configuration, group) keeping its fastest: CPU time of specdec's thread (one
+    intra-op thread) and of vLLM's process (one thread, in-process engine core).
     """
     from bench_vllm_plugin import VllmChild, vllm_python
 
@@ -160,29 +161,28 @@ def vllm_peer_rows(target, draft, prompts, new_tokens: int, repeats: int, device
         for c in configs if c[0] != "specdec"
     }  # fmt: skip
     now = clock(device)
-
-    def run_specdec(method: str, batch: int) -> tuple[float, list]:
-        decoder, tokens = SpeculativeDecoder(target, plan[mine[method]]), []
-        start = now()
-        for i in range(0, len(prompts), batch):
-            group = prompts[i : i + batch]
-            tokens += decoder.generate(group, max_new_tokens=new_tokens, temperature=0.0, eos_token_id=None).tokens
-        return now() - start, tokens
-
+    decoders = {method: SpeculativeDecoder(target, plan[label]) for method, label in mine.items()}
+    groups = {b: [list(range(i, min(i + b, len(prompts)))) for i in range(0, len(prompts), b)] for b in batches}
     best, tokens = {}, {}
     for _ in range(repeats):
-        for config in configs:
-            for batch in batches:
-                if config[0] == "specdec":
-                    seconds, out = run_specdec(config[1], batch)
-                else:
-                    reply = children[config].generate(batch, new_tokens, len(prompts))
-                    assert reply["verify_calls"] > 0 or "plugin" not in config[0], "the plugin did not run"
-                    seconds, out = reply["seconds"], reply["tokens"]
-                best[config, batch] = min(best.get((config, batch), float("inf")), seconds)
-                tokens[config, batch] = out
+        for batch in batches:
+            for group in groups[batch]:  # every configuration on this group of prompts, then the next group
+                for config in configs:
+                    if config[0] == "specdec":
+                        start = now()
+                        out = decoders[config[1]].generate([prompts[i] for i in group], max_new_tokens=new_tokens,
+                                                           temperature=0.0, eos_token_id=None).tokens  # fmt: skip
+                        seconds = now() - start
+                    else:
+                        reply = children[config].generate(group, new_tokens)
+                        assert reply["verify_calls"] > 0 or "plugin" not in config[0], "the plugin did not run"
+                        seconds, out = reply["seconds"], reply["tokens"]
+                    key = (config, batch, group[0])
+                    best[key] = min(best.get(key, float("inf")), seconds)
+                    tokens[key] = out
     for child in children.values():
         child.close()
+    seconds = {(c, b): sum(best[c, b, g[0]] for g in groups[b]) for c in configs for b in batches}
     generated = len(prompts) * new_tokens
     b1, b6 = batches
     table = Table(
@@ -191,11 +191,11 @@ def vllm_peer_rows(target, draft, prompts, new_tokens: int, repeats: int, device
         ["engine", "decoding", f"batch {b1} tok/s", f"batch {b6} tok/s", "plugin / stock", "identical to own AR"],
     )
     for engine, method in configs:
-        rates = [generated / best[(engine, method), b] for b in batches]
+        rates = [generated / seconds[(engine, method), b] for b in batches]
         stock = ("vLLM stock", method)
-        ratio = " / ".join(f"{best[stock, b] / best[(engine, method), b]:.2f}x" for b in batches)
+        ratio = " / ".join(f"{seconds[stock, b] / seconds[(engine, method), b]:.2f}x" for b in batches)
         own_ar = (engine if engine != "vLLM + specdec plugin" else "vLLM stock", "autoregressive")
-        same = all(tokens[(engine, method), b] == tokens[own_ar, b] for b in batches)
+        same = all(tokens[(engine, method), b, g[0]] == tokens[own_ar, b, g[0]] for b in batches for g in groups[b])
         label = method if method == "autoregressive" else mine[method].replace("draft chain", "draft model")
         table.add(engine, label, *rates, ratio if "plugin" in engine else "-", "yes" if same else "NO")
     return table

@@ -7,11 +7,11 @@ Any Python works as the parent: the engines run in children started with ``vllm_
 child per configuration, each holding one engine for the whole run (one thread, greedy, EOS
 ignored; engine start-up not timed). The plugin's children load it the way users do
 (``VLLM_PLUGINS=specdec``), the stock ones run with ``VLLM_PLUGINS=""``. Configurations are
-interleaved rep by rep and each keeps its fastest rep, so drifting machine load hits them
-alike; times are the child process's CPU time (``time.process_time``: one thread does the
-work, and time spent descheduled by other processes is not counted). Batch 1 decodes each
-prompt alone in turn, batch b the first b prompts together. ``bench/bench_e2e.py`` uses the
-same children for its engine-peer rows.
+interleaved, so drifting machine load hits them alike: every configuration decodes one group of
+prompts (batch 1: one prompt; batch b: b prompts together) before any moves to the next group,
+and each (configuration, group) keeps its fastest rep. Times are the child process's CPU time
+(``time.process_time``: one thread does the work, and time spent descheduled by other processes
+is not counted). ``bench/bench_e2e.py`` uses the same children for its engine-peer rows.
 """
 
 from __future__ import annotations
@@ -75,9 +75,10 @@ class VllmChild:
         self.log.seek(0)
         raise RuntimeError(f"vLLM child {self.proc.args} exited with {self.proc.wait()}:\n{self.log.read()[-3000:]}")
 
-    def generate(self, batch: int, max_tokens: int, prompts: int) -> dict:
-        """{"seconds": CPU s, "tokens": [[ids] per prompt], "verify_calls": plugin calls so far}."""
-        self.proc.stdin.write(json.dumps({"batch": batch, "max_tokens": max_tokens, "prompts": prompts}) + "\n")
+    def generate(self, prompts: list[int], max_tokens: int) -> dict:
+        """The held-out prompts at these indices in one batch: {"seconds": CPU s, "tokens": [[ids] per
+        prompt], "verify_calls": the plugin's calls so far}."""
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
         self.proc.stdin.flush()
         return self._reply()
 
@@ -97,10 +98,8 @@ def serve(method: str, k: int, max_num_seqs: int) -> None:
     for line in sys.stdin:
         request = json.loads(line)
         params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=True)
-        prompts, batch = PROMPTS[: request["prompts"]], request["batch"]
         start = time.process_time()
-        outputs = [o for i in range(0, len(prompts), batch) for o in llm.generate(prompts[i : i + batch], params,
-                                                                                   use_tqdm=False)]  # fmt: skip
+        outputs = llm.generate([PROMPTS[i] for i in request["prompts"]], params, use_tqdm=False)
         seconds = time.process_time() - start
         plugin = sys.modules.get("specdec.integrations.vllm")  # loaded by vLLM from the entry point
         calls = plugin.stats().get("verify_calls", 0) if plugin is not None else 0
@@ -125,15 +124,18 @@ def main() -> None:
     configs = [("autoregressive", 0, False), ("ngram", 4, False), ("ngram", 4, True), ("draft", 3, False),
                ("draft", 3, True)]  # fmt: skip
     children = {c: VllmChild(python, *c, max_num_seqs=max(args.batches)) for c in configs}
+    groups = {b: [list(range(i, min(i + b, args.prompts))) for i in range(0, args.prompts, b)] for b in args.batches}
     best: dict[tuple, float] = {}
     tokens: dict[tuple, list] = {}
     for _ in range(args.reps):
-        for config, child in children.items():
-            for batch in args.batches:
-                r = child.generate(batch, args.max_tokens, args.prompts)
-                best[config, batch] = min(best.get((config, batch), float("inf")), r["seconds"])
-                tokens[config, batch] = r["tokens"]
-                assert r["verify_calls"] > 0 or not child.with_plugin, "the plugin did not run"
+        for batch in args.batches:
+            for group in groups[batch]:  # every configuration on this group of prompts, then the next group
+                for config, child in children.items():
+                    r = child.generate(group, args.max_tokens)
+                    key = (config, batch, group[0])
+                    best[key] = min(best.get(key, float("inf")), r["seconds"])
+                    tokens[key] = r["tokens"]
+                    assert r["verify_calls"] > 0 or not child.with_plugin, "the plugin did not run"
     for child in children.values():
         child.close()
     generated = args.prompts * args.max_tokens
@@ -144,8 +146,8 @@ def main() -> None:
     for config in configs:
         method, k, with_plugin = config
         label = method + (f" K={k}" if k else "") + (", plugin" if with_plugin else ", stock")
-        same = all(tokens[config, b] == tokens[configs[0], b] for b in args.batches)
-        cells = [f"{generated / best[config, b]:.1f}" for b in args.batches]
+        same = all(tokens[config, b, g[0]] == tokens[configs[0], b, g[0]] for b in args.batches for g in groups[b])
+        cells = [f"{generated / sum(best[config, b, g[0]] for g in groups[b]):.1f}" for b in args.batches]
         print(f"| {label} | {' | '.join(cells)} | {'yes' if same else 'NO'} |")
 
 
