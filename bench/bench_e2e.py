@@ -163,7 +163,7 @@ def vllm_peer_rows(target, draft, prompts, new_tokens: int, repeats: int, device
     now = clock(device)
     decoders = {method: SpeculativeDecoder(target, plan[label]) for method, label in mine.items()}
     groups = {b: [list(range(i, min(i + b, len(prompts)))) for i in range(0, len(prompts), b)] for b in batches}
-    best, tokens = {}, {}
+    best, tokens, verify = {}, {}, {}
     for _ in range(repeats):
         for batch in batches:
             for group in groups[batch]:  # every configuration on this group of prompts, then the next group
@@ -177,6 +177,7 @@ def vllm_peer_rows(target, draft, prompts, new_tokens: int, repeats: int, device
                         reply = children[config].generate(group, new_tokens)
                         assert reply["verify_calls"] > 0 or "plugin" not in config[0], "the plugin did not run"
                         seconds, out = reply["seconds"], reply["tokens"]
+                        verify[config, batch, group[0]] = reply["verify_seconds"], reply["verify_steps"]
                     key = (config, batch, group[0])
                     best[key] = min(best.get(key, float("inf")), seconds)
                     tokens[key] = out
@@ -188,8 +189,14 @@ def vllm_peer_rows(target, draft, prompts, new_tokens: int, repeats: int, device
     table = Table(
         f"Engine peers: specdec's engine, vLLM ({where}) stock and with specdec's plugin, embedded pair, greedy, "
         f"{len(prompts)} prompts x {new_tokens} tokens, CPU time, one thread, fastest of {repeats} interleaved",
-        ["engine", "decoding", f"batch {b1} tok/s", f"batch {b6} tok/s", "plugin / stock", "identical to own AR"],
-    )
+        ["engine", "decoding", f"batch {b1} tok/s", f"batch {b6} tok/s", "plugin / stock", "identical to own AR",
+         f"rejection sampler us/step (batch {b1} / {b6})"],
+    )  # fmt: skip
+
+    def sampler_us(config, batch) -> str:  # the last rep's thread time in vLLM's rejection sampler per step
+        spent = [verify[config, batch, g[0]] for g in groups[batch]]
+        return f"{1e6 * sum(s for s, _ in spent) / max(sum(n for _, n in spent), 1):.0f}"
+
     for engine, method in configs:
         rates = [generated / seconds[(engine, method), b] for b in batches]
         stock = ("vLLM stock", method)
@@ -197,7 +204,9 @@ def vllm_peer_rows(target, draft, prompts, new_tokens: int, repeats: int, device
         own_ar = (engine if engine != "vLLM + specdec plugin" else "vLLM stock", "autoregressive")
         same = all(tokens[(engine, method), b, g[0]] == tokens[own_ar, b, g[0]] for b in batches for g in groups[b])
         label = method if method == "autoregressive" else mine[method].replace("draft chain", "draft model")
-        table.add(engine, label, *rates, ratio if "plugin" in engine else "-", "yes" if same else "NO")
+        speculative_vllm = engine != "specdec" and method != "autoregressive"
+        per_step = " / ".join(sampler_us((engine, method), b) for b in batches) if speculative_vllm else "-"
+        table.add(engine, label, *rates, ratio if "plugin" in engine else "-", "yes" if same else "NO", per_step)
     return table
 
 

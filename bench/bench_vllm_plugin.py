@@ -77,7 +77,8 @@ class VllmChild:
 
     def generate(self, prompts: list[int], max_tokens: int) -> dict:
         """The held-out prompts at these indices in one batch: {"seconds": CPU s, "tokens": [[ids] per
-        prompt], "verify_calls": the plugin's calls so far}."""
+        prompt], "verify_calls": the plugin's calls so far, "verify_seconds" / "verify_steps": thread time
+        and calls of the rejection sampler (vLLM's or the plugin's) in this generation}."""
         self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
         self.proc.stdin.flush()
         return self._reply()
@@ -93,18 +94,34 @@ def serve(method: str, k: int, max_num_seqs: int) -> None:
 
     llm = LLM(model=str(PAIR / "target"), dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
               max_num_seqs=max_num_seqs, speculative_config=spec_config(method, k))  # fmt: skip
+    verify = [0.0, 0]  # thread time and calls of the runner's rejection sampler (stock or the plugin's)
+    sampler = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.rejection_sampler
+    if sampler is not None:
+        forward = sampler.forward
+
+        def timed(*args, **kwargs):
+            start = time.thread_time()
+            out = forward(*args, **kwargs)
+            verify[0] += time.thread_time() - start
+            verify[1] += 1
+            return out
+
+        sampler.forward = timed
     llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
     print("RESULT {}", flush=True)
     for line in sys.stdin:
         request = json.loads(line)
         params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=True)
+        verify[:] = [0.0, 0]
         start = time.process_time()
         outputs = llm.generate([PROMPTS[i] for i in request["prompts"]], params, use_tqdm=False)
         seconds = time.process_time() - start
         plugin = sys.modules.get("specdec.integrations.vllm")  # loaded by vLLM from the entry point
         calls = plugin.stats().get("verify_calls", 0) if plugin is not None else 0
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
-        print("RESULT " + json.dumps({"seconds": seconds, "tokens": tokens, "verify_calls": calls}), flush=True)
+        reply = {"seconds": seconds, "tokens": tokens, "verify_calls": calls, "verify_seconds": verify[0],
+                 "verify_steps": verify[1]}  # fmt: skip
+        print("RESULT " + json.dumps(reply), flush=True)
 
 
 def main() -> None:
