@@ -95,7 +95,8 @@ def serve(method: str, k: int, max_num_seqs: int) -> None:
     llm = LLM(model=str(PAIR / "target"), dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
               max_num_seqs=max_num_seqs, speculative_config=spec_config(method, k))  # fmt: skip
     verify = [0.0, 0]  # thread time and calls of the runner's rejection sampler (stock or the plugin's)
-    sampler = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.rejection_sampler
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    sampler = getattr(runner, "rejection_sampler", None)  # none without speculation
     if sampler is not None:
         forward = sampler.forward
 
