@@ -87,18 +87,20 @@ def test_seeded_requests_repeat(spec):
 
 
 def test_mixed_batch(specdec_calls):
-    """Greedy, seeded sampling, top-k / top-p, log-probabilities and a request with no drafts in one batch."""
+    """Greedy, seeded sampling, top-k / top-p, log-probabilities and a request with no drafts in one batch
+    (EOS ignored: an unseeded request may sample it, and every request must run its full length)."""
     llm = engine("ngram", with_plugin=True)
     prompt = HELD_OUT[1]
-    greedy = token_ids(llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=32)))[0]
+    run = dict(max_tokens=32, ignore_eos=True)
+    greedy = token_ids(llm.generate([prompt], SamplingParams(temperature=0.0, **run)))[0]
     no_match = TokensPrompt(prompt_token_ids=list(range(1000, 1048)))  # no repeated n-gram: no drafts at first
     requests = [
-        (prompt, SamplingParams(temperature=0.0, max_tokens=32)),
-        (prompt, SamplingParams(temperature=TEMPERATURE, max_tokens=32, seed=7)),
-        (prompt, SamplingParams(temperature=TEMPERATURE, top_k=1, max_tokens=32)),  # top-1: the argmax
-        (prompt, SamplingParams(temperature=1.0, top_p=1e-3, max_tokens=32)),  # nucleus of one token
-        (prompt, SamplingParams(temperature=TEMPERATURE, top_k=20, top_p=0.9, max_tokens=32, logprobs=2)),
-        (no_match, SamplingParams(temperature=0.0, max_tokens=8)),
+        (prompt, SamplingParams(temperature=0.0, **run)),
+        (prompt, SamplingParams(temperature=TEMPERATURE, seed=7, **run)),
+        (prompt, SamplingParams(temperature=TEMPERATURE, top_k=1, **run)),  # top-1: the argmax
+        (prompt, SamplingParams(temperature=1.0, top_p=1e-3, **run)),  # nucleus of one token
+        (prompt, SamplingParams(temperature=TEMPERATURE, top_k=20, top_p=0.9, logprobs=2, **run)),
+        (no_match, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)),
     ]
     specdec_calls.clear()
     outputs = llm.generate([p for p, _ in requests], [s for _, s in requests])
