@@ -68,6 +68,42 @@ def test_v1_greedy_rows_follow_the_argmax_and_the_output_is_vllms_layout():
     assert torch.equal(tokens_all[:3], expected[:3])
 
 
+@pytest.fixture
+def op_calls(monkeypatch):
+    """Which specdec op each plugin call ran: "greedy" (verify_chain_greedy) or "general" (verify_chain)."""
+    calls = []
+    for name, label in (("run_verify_chain_greedy", "greedy"), ("run_verify_chain", "general")):
+        real = getattr(plugin, name)
+        monkeypatch.setattr(plugin, name, lambda *a, real=real, label=label, **k: calls.append(label) or real(*a, **k))
+    return calls
+
+
+def test_v1_all_greedy_runs_the_greedy_op_with_the_general_ops_tokens(op_calls):
+    """vLLM's host flag all_greedy picks verify_chain_greedy; its tokens equal verify_chain's at temperature 0,
+    ragged and empty chains, padded (-1) and out-of-range drafts, and an invalid request included."""
+    counts = [4, 0, 3, 5, 1]
+    logits, drafts, cu = make_batch(counts, seed=9)
+    drafts[:4] = logits[:4].argmax(-1).to(torch.int32)  # request 0 accepts everything
+    drafts[4] = logits[6].argmax()  # request 2 accepts its first draft, then meets a padded draft
+    drafts[5] = -1
+    drafts[12] = V + 3  # request 4: a draft outside the vocabulary, rejected
+    logits[13, 2] = float("nan")  # request 3 (rows 10..15): invalid
+    generator = torch.Generator().manual_seed(4)
+    state = generator.get_state()
+    greedy, greedy_accepted = v1(logits, drafts, cu, draft_probs=torch.randn(13, V), all_greedy=True,
+                                 generators={2: generator})  # fmt: skip
+    assert op_calls == ["greedy"]
+    assert torch.equal(generator.get_state(), state), "the greedy path draws no random numbers"
+    general, general_accepted = v1(logits, drafts, cu, temperature=torch.zeros(5))
+    assert op_calls == ["greedy", "general"]
+    assert torch.equal(greedy, general) and torch.equal(greedy_accepted, general_accepted)
+    expected = greedy_expected(logits, drafts, counts, 6)
+    expected[3] = torch.tensor([int(logits[10].argmax()), -1, -1, -1, -1, -1])  # the rescue: its first row's argmax
+    assert torch.equal(greedy, expected)
+    assert greedy_accepted.tolist() == [4, 0, 1, 0, 0]
+    assert plugin.stats()["invalid_requests"] == 2
+
+
 def test_v1_top_k_off_is_vllms_vocab_size():
     logits, drafts, cu = make_batch([2, 4])
     temperature = torch.tensor([0.9, 1.3])
@@ -152,10 +188,24 @@ def test_v2_conversion_reads_mrv2_layout():
     seeds = torch.tensor([7, 8, 9, 10, 11])
     idx = torch.tensor([0, 2, 4])
     tokens, num_sampled = plugin.verify_v2_batch(logits, sampled, cu_logits, pos, idx, temperature=state_temperature,
-                                                 seeds=seeds, draft_logits=None, num_speculative_steps=4)  # fmt: skip
+                                                 seeds=seeds, draft_logits=None, num_speculative_steps=4,
+                                                 all_greedy=False)  # fmt: skip
     assert tokens.dtype == torch.int64 and tokens.shape == (3, 5)
     assert torch.equal(tokens, greedy_expected(logits, drafts, counts, 5).long())
     assert torch.equal(num_sampled, (tokens != -1).sum(1).to(torch.int32))
+
+
+def test_v2_all_greedy_runs_the_greedy_op(op_calls):
+    counts = [3, 0, 4]
+    logits, drafts, _ = make_batch(counts, seed=2)
+    drafts[3:5] = logits[4:6].argmax(-1).to(torch.int32)
+    sampled, cu_logits, pos = v2_layout(logits, drafts, counts, [1, 2, 3], [4, 8, 12])
+    args = dict(temperature=torch.zeros(3), seeds=torch.tensor([1, 2, 3]), draft_logits=None, num_speculative_steps=4)
+    greedy = plugin.verify_v2_batch(logits, sampled, cu_logits, pos, torch.arange(3), all_greedy=True, **args)
+    general = plugin.verify_v2_batch(logits, sampled, cu_logits, pos, torch.arange(3), all_greedy=False, **args)
+    assert op_calls == ["greedy", "general"]
+    assert torch.equal(greedy[0], general[0]) and torch.equal(greedy[1], general[1])
+    assert torch.equal(greedy[0], greedy_expected(logits, drafts, counts, 5).long())
 
 
 def test_v2_draft_logits_are_pre_temperature_and_seeded_by_position():
@@ -169,7 +219,8 @@ def test_v2_draft_logits_are_pre_temperature_and_seeded_by_position():
         drafts += torch.multinomial(torch.softmax(logits[base : base + 3], -1), 1).squeeze(1).tolist()
     drafts = torch.tensor(drafts, dtype=torch.int32)
     sampled, cu_logits, pos = v2_layout(logits, drafts, counts, [0, 0], [5, 9])
-    args = dict(temperature=temperature, seeds=torch.tensor([3, 4]), draft_logits=draft_logits, num_speculative_steps=3)
+    args = dict(temperature=temperature, seeds=torch.tensor([3, 4]), draft_logits=draft_logits, num_speculative_steps=3,
+                all_greedy=False)  # fmt: skip
     tokens, num_sampled = plugin.verify_v2_batch(logits, sampled, cu_logits, pos, torch.tensor([0, 1]), **args)
     assert num_sampled.tolist() == [4, 4]
     assert torch.equal(tokens[:, :3].flatten(), drafts.long())
@@ -185,6 +236,26 @@ def test_v2_draft_logits_are_pre_temperature_and_seeded_by_position():
 def test_version_gate(version, refusal):
     reason = plugin.version_refusal(version)
     assert reason is None if refusal is None else refusal in reason
+
+
+def test_counters_fold_without_losing_steps(monkeypatch):
+    """Per-step counts are kept as tensors and summed every _PENDING_MAX steps and on reading (also when the
+    steps ran under inference mode and the reading does not)."""
+    monkeypatch.setattr(plugin, "_PENDING_MAX", 3)
+    accepted = drafted = 0
+    for seed in range(7):
+        logits, drafts, cu = make_batch([2, 3], seed=seed)
+        drafts[0] = logits[0].argmax()
+        with torch.inference_mode(seed < 5):  # vLLM's steps run in inference mode; stats() is read outside
+            _, num_accepted = v1(logits, drafts, cu, all_greedy=seed % 2 == 0, temperature=torch.zeros(2))
+        accepted += int(num_accepted.sum())
+        drafted += 5
+        if seed == 4:
+            assert len(plugin._pending) == 2  # folded after the third and the sixth step
+    stats = plugin.stats()
+    assert stats["accepted_tokens"] == accepted > 0
+    assert stats["draft_tokens"] == drafted and stats["verify_calls"] == 7 and stats["invalid_requests"] == 0
+    assert plugin._pending == []
 
 
 def test_fallbacks_counted_and_logged_once(caplog):

@@ -10,3 +10,19 @@ from specdec.integrations import vllm as plugin
 def _fresh_stats():
     plugin.reset_stats()
     yield
+
+
+@pytest.fixture
+def specdec_calls(monkeypatch):
+    """Every call the plugin makes into specdec: ("greedy" | "general", drafts per request), in order.
+    "greedy" is verify_chain_greedy (all-greedy batches), "general" verify_chain."""
+    calls = []
+    for name, label in (("run_verify_chain_greedy", "greedy"), ("run_verify_chain", "general")):
+        real = getattr(plugin, name)
+
+        def spy(logits, drafts, offsets, *args, real=real, label=label, **kwargs):
+            calls.append((label, offsets.diff().tolist()))
+            return real(logits, drafts, offsets, *args, **kwargs)
+
+        monkeypatch.setattr(plugin, name, spy)
+    return calls

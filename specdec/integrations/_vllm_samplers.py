@@ -132,6 +132,7 @@ def _v2_classes():
                 processed, verify_draft_sampled, cu_num_logits, pos, idx_mapping,
                 temperature=states.temperature.gpu, seeds=states.seeds.gpu, draft_logits=draft_logits,
                 num_speculative_steps=self.num_speculative_steps,
+                all_greedy=not states.temperature.np[idx_mapping_np].any(),  # host copy: no device read
             )  # fmt: skip
             return processed, sampled, num_sampled
 

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 
 import torch
 
-from specdec.kernels import verify_chain
+from specdec.kernels import run_verify_chain, run_verify_chain_greedy
 from specdec.kernels.sampling_params import SamplingParams
 
 # vLLM configures the "vllm" logger only; a child of it prints with vLLM's own messages.
@@ -41,51 +41,76 @@ _SEED_HIGH = 2**62  # seeds drawn in [0, 2**62): any int64 works, this keeps the
 
 _stats: Counter = Counter()
 _logged_reasons: set[str] = set()
-_accepted_total: torch.Tensor | None = None  # device counter: no host sync per step
+# Per-step (num_accepted, invalid) tensors, summed only when read or every _PENDING_MAX steps:
+# no device work per step for the counters, and no host sync.
+_pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+_PENDING_MAX = 256
+_totals: dict[torch.device, torch.Tensor] = {}  # device -> int64 [accepted, invalid]
 
 
 # ----------------------------------------------------------------------------- the one call into specdec
+
 
 def _verify_exact(
     logits: torch.Tensor,
     draft_tokens: torch.Tensor,
     draft_offsets: torch.Tensor,
-    params: SamplingParams,
+    params: SamplingParams | None,
     draft_probs: torch.Tensor | None,
     max_draft_len: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``verify_chain``, then every invalid request given exactly one token.
+    """specdec's exact verification, then every invalid request given exactly one token.
 
-    The rule follows the drafts: ``draft_probs`` given -> "stochastic" (the drafts were drawn
-    from them), None -> "deterministic" (n-gram, argmax drafters: q is one-hot).
+    ``params`` None means every request is greedy, a fact the caller knows on the host: the
+    argmax-only ``verify_chain_greedy`` runs (equal to ``verify_chain`` at temperature 0, with no
+    softmax, filters or random numbers). Otherwise ``verify_chain`` with the rule the drafts
+    follow: ``draft_probs`` given -> "stochastic" (the drafts were drawn from them), None ->
+    "deterministic" (n-gram, argmax drafters: q is one-hot). vLLM built the offsets and the
+    caller checked the row count, so the ops run without re-checking them (``run_*``).
 
-    An invalid request (NaN/+inf or all -inf logits) comes back from ``verify_chain`` with no
-    token. vLLM's scheduler, however, counts every request's accepted drafts from the number
-    of tokens it gets back (``len - 1``), so a request with none would keep its draft
-    positions as computed. It gets one token instead, with every draft rejected: the argmax
-    of its first target row with NaN read as -inf (0 when nothing is finite), as a stock
-    argmax would pick. No host synchronisation.
+    An invalid request (NaN/+inf or all -inf logits) comes back with no token. vLLM's
+    scheduler, however, counts every request's accepted drafts from the number of tokens it
+    gets back (``len - 1``), so a request with none would keep its draft positions as
+    computed. It gets one token instead, with every draft rejected: the argmax of its first
+    target row with NaN read as -inf (0 when nothing is finite), as a stock argmax would pick.
 
     Returns (output_tokens int32 ``[B, max_draft_len + 1]`` -1 padded, num_accepted int32 ``[B]``).
     """
-    global _accepted_total
-    rule = "deterministic" if draft_probs is None else "stochastic"
-    result = verify_chain(logits, draft_tokens, draft_offsets, params, rule=rule, draft_probs=draft_probs,
-                          max_draft_len=max_draft_len)  # fmt: skip
+    if params is None:
+        result = run_verify_chain_greedy(logits, draft_tokens, draft_offsets, max_draft_len=max_draft_len)
+    else:
+        rule = "deterministic" if draft_probs is None else "stochastic"
+        result = run_verify_chain(logits, draft_tokens, draft_offsets, params, rule=rule, draft_probs=draft_probs,
+                                  max_draft_len=max_draft_len)  # fmt: skip
     tokens, invalid = result.output_tokens, result.invalid
-    batch = tokens.shape[0]
-    first_rows = draft_offsets[:-1].long() + torch.arange(batch, device=logits.device)
-    rescue = torch.nan_to_num(logits.index_select(0, first_rows).float(), nan=float("-inf")).argmax(-1)
-    tokens[:, 0] = torch.where(invalid, rescue.to(tokens.dtype), tokens[:, 0])
-    _stats["verify_calls"] += 1
-    _stats["verified_requests"] += batch
-    _stats["draft_tokens"] += draft_tokens.numel()
-    accepted = result.num_accepted.sum().to(torch.int64)
-    invalid_count = invalid.sum().to(torch.int64)
-    pair = torch.stack((accepted, invalid_count))
-    same_device = _accepted_total is not None and _accepted_total.device == pair.device
-    _accepted_total = _accepted_total + pair if same_device else pair
+    # On the CPU reading the flag costs nothing and skips the rescue in the usual case; on a GPU the
+    # rescue always runs (a few tiny launches) so that the step never waits for the device.
+    if logits.device.type != "cpu" or bool(invalid.any()):
+        batch = tokens.shape[0]
+        first_rows = draft_offsets[:-1].long() + torch.arange(batch, device=logits.device)
+        rescue = torch.nan_to_num(logits.index_select(0, first_rows).float(), nan=float("-inf")).argmax(-1)
+        tokens[:, 0] = torch.where(invalid, rescue.to(tokens.dtype), tokens[:, 0])
+    _count(result.num_accepted, invalid, draft_tokens.numel())
     return tokens, result.num_accepted
+
+
+def _count(num_accepted: torch.Tensor, invalid: torch.Tensor, drafted: int) -> None:
+    _stats["verify_calls"] += 1
+    _stats["verified_requests"] += invalid.numel()
+    _stats["draft_tokens"] += drafted
+    _pending.append((num_accepted, invalid))
+    if len(_pending) >= _PENDING_MAX:
+        _fold_pending()
+
+
+def _fold_pending() -> None:
+    """Add the pending per-step counts into one int64 ``[accepted, invalid]`` total per device (no host sync)."""
+    for device in {accepted.device for accepted, _ in _pending}:
+        steps = [pair for pair in _pending if pair[0].device == device]
+        pair = torch.stack([torch.cat(column).sum(dtype=torch.int64) for column in zip(*steps)])
+        # out of place: vLLM steps run under inference mode, stats() may not (no in-place update of their tensors)
+        _totals[device] = _totals[device] + pair if device in _totals else pair
+    _pending.clear()
 
 
 # ----------------------------------------------------------------------------- vLLM conventions -> specdec
@@ -121,7 +146,7 @@ def verify_v1_batch(
     generators: Mapping[int, torch.Generator],
     all_greedy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Verify one V1 model-runner step with ``verify_chain``: all of V1's conventions, converted here.
+    """Verify one V1 model-runner step with specdec: all of V1's conventions, converted here.
 
     Parameters (vLLM V1 names; ``B`` requests, ``T`` drafts, ``V`` vocabulary)
     ----------
@@ -133,15 +158,17 @@ def verify_v1_batch(
         minus one (``verify_chain``'s ``max_draft_len``; no host synchronisation).
     draft_probs : float ``[T, V]`` or None. None (n-gram, greedy drafting) -> rule
         "deterministic"; given (``draft_sample_method="probabilistic"``: rows are the
-        temperature-scaled distributions the drafts were drawn from) -> "stochastic". When
-        every request is greedy vLLM passes logits here, which the greedy rule never reads:
-        dropped.
+        temperature-scaled distributions the drafts were drawn from) -> "stochastic".
     temperature : fp32 ``[B]`` or None (None = all greedy). vLLM stores 0.0 for greedy
         requests (``temperature < 1e-5`` is greedy in vLLM), specdec's greedy is ``<= 0``.
     top_k : int ``[B]`` or None. vLLM's "off" is ``V`` (or <= 0), specdec's is 0.
     top_p : fp32 ``[B]`` or None (off); 1.0 is off in both.
     generators : vLLM's ``{row: torch.Generator}`` of seeded requests -> ``seed``
         (``seeds_from_generators``), ``offset`` 0.
+    all_greedy : host bool, vLLM's ``SamplingMetadata.all_greedy`` (every request greedy): then
+        ``verify_chain_greedy`` runs, reading only the logits' argmax; ``draft_probs``,
+        temperature, top-k, top-p and the generators are not read (stock vLLM's greedy path
+        does not draw from the generators either).
 
     Returns
     -------
@@ -151,13 +178,14 @@ def verify_v1_batch(
     from the raw logits and these tokens with vLLM's own code.
     """
     batch = cu_num_draft_tokens.numel()
-    device = logits.device
     total = draft_token_ids.numel()
     if logits.shape[0] != total + batch:
         raise ValueError(f"logits must have T + B = {total} + {batch} rows, got {logits.shape[0]}")
-    draft_offsets = torch.zeros(batch + 1, dtype=torch.int32, device=device)
-    draft_offsets[1:] = cu_num_draft_tokens
-    vocab = logits.shape[1]
+    draft_offsets = torch.nn.functional.pad(cu_num_draft_tokens.to(torch.int32), (1, 0))
+    draft_tokens = draft_token_ids.to(torch.int32)
+    if all_greedy:
+        return _verify_exact(logits, draft_tokens, draft_offsets, None, None, max_spec_len)
+    device, vocab = logits.device, logits.shape[1]
     if top_k is None:
         top_k = torch.zeros(batch, dtype=torch.int32, device=device)
     else:
@@ -169,9 +197,7 @@ def verify_v1_batch(
         seed=seeds_from_generators(batch, generators, device),
         offset=torch.zeros(batch, dtype=torch.int64, device=device),
     )
-    if all_greedy:
-        draft_probs = None
-    return _verify_exact(logits, draft_token_ids.to(torch.int32), draft_offsets, params, draft_probs, max_spec_len)
+    return _verify_exact(logits, draft_tokens, draft_offsets, params, draft_probs, max_spec_len)
 
 
 def verify_v2_batch(
@@ -185,8 +211,9 @@ def verify_v2_batch(
     seeds: torch.Tensor,
     draft_logits: torch.Tensor | None,
     num_speculative_steps: int,
+    all_greedy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Verify one Model Runner V2 chunk with ``verify_chain``: all of V2's conventions, converted here.
+    """Verify one Model Runner V2 chunk with specdec: all of V2's conventions, converted here.
 
     Parameters (vLLM MRV2 names; ``B`` requests, ``N = T + B`` logits rows)
     ----------
@@ -206,6 +233,9 @@ def verify_v2_batch(
     draft_logits : ``[max_reqs, num_speculative_steps, V]`` or None, stored before
         temperature: q = softmax(draft_logits / temperature) -> "stochastic"; None ->
         "deterministic".
+    all_greedy : host bool, every request of the chunk has temperature 0 (the caller reads vLLM's
+        host copy of the temperatures): ``verify_chain_greedy`` on the processed logits, nothing
+        else read.
 
     Returns (sampled int64 ``[B, num_speculative_steps + 1]`` -1 padded, num_sampled int32 ``[B]``),
     what vLLM's ``rejection_sample`` returns.
@@ -220,6 +250,10 @@ def verify_v2_batch(
     request_of_draft = torch.repeat_interleave(every[:-1], num_drafts, output_size=total)
     draft_rows = torch.arange(total, device=device) + request_of_draft + 1
     draft_tokens = draft_sampled.index_select(0, draft_rows).to(torch.int32)
+    if all_greedy:
+        tokens, num_accepted = _verify_exact(processed_logits, draft_tokens, draft_offsets, None, None,
+                                             num_speculative_steps)  # fmt: skip
+        return tokens.to(torch.int64), num_accepted + 1
     idx = idx_mapping.long()
     req_temperature = temperature.index_select(0, idx).float()
     params = SamplingParams(
@@ -254,19 +288,20 @@ def note_fallback(reason: str) -> None:
 
 def stats() -> dict[str, int]:
     """Counters since the last ``reset_stats()``: verify_calls, verified_requests, draft_tokens,
-    accepted_tokens, invalid_requests, fallback_calls and ``fallback: <reason>`` (reads back one
-    device counter)."""
+    accepted_tokens, invalid_requests, fallback_calls and ``fallback: <reason>`` (reads back the
+    device counters)."""
+    _fold_pending()
     out = dict(_stats)
-    accepted, invalid = (0, 0) if _accepted_total is None else _accepted_total.tolist()
-    out.update(accepted_tokens=int(accepted), invalid_requests=int(invalid))
+    totals = [total.tolist() for total in _totals.values()]
+    out.update(accepted_tokens=sum(t[0] for t in totals), invalid_requests=sum(t[1] for t in totals))
     return out
 
 
 def reset_stats() -> None:
-    global _accepted_total
     _stats.clear()
     _logged_reasons.clear()
-    _accepted_total = None
+    _pending.clear()
+    _totals.clear()
 
 
 def version_refusal(version: str) -> str | None:

@@ -21,7 +21,7 @@ from specdec.kernels.silu_mul import silu_mul
 from specdec.kernels.tree_attention import AttentionPlan, plan_attention, run_attention, tree_attention
 from specdec.kernels.tree_metadata import TreeMetadata, build_tree_metadata, pack_mask_rows, unpack_mask_rows
 from specdec.kernels.uniforms import counter_uniform
-from specdec.kernels.verify_chain import ChainVerifyResult, verify_chain
+from specdec.kernels.verify_chain import ChainVerifyResult, run_verify_chain, verify_chain
 from specdec.kernels.verify_greedy import (
     run_verify_chain_greedy,
     run_verify_tree_greedy,
@@ -50,6 +50,7 @@ __all__ = [
     "plan_attention",
     "rms_norm",
     "run_attention",
+    "run_verify_chain",
     "run_verify_chain_greedy",
     "run_verify_tree",
     "run_verify_tree_greedy",

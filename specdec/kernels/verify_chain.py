@@ -174,6 +174,27 @@ def verify_chain(
     return out
 
 
+def run_verify_chain(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_offsets: torch.Tensor,
+    params: SamplingParams,
+    *,
+    rule: str,
+    draft_probs: torch.Tensor | None,
+    max_draft_len: int,
+) -> ChainVerifyResult:
+    """``verify_chain`` without its argument checks: the hot path of an engine whose chains are valid by
+    construction (a serving engine's own offsets) or were checked on the host. Arguments as
+    ``verify_chain`` (index tensors and params contiguous, ``max_draft_len`` a host int); results in fresh
+    buffers. The op's body for the tensors' device runs directly (the registered op inside
+    ``torch.compile``); the Triton body reads nothing back to the host."""
+    batch, device = draft_offsets.numel() - 1, target_logits.device
+    out = result_buffers(None, ChainVerifyResult, batch, max_draft_len + 1, device)
+    _verify_chain_op.run(target_logits, draft_tokens, draft_offsets, draft_probs, *params, rule, *out)
+    return out
+
+
 # ----------------------------------------------------------------------------- PyTorch reference
 
 
