@@ -4,13 +4,10 @@ import math
 
 import pytest
 import torch
-from helpers import forward_prompts, noisy_copy, random_model, tiny_config
+from helpers import noisy_copy, random_model, target_joint, tiny_config
 
 from specdec.decoding import DraftModelStrategy, NgramStrategy, SpeculativeDecoder, check_same_vocabulary
 from specdec.decoding.autoregressive import generate as autoregressive_generate
-from specdec.kernels.target_stats import target_probs_reference
-from specdec.kernels.top_k_top_p import filter_thresholds_reference, scaled_logits
-from specdec.model.llama import LlamaModel
 
 pytestmark = pytest.mark.usefixtures("torch_backend")
 
@@ -121,23 +118,6 @@ def test_seeded_sampling_is_reproducible_alone_and_in_any_batch(pair, strategy):
 # ---- exactness: the emitted distribution is the target's ------------------------------------------
 
 
-def exact_joint(target: LlamaModel, prompt: list[int], steps: int, temperature: float, top_k: int, top_p: float):
-    """The target's filtered joint distribution of the next ``steps`` tokens, by enumeration."""
-    vocab = target.config.vocab_size
-    contexts, probs = [[]], torch.ones(1)
-    for _ in range(steps):
-        texts = [prompt + c for c in contexts]
-        logits, _, _ = forward_prompts(target, texts)
-        rows = len(texts)
-        t = torch.full((rows,), temperature)
-        s = scaled_logits(logits, t)
-        thr = filter_thresholds_reference(s, t, torch.full((rows,), top_k), torch.full((rows,), top_p))
-        p, _, _ = target_probs_reference(s, thr)
-        probs = (probs[:, None] * p.double()).flatten()
-        contexts = [c + [v] for c in contexts for v in range(vocab)]
-    return probs  # index = sum(token_i * vocab^(steps-1-i))
-
-
 @pytest.mark.parametrize(
     "strategy,temperature,top_k,top_p",
     [
@@ -163,7 +143,7 @@ def test_first_tokens_follow_the_exact_target_joint(strategy, temperature, top_k
     )  # fmt: skip
     index = torch.tensor([sum(t * vocab ** (steps - 1 - i) for i, t in enumerate(toks)) for toks in result.tokens])
     empirical = torch.bincount(index, minlength=vocab**steps).double() / draws
-    exact = exact_joint(target, prompt, steps, temperature, top_k, top_p)
+    exact = target_joint(target, prompt, steps, temperature, top_k, top_p)
     support = int((exact > 0).sum())
     expected_tvd = 0.5 * math.sqrt(2 * (support - 1) / (math.pi * draws))
     tvd = 0.5 * (empirical - exact).abs().sum().item()

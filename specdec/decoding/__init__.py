@@ -3,14 +3,17 @@
 ``SpeculativeDecoder(target, strategy)`` runs batched generation with any ``Strategy``
 (``specdec.decoding.strategy``: the contract and how to add a drafter): ``NoDraft`` (plain
 autoregressive decoding; also what ``strategy=None`` means), ``DraftModelStrategy`` (a draft
-model's chain or token tree) or ``NgramStrategy`` (prompt lookup).
+model's chain or token tree), ``MedusaStrategy`` (Medusa heads on the target, a static tree) or
+``NgramStrategy`` (prompt lookup). ``StaticTree`` turns top-k index paths into a tree.
 """
 
 from specdec.decoding.draft_model import DraftModelStrategy
 from specdec.decoding.engine import GenerationResult, RequestStats, SpeculativeDecoder, StepOutput
+from specdec.decoding.medusa import MedusaStrategy
 from specdec.decoding.ngram import NgramStrategy, propose_ngram
 from specdec.decoding.proposal import Proposal
 from specdec.decoding.requests import FINISH_REASONS
+from specdec.decoding.static_tree import StaticTree
 from specdec.decoding.strategy import (
     NoDraft,
     Prefill,
@@ -24,12 +27,14 @@ __all__ = [
     "FINISH_REASONS",
     "DraftModelStrategy",
     "GenerationResult",
+    "MedusaStrategy",
     "NgramStrategy",
     "NoDraft",
     "Prefill",
     "Proposal",
     "RequestStats",
     "SpeculativeDecoder",
+    "StaticTree",
     "StepContext",
     "StepOutput",
     "StepResult",
