@@ -3,11 +3,10 @@ follows the target's distribution exactly, per-request limits and seeds hold, ba
 
 import itertools
 import json
-import math
 
 import pytest
 import torch
-from helpers import forward_prompts, random_model, random_prompts, target_joint, tiny_config
+from helpers import forward_prompts, random_heads, random_model, random_prompts, target_joint, tiny_config
 from sampling_helpers import tv_bound, tv_distance
 
 from specdec.cli import demo
@@ -22,16 +21,6 @@ pytestmark = pytest.mark.usefixtures("torch_backend")
 CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 # Every path over the heads' top 4, to depth 3: 85 nodes (two mask words), deep acceptance on an 8-token target.
 WIDE = [list(p) for depth in (1, 2, 3) for p in itertools.product(range(4), repeat=depth)]
-
-
-def random_heads(target, seed: int, num_heads: int = 3) -> MedusaHeads:
-    """Heads with every weight drawn at random (blocks too), so their guesses are neither the target's nor zero."""
-    config = target.config
-    gen = torch.Generator().manual_seed(seed)
-    heads = MedusaHeads(config.hidden_size, config.vocab_size, num_heads).requires_grad_(False)
-    for p in heads.parameters():
-        p.copy_(torch.randn(p.shape, generator=gen) * 2 / math.sqrt(p.shape[-1]))
-    return heads.eval()
 
 
 @pytest.fixture(scope="module")

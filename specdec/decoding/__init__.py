@@ -8,11 +8,12 @@ model's chain or token tree), ``MedusaStrategy`` (Medusa heads on the target, a 
 """
 
 from specdec.decoding.draft_model import DraftModelStrategy
-from specdec.decoding.engine import GenerationResult, RequestStats, SpeculativeDecoder, StepOutput
+from specdec.decoding.engine import SpeculativeDecoder
 from specdec.decoding.medusa import MedusaStrategy
 from specdec.decoding.ngram import NgramStrategy, propose_ngram
 from specdec.decoding.proposal import Proposal
 from specdec.decoding.requests import FINISH_REASONS
+from specdec.decoding.results import GenerationResult, RequestStats, StepOutput
 from specdec.decoding.static_tree import StaticTree
 from specdec.decoding.strategy import (
     NoDraft,
