@@ -3,7 +3,8 @@
 The pair (``specdec/assets/pair``) is a small LLaMA target and a one-layer draft distilled
 from it, both trained on the Python standard library by ``scripts/train_embedded_pair.py``.
 The demo completes held-out code prompts with plain autoregressive decoding, a greedy draft
-chain, a draft token tree and n-gram (prompt lookup) drafts; checks that every speculative
+chain, a draft token tree, n-gram (prompt lookup) drafts and the target's Medusa heads
+(``specdec/assets/medusa``, no draft model); checks that every speculative
 output equals the target's own greedy output token for token; and prints tokens/s,
 speedup, tau (tokens per target forward) and the draft acceptance rate.
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "pair"
+MEDUSA = ASSETS.parent / "medusa"  # 4 heads trained for the embedded target
 CHAIN = 5
 TREE = (3, 2, 1, 1, 1)  # depth 5 like the chain; 28 nodes keep the CPU verify forward cheap
 
@@ -68,6 +70,14 @@ def strategies(draft, tree_rule: str = "deterministic") -> list[tuple[str, objec
         (f"draft tree {tree}", DraftModelStrategy(draft, TREE, rule=tree_rule)),
         (f"n-gram K={CHAIN}", NgramStrategy(num_draft=CHAIN, max_ngram=3)),
     ]
+
+
+def medusa_row(target, choices=None) -> tuple[str, object]:
+    """(label, strategy): the shipped Medusa heads on the embedded target, with the searched tree by default."""
+    from specdec.decoding import MedusaStrategy
+
+    strategy = MedusaStrategy.from_pretrained(MEDUSA, target, choices)
+    return f"Medusa heads, {strategy.max_nodes}-node tree", strategy
 
 
 @dataclass
@@ -217,7 +227,7 @@ def _demo(device, num_prompts, max_new_tokens, show, assets, out) -> int:
         "every output is checked against the target's own greedy decoding\n",
         file=out,
     )
-    plan = strategies(draft)
+    plan = [*strategies(draft), medusa_row(target)]
     # Warm-up: first calls pay one-off costs (allocations, kernel selection) that are not decoding speed.
     for _, strategy in plan:
         decode_all(target, strategy, "", ids[:1], 8)
