@@ -150,11 +150,14 @@ def medusa_table(target, draft, prompts, new_tokens: int, device: str, repeats: 
     """The Medusa heads (``specdec/assets/medusa``) with every searched tree and their chain, against
     autoregressive decoding and the draft chain, greedy, interleaved in one run (``interleaved``)."""
     from specdec.decoding import DraftModelStrategy, MedusaStrategy, NoDraft
+    from specdec.decoding.medusa import presets
 
     heads = medusa_row(target)[1].heads
     plan = [("autoregressive", NoDraft()), (f"draft chain K={CHAIN}", DraftModelStrategy(draft, (1,) * CHAIN))]
     plan += [("Medusa chain", MedusaStrategy(heads, "chain"))]
-    plan += [(f"Medusa tree-{n}", MedusaStrategy(heads, f"tree-{n}")) for n in (8, 16, 32, 64)]
+    trees = [name for name in presets() if name != "default"]
+    default = next(name for name in trees if presets()[name] == presets()["default"])
+    plan += [(f"Medusa {name}" + " (default)" * (name == default), MedusaStrategy(heads, name)) for name in trees]
     for label, strategy in plan:  # warm-up
         decode_all(target, strategy, label, prompts[:1], 8)
     methods = [lambda ps, s=s, label=label: decode_all(target, s, label, ps, new_tokens) for label, s in plan]

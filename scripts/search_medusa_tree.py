@@ -8,13 +8,16 @@
    nodes for these observations is the n - 1 paths that prefix the most of them
    (``specdec.decoding.static_tree.best_paths``); the sum of their shares is the mean greedy
    accepted length, so the estimated tau is 1 + that sum (every position weighted alike).
-3. Validation by real runs: each budget's tree (8, 16, 32, 64 nodes, root included) decodes the
+3. Validation by real runs: each budget's tree (8, 12, 16, 24, 32, 64 nodes, root included) decodes the
    demo's held-out prompts greedily with ``MedusaStrategy`` at batch 1, one thread, interleaved
    prompt by prompt with specdec's autoregressive decoding: tau (tokens per target forward,
    prefill included, as the engine counts it), acceptance by depth, and the speed ratio on the
    thread's CPU time (``time.thread_time``: what a busy shared machine disturbs least). Every
    output is checked against autoregressive greedy.
-4. The default tree is the measured fastest among those reaching tau >= 2.5.
+4. The default tree: among those reaching tau >= 2.5, the ones within 5% of the fastest count as
+   equally fast (the spread of speed ratios between runs on a shared CPU), and of them the one
+   with the highest tau (tau does not depend on the machine; its margin over 2.5 matters on
+   other prompts).
 
     python scripts/search_medusa_tree.py                # the shipped search (a few minutes on one thread)
     python scripts/search_medusa_tree.py --quick --out /tmp/t.json
@@ -33,8 +36,9 @@ from pathlib import Path
 import torch
 from head_training import ROOT, def_prompts, greedy_sequences, load_corpus, specdec_features
 
-BUDGETS = (8, 16, 32, 64)
+BUDGETS = (8, 12, 16, 24, 32, 64)
 TAU_TARGET = 2.5
+SPEED_NOISE = 0.05  # speed ratios closer than this are one speed on a shared CPU (interleaved runs still drift)
 
 
 def rank_paths(heads, sequences, prompt_lens, features, top_k: int) -> list[tuple[int, ...]]:
@@ -154,8 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     chain = [[0] * d for d in range(1, heads.num_heads + 1)]
     eval_ids = [tokenizer.encode(p["text"]).ids for p in demo[: args.eval_prompts]]
     measured = validate(target, heads, trees | {"chain": chain}, eval_ids, args.eval_tokens, args.top_k)
-    reaching = [name for name in trees if measured[name]["tau"] >= TAU_TARGET]
-    default = max(reaching or trees, key=lambda name: measured[name]["tokens_per_cpu_s"])
+    reaching = [name for name in trees if measured[name]["tau"] >= TAU_TARGET] or list(trees)
+    fastest = max(measured[name]["tokens_per_cpu_s"] for name in reaching)
+    as_fast = [name for name in reaching if measured[name]["tokens_per_cpu_s"] >= (1 - SPEED_NOISE) * fastest]
+    default = max(as_fast, key=lambda name: measured[name]["tau"])
     report = {
         "command": "python scripts/search_medusa_tree.py" + (" " + " ".join(argv or sys.argv[1:])).rstrip(),
         "torch": torch.__version__,

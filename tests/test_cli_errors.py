@@ -158,7 +158,7 @@ CASES = {
     ),
     "medusa choices not a preset": (
         ["--medusa", "{medusa}", "--medusa-choices", "tree-9"], 2,
-        r"--medusa-choices 'tree-9' is not a preset; the presets are \['chain', 'default', 'tree-16'",
+        r"--medusa-choices 'tree-9' is not a preset; the presets are \['chain', 'default', 'tree-8', 'tree-12'",
     ),
     "medusa choices without medusa": (["--medusa-choices", "chain"], 2, r"--medusa-choices needs --medusa$"),
     "medusa with a draft": (

@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     draft.add_argument("--medusa", type=_directory, help="Medusa heads directory (the authors' layout) on the target")
     gen.add_argument(
         "--medusa-choices", type=_medusa_choices, metavar="TREE",
-        help="Medusa tree: a preset (default, chain, tree-8/16/32/64) or JSON top-k paths like [[0],[1],[0,0]]",
+        help="Medusa tree: a preset (default, chain, tree-8 ... tree-64) or JSON top-k paths like [[0],[1],[0,0]]",
     )  # fmt: skip
     gen.add_argument(
         "--medusa-top-k", type=_checked(as_int, int, low=1), help="candidates per Medusa head (default: 10)"

@@ -45,7 +45,7 @@ TREE_SEARCH = Path(__file__).resolve().parents[1] / "assets" / "medusa" / "tree_
 
 @functools.lru_cache(maxsize=1)
 def presets() -> dict[str, list[list[int]]]:
-    """The trees searched for the embedded heads: ``tree-8`` ... ``tree-64`` (nodes, root included), and
+    """The trees searched for the embedded heads, smallest first: ``tree-8`` ... ``tree-64`` (nodes, root included), and
     ``default``, the one of them ``choices=None`` takes. (``choices="chain"`` is the other name
     ``MedusaStrategy`` knows: every head's best guess, one path as deep as the heads.)"""
     search = json.loads(TREE_SEARCH.read_text())
@@ -62,7 +62,7 @@ class MedusaStrategy:
     heads : ``MedusaHeads`` of the target (same hidden size, vocabulary, dtype and device).
     choices : the tree as top-k index paths (``StaticTree``), e.g. ``[[0], [1], [0, 0]]``; a name:
         "chain" (one path, every head's best guess) or a preset (``presets()``: "default",
-        "tree-8", "tree-16", "tree-32", "tree-64"); or None for "default", the tree searched for
+        "tree-8", "tree-12", "tree-16", "tree-24", "tree-32", "tree-64"); or None for "default", the tree searched for
         the embedded heads, cut to the heads' depth.
     top_k : candidates kept per head; every index in ``choices`` must be below it.
     max_nodes : node budget, root included; ``choices`` may not exceed it.
@@ -95,7 +95,7 @@ class MedusaStrategy:
             choices = [[0] * depth for depth in range(1, heads.num_heads + 1)]
         elif isinstance(choices, str):
             if choices not in presets():
-                names = ["chain", *sorted(presets())]
+                names = ["chain", "default", *(name for name in presets() if name != "default")]
                 raise ValueError(f"choices {choices!r} is not a preset; the presets are {names}")
             choices = presets()[choices]
         self.heads = heads
