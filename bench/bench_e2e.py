@@ -3,7 +3,7 @@
 Greedy (temperature 0), batch 1, each held-out prompt decoded alone for N new tokens
 (EOS does not stop early), float32 weights from ``specdec/assets/pair`` for both libraries:
 
-  specdec autoregressive | chain K=5 | tree 3,2,1,1,1 (deterministic rule) | n-gram K=5
+  specdec autoregressive | chain K=5 | tree 3,2,1,1,1 (deterministic rule) | n-gram K=5 | Medusa heads
   HF generate (greedy) | HF assisted generation (assistant_model = the draft) | HF prompt lookup (5 tokens)
 
 tokens/s = generated tokens / time summed over prompts (prefill included); on the CPU the time
@@ -16,7 +16,9 @@ prompt, ``--repeats`` times, each (method, prompt) keeping its fastest run, so d
 background load on a shared machine hits them all alike. Last, per strategy: the host
 syncs of each step (counted, ``tests/sync_counter.py``) and the kernel launches of the
 target forward it runs (counted by ``bench/count_launches.py`` with the Triton path
-interpreted). Then EAGLE (the shipped head) against the draft chain: tokens/s, tau and
+interpreted). Then the Medusa heads' own table (``medusa_table``): every searched tree and the
+heads' chain against autoregressive decoding and the draft chain, interleaved in one run, with
+acceptance by depth. Then EAGLE (the shipped head) against the draft chain: tokens/s, tau and
 acceptance by depth (``--eagle-only`` runs just that table). A PNG bar chart of the greedy
 tokens/s goes to ``--out`` when matplotlib is importable. Then the engine peers at batch 1 and 6
 (``vllm_peer_rows``): specdec's engine, vLLM stock and vLLM with specdec's plugin, run in vLLM's own
@@ -52,6 +54,7 @@ from specdec.cli.demo import (  # noqa: E402
     first_difference,
     heldout_prompts,
     load_pair,
+    medusa_row,
     strategies,
 )
 from specdec.decoding import DraftModelStrategy  # noqa: E402
@@ -125,7 +128,7 @@ def step_counts(target, draft, prompts, quick: bool) -> Table:
         "counted on the CPU by bench/count_launches.py)",
         ["decoding", "host syncs per step", "target forward", "launches per forward", "per decoder layer"],
     )
-    for label, strategy in strategies(draft):
+    for label, strategy in [*strategies(draft), medusa_row(target)]:
         syncs = syncs_per_step(target, strategy, prompts[:1], max_new_tokens=16 if quick else 32)
         kind = next((k for prefix, k in forward_kind.items() if label.startswith(prefix)), "tree 16 nodes")
         per_forward, per_layer = launches[kind]["1"] if launches else ("?", "?")
@@ -136,11 +139,58 @@ def step_counts(target, draft, prompts, quick: bool) -> Table:
     return table
 
 
+def acceptance_by_depth(target, strategy, prompts, new_tokens) -> list[float]:
+    """Greedy, each prompt alone: the share of steps reaching depth d + 1 that accept its draft token."""
+    from specdec.decoding import SpeculativeDecoder
+
+    decoder, drafted, accepted = SpeculativeDecoder(target, strategy), [], []
+    for ids in prompts:
+        stats = decoder.generate([ids], max_new_tokens=new_tokens, eos_token_id=None).stats[0]
+        for totals, counts in ((drafted, stats.drafted_at), (accepted, stats.accepted_at)):
+            totals.extend([0] * (len(counts) - len(totals)))
+            for d, c in enumerate(counts):
+                totals[d] += c
+    return [a / d if d else 0.0 for a, d in zip(accepted, drafted)]
+
+
+def medusa_table(target, draft, prompts, new_tokens: int, device: str, repeats: int) -> Table:
+    """The Medusa heads (``specdec/assets/medusa``) with every searched tree and their chain, against
+    autoregressive decoding and the draft chain, greedy, interleaved in one run (``interleaved``)."""
+    from specdec.decoding import DraftModelStrategy, MedusaStrategy, NoDraft
+    from specdec.decoding.medusa import presets
+
+    heads = medusa_row(target)[1].heads
+    plan = [("autoregressive", NoDraft()), (f"draft chain K={CHAIN}", DraftModelStrategy(draft, (1,) * CHAIN))]
+    plan += [("Medusa chain", MedusaStrategy(heads, "chain"))]
+    trees = [name for name in presets() if name != "default"]
+    default = next(name for name in trees if presets()[name] == presets()["default"])
+    plan += [(f"Medusa {name}" + " (default)" * (name == default), MedusaStrategy(heads, name)) for name in trees]
+    for label, strategy in plan:  # warm-up
+        decode_all(target, strategy, label, prompts[:1], 8)
+    methods = [lambda ps, s=s, label=label: decode_all(target, s, label, ps, new_tokens) for label, s in plan]
+    runs = interleaved(methods, prompts, device, repeats)
+    base, chain = runs[0], runs[1]
+    table = Table(
+        f"Medusa heads, embedded target, {device}, greedy, batch 1, {len(prompts)} held-out prompts x {new_tokens} "
+        f"tokens, fastest of {repeats}",
+        ["decoding", "nodes", "tokens/s", "vs specdec AR", "vs draft chain", "tau", "acceptance by depth", "identical"],
+    )
+    for (label, strategy), r in zip(plan, runs):
+        same = all(first_difference(a, b) is None for a, b in zip(r.tokens, base.tokens))
+        by_depth = acceptance_by_depth(target, strategy, prompts, new_tokens) if strategy.max_depth else []
+        table.add(
+            label, strategy.max_nodes, r.tokens_per_s, f"{r.tokens_per_s / base.tokens_per_s:.2f}x",
+            f"{r.tokens_per_s / chain.tokens_per_s:.2f}x", f"{r.tau:.2f}",
+            " / ".join(f"{a:.2f}" for a in by_depth) or "-", "yes" if same else "NO",
+        )  # fmt: skip
+    return table
+
+
 def eagle_table(target, draft, prompts, new_tokens: int, device: str, repeats: int) -> Table:
     """EAGLE-2 and EAGLE-1 (the shipped head, ``specdec/assets/eagle``) against the draft chain, interleaved:
     greedy tokens/s, tau, acceptance by depth (accepted / reached, depths 1..8), identical to AR greedy."""
     from specdec.cli.demo import eagle_row
-    from specdec.decoding import NoDraft, SpeculativeDecoder
+    from specdec.decoding import NoDraft
 
     label, strategy = eagle_row(target, tree_budget=64, depth=6, top_k=8, confidence_temperature=1.0)
     paper = (label + " (paper's confidences)", strategy)
@@ -154,14 +204,8 @@ def eagle_table(target, draft, prompts, new_tokens: int, device: str, repeats: i
         eagle_row(target, static_tree="default", tree_budget=8),
         eagle_row(target, static_tree="default", tree_budget=32, depth=6, top_k=4),
     ]
-    by_depth: dict[str, list[list[int]]] = {label: [[0] * 8, [0] * 8] for label, _ in plan}
-    for label, strategy in plan:  # warm-up, and acceptance by depth (untimed)
-        decoder = SpeculativeDecoder(target, strategy)
-        for ids in prompts:
-            stats = decoder.generate([ids], max_new_tokens=new_tokens, eos_token_id=None).stats[0]
-            for j, (a, d) in enumerate(zip(stats.accepted_at[:8], stats.drafted_at[:8])):
-                by_depth[label][0][j] += a
-                by_depth[label][1][j] += d
+    # warm-up, and acceptance by depth (untimed)
+    by_depth = {label: acceptance_by_depth(target, strategy, prompts, new_tokens)[:8] for label, strategy in plan}
     methods = [lambda ps, s=s, label=label: decode_all(target, s, label, ps, new_tokens) for label, s in plan]
     runs = interleaved(methods, prompts, device, repeats)
     base, chain = runs[0], runs[1]
@@ -171,8 +215,7 @@ def eagle_table(target, draft, prompts, new_tokens: int, device: str, repeats: i
         ["decoding", "tokens/s", "vs AR", "vs chain", "tau", "acceptance by depth 1..8", "identical"],
     )
     for r in runs:
-        accepted, reached = by_depth[r.label]
-        depth = " ".join(f"{a / d:.2f}" for a, d in zip(accepted, reached) if d) or "-"
+        depth = " ".join(f"{a:.2f}" for a in by_depth[r.label]) or "-"
         same = all(first_difference(a, b) is None for a, b in zip(r.tokens, base.tokens))
         table.add(
             r.label, r.tokens_per_s, f"{r.tokens_per_s / base.tokens_per_s:.2f}x",
@@ -317,7 +360,7 @@ def main() -> None:
     target_dir, draft_dir = ASSETS / "target", ASSETS / "draft"
     hf_target, hf_draft = load_hf(target_dir, device), load_hf(draft_dir, device)
     counter = ForwardCounter(hf_target)
-    plan = strategies(draft)
+    plan = [*strategies(draft), medusa_row(target)]
     hf_plan = [
         ("HF generate greedy", {"do_sample": False}),
         ("HF assisted (draft)", {"do_sample": False, "assistant_model": hf_draft}),
@@ -358,7 +401,7 @@ def main() -> None:
 
     # Temperature 1: exact sampling, so tokens differ run to run; speed and tau only.
     # The tree uses the stochastic rule here: children sampled from the draft (SpecInfer).
-    sample_plan = strategies(draft, tree_rule="stochastic")
+    sample_plan = [*strategies(draft, tree_rule="stochastic"), medusa_row(target)]
     sample_kw = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
     methods = [
         lambda ps, s=s, label=label: decode_all(target, s, label, ps, new_tokens, temperature=1.0)
@@ -386,6 +429,7 @@ def main() -> None:
         )  # fmt: skip
     t1.write(args.out, "e2e_temperature1")
     step_counts(target, draft, prompts, args.quick).write(args.out, "e2e_step_counts")
+    medusa_table(target, draft, prompts, new_tokens, device, repeats).write(args.out, "e2e_medusa")
     eagle_table(target, draft, prompts, new_tokens, device, repeats).write(args.out, "e2e_eagle")
 
     peers = vllm_peer_rows(target, draft, prompts, new_tokens, repeats, device)

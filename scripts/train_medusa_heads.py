@@ -50,7 +50,7 @@ def loss_fn(heads, lm_head, feats, decay):
     """Soft cross-entropy of head k at row t against the target's distribution at row t + k + 1."""
     logits = heads(feats[:, :-1].reshape(-1, feats.shape[-1]).to(heads.dtype))  # [K, B*T, V]
     K, (B, T1, _) = heads.num_heads, feats.shape
-    logits = logits.view(K, B, T1 - 1, -1)
+    logits = logits.reshape(K, B, T1 - 1, -1)
     target_p = F.softmax(feats.float() @ lm_head.T, -1)  # [B, T+1, V]: the target's next-token distribution
     total, parts = 0.0, []
     for k in range(K):

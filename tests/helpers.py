@@ -6,7 +6,7 @@ import torch
 
 from specdec.kernels.target_stats import target_probs_reference
 from specdec.kernels.top_k_top_p import filter_thresholds_reference, scaled_logits
-from specdec.model import AttentionMetadata, LlamaModel, ModelConfig, causal_positions
+from specdec.model import AttentionMetadata, LlamaModel, MedusaHeads, ModelConfig, causal_positions
 
 # ---- assertions -------------------------------------------------------------------------------------
 
@@ -71,6 +71,16 @@ def noisy_copy(model: LlamaModel, seed: int, noise: float) -> LlamaModel:
     for p in draft.parameters():
         p.add_(noise * p.abs().mean() * torch.randn(p.shape, generator=gen))
     return draft.eval()
+
+
+def random_heads(target: LlamaModel, seed: int, num_heads: int = 3) -> MedusaHeads:
+    """Medusa heads with every weight drawn at random (blocks too): guesses neither the target's nor zero."""
+    config = target.config
+    gen = torch.Generator().manual_seed(seed)
+    heads = MedusaHeads(config.hidden_size, config.vocab_size, num_heads).requires_grad_(False)
+    for p in heads.parameters():
+        p.copy_(torch.randn(p.shape, generator=gen) * 2 / math.sqrt(p.shape[-1]))
+    return heads.to(target.dtype).eval()
 
 
 def random_prompts(lengths, vocab: int, seed: int | None = None) -> list[list[int]]:

@@ -23,6 +23,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
         (["--draft", str(PAIR / "draft")], "[draft chain (K=3)]"),
         (["--draft", str(PAIR / "draft"), "--tree", "2,2"], "[draft tree (7 nodes, deterministic)]"),
         (["--ngram", "3"], "[n-gram (K=3, n<=3)]"),
+        (["--medusa", str(PAIR.parent / "medusa")], "[medusa (12 nodes)]"),
+        (["--medusa", str(PAIR.parent / "medusa"), "--medusa-choices", "[[0], [1], [0, 0]]"], "[medusa (4 nodes)]"),
         ([], "[autoregressive]"),
         (["--eagle", str(PAIR.parent / "eagle"), "--tree-budget", "12", "--depth", "4", "--eagle-top-k", "2"],
          "[EAGLE-2 (budget 12, depth 4, top-k 2)]"),

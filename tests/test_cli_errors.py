@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from specdec import validation
 from specdec.cli import main
-from specdec.model import LlamaModel, ModelConfig
+from specdec.model import LlamaModel, MedusaHeads, ModelConfig
 
 PAIR = Path(__file__).resolve().parents[1] / "specdec" / "assets" / "pair"
 TARGET = str(PAIR / "target")
@@ -47,11 +47,23 @@ def tiny_hf(vocab_size: int) -> dict:
     }  # fmt: skip
 
 
+def save_medusa_heads(path: Path, hidden_size: int, *, pickle: bool = False) -> str:
+    """Two random heads in the authors' layout for a 4096-token vocabulary; ``pickle``: as medusa_lm_head.pt only."""
+    MedusaHeads(hidden_size, 4096, num_heads=2).save_pretrained(path)
+    if pickle:
+        torch.save({"0.1.weight": torch.zeros(4096, hidden_size)}, path / "medusa_lm_head.pt")
+        (path / "medusa_lm_head.safetensors").unlink()
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
     root = tmp_path_factory.mktemp("checkpoints")
     (root / "empty").mkdir()
     return {
+        "medusa": str(PAIR.parent / "medusa"),
+        "medusa_other_hidden": save_medusa_heads(root / "medusa_other_hidden", 32),
+        "medusa_pickle": save_medusa_heads(root / "medusa_pickle", 256, pickle=True),
         "target": TARGET,
         "draft": str(PAIR / "draft"),
         "other_vocab": save_checkpoint(root / "other_vocab", tiny_hf(100), tokenizer=False),
@@ -138,6 +150,48 @@ CASES = {
     "eagle pickle": (
         ["--eagle", "{eagle_pickle}"], 1,
         r"--eagle .*eagle_pickle: .* holds only pytorch_model.bin, a pickle checkpoint",
+    ),
+    "medusa heads for another hidden size": (
+        ["--medusa", "{medusa_other_hidden}"], 1,
+        r"--medusa .*medusa_other_hidden: Medusa heads .* does not fit the target: its hidden_size is 32, the "
+        r"target's is 256$",
+    ),
+    "medusa pickle": (
+        ["--medusa", "{medusa_pickle}"], 1,
+        r"--medusa .*medusa_pickle: .* holds only medusa_lm_head.pt, a pickle checkpoint; specdec loads safetensors "
+        r"only .* convert it once: python -c",
+    ),
+    "medusa choices not JSON": (
+        ["--medusa", "{medusa}", "--medusa-choices", "[[0], [1]"], 2,
+        r"argument --medusa-choices: must be a preset name or a JSON list of paths like \[\[0\],\[1\],\[0,0\]\]; "
+        r"got '\[\[0\], \[1\]'$",
+    ),
+    "medusa choices without a prefix": (
+        ["--medusa", "{medusa}", "--medusa-choices", "[[0], [1, 0], [1]]"], 2,
+        r"--medusa-choices\[1\] = \[1, 0\]: its prefix \[1\] is listed after it \(every path must come after",
+    ),
+    "medusa choices beyond top-k": (
+        ["--medusa", "{medusa}", "--medusa-choices", "[[0], [3]]", "--medusa-top-k", "3"], 2,
+        r"--medusa-choices\[1\] = \[3\] takes candidate 3; --medusa-top-k is 3$",
+    ),
+    "medusa choices over the node budget": (
+        ["--medusa", "{medusa}", "--medusa-choices", "tree-16", "--max-nodes", "8"], 2,
+        r"--medusa-choices has 15 paths: with the root that is 16 nodes, more than the budget of 8 \(--max-nodes\)$",
+    ),
+    "medusa choices deeper than the heads": (
+        ["--medusa", "{medusa}", "--medusa-choices", "[[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0]]"], 2,
+        r"--medusa-choices\[4\] = \[0, 0, 0, 0, 0\] is 5 deep; at most 4 allowed",
+    ),
+    "medusa choices not a preset": (
+        ["--medusa", "{medusa}", "--medusa-choices", "tree-9"], 2,
+        r"--medusa-choices 'tree-9' is not a preset; the presets are \['chain', 'default', 'tree-8', 'tree-12'",
+    ),
+    "medusa choices without medusa": (["--medusa-choices", "chain"], 2, r"--medusa-choices needs --medusa$"),
+    "medusa with a draft": (
+        ["--medusa", "{medusa}", "--draft", "{draft}"], 2, r"argument --draft: not allowed with argument --medusa$",
+    ),
+    "tree with medusa": (
+        ["--medusa", "{medusa}", "--tree", "2,2"], 2, r"--tree needs --draft \(a Medusa tree is --medusa-choices\)$",
     ),
     "device tpu9": (["--device", "tpu9"], 2, r"argument --device: 'tpu9' is not a device torch knows"),
     "max-new-tokens 1e9 beyond positions": (

@@ -94,12 +94,12 @@ def test_target_greedy_matches_transformers_generate(prompt_ids, greedy):
 
 def test_every_demo_strategy_reproduces_target_greedy(pair, prompt_ids, greedy):
     target, draft, _ = pair
-    for label, strategy in demo.strategies(draft)[1:]:
+    for label, strategy in [*demo.strategies(draft)[1:], demo.medusa_row(target)]:
         run = demo.decode_all(target, strategy, label, prompt_ids, NEW_TOKENS)
         for b, (got, expected) in enumerate(zip(run.tokens, greedy)):
             assert got == expected, f"{label}, prompt {b}: first difference at {demo.first_difference(got, expected)}"
         assert run.generated == len(prompt_ids) * NEW_TOKENS
-        if label.startswith("draft"):
+        if label.startswith(("draft", "Medusa")):
             assert run.forwards < run.generated, f"{label}: no draft token accepted (tau {run.tau:.2f})"
 
 
@@ -107,7 +107,7 @@ def test_run_demo_reports_equality_and_table(pair):
     out = io.StringIO()
     assert demo.run_demo("cpu", num_prompts=1, max_new_tokens=12, show=1, out=out) == 0
     text = out.getvalue()
-    for label, _ in demo.strategies(pair[1])[1:] + [demo.eagle_row(pair[0])]:
+    for label, _ in [*demo.strategies(pair[1])[1:], demo.medusa_row(pair[0]), demo.eagle_row(pair[0])]:
         assert f"{label}: all 1 outputs identical to target-only greedy decoding" in text
         assert f"| {label} |" in text
     assert "| autoregressive |" in text and "baseline" in text

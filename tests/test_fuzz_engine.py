@@ -1,6 +1,6 @@
 """Property-based tests (hypothesis) over ``SpeculativeDecoder.generate``'s argument space.
 
-On a tiny random model, with every strategy (NoDraft, n-gram, a draft chain), any mix of
+On a tiny random model, with every strategy (NoDraft, n-gram, a draft chain, Medusa heads), any mix of
 prompts, max_new_tokens, temperature, top_k, top_p, seed, eos ids and the positions opt-in:
 each call either returns valid output (tokens in the vocabulary, at most max_new_tokens per
 request, a documented finish reason consistent with the tokens; greedy rows equal plain greedy
@@ -24,11 +24,20 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from specdec._backend import use_backend
-from specdec.decoding import FINISH_REASONS, DraftModelStrategy, NgramStrategy, NoDraft, SpeculativeDecoder
+from specdec.decoding import (
+    FINISH_REASONS,
+    DraftModelStrategy,
+    MedusaStrategy,
+    NgramStrategy,
+    NoDraft,
+    SpeculativeDecoder,
+)
+from specdec.model import MedusaHeads
 
 VOCAB, POSITIONS, EOS = 64, 14, 3  # positions small enough that prompt + max_new_tokens often exceeds them
 TARGET = random_model(tiny_config(max_position_embeddings=POSITIONS, eos_token_ids=(EOS,)), seed=0)
 DRAFT = random_model(tiny_config(max_position_embeddings=POSITIONS, eos_token_ids=(EOS,)), seed=1)
+HEADS = MedusaHeads(TARGET.config.hidden_size, VOCAB, num_heads=2).requires_grad_(False)  # random projections
 ARGUMENTS = ("prompts", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "eos_token_id",
              "allow_beyond_max_positions")  # fmt: skip
 NAMED = re.compile(rf"^({'|'.join(ARGUMENTS)})(\[\d+\])* ")
@@ -42,6 +51,8 @@ FUZZ = settings(
 def make_strategy(kind: str, k: int):
     if kind == "chain":
         return DraftModelStrategy(DRAFT, (1,) * k)
+    if kind == "medusa":  # k children of the root, k under the first
+        return MedusaStrategy(HEADS, [[i] for i in range(k)] + [[0, i] for i in range(k)])
     return NgramStrategy(num_draft=k) if kind == "ngram" else NoDraft()
 
 
@@ -142,7 +153,7 @@ def check_run(kind: str, k: int, prompts, options, wrong) -> None:
         assert [result.tokens[b] for b in greedy] == [plain[b] for b in greedy]
 
 
-kinds = st.sampled_from(["none", "ngram", "chain"])
+kinds = st.sampled_from(["none", "ngram", "chain", "medusa"])
 
 
 @settings(FUZZ, max_examples=200)

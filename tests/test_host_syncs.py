@@ -12,11 +12,11 @@ import warnings
 
 import pytest
 import torch
-from helpers import noisy_copy, random_model, tiny_config
+from helpers import noisy_copy, random_heads, random_model, tiny_config
 from sync_counter import SyncCounter
 
 from specdec import use_backend
-from specdec.decoding import DraftModelStrategy, NgramStrategy, NoDraft, SpeculativeDecoder
+from specdec.decoding import DraftModelStrategy, MedusaStrategy, NgramStrategy, NoDraft, SpeculativeDecoder
 
 STRATEGIES = {
     "autoregressive": lambda draft: NoDraft(),
@@ -24,6 +24,8 @@ STRATEGIES = {
     "tree-deterministic": lambda draft: DraftModelStrategy(draft, (2, 2, 1), rule="deterministic"),
     "tree-stochastic": lambda draft: DraftModelStrategy(draft, (2, 1, 1), rule="stochastic"),
     "ngram": lambda draft: NgramStrategy(num_draft=3, max_ngram=2),
+    # Heads on the draft's weights: random guesses of the right shapes, for the target the draft copies.
+    "medusa": lambda draft: MedusaStrategy(random_heads(draft, seed=2), [[0], [1], [0, 0], [1, 0], [0, 0, 0]]),
 }
 READ_BACK = ("Tensor.tolist", "_transfer.py")
 

@@ -1,4 +1,4 @@
-"""The README's API tour runs as written: the kernel block, then the model-and-engine block."""
+"""The README's API tour runs as written: the kernel block, the model-and-engine block, the Medusa block."""
 
 from pathlib import Path
 
@@ -47,3 +47,17 @@ def test_eagle_tour_runs():
         greedy = plain.generate([[1, 15, 27]], max_new_tokens=32)
     assert scope["result"].tokens == greedy.tokens
     assert scope["result"].stats[0].accepted > 0, "the shipped EAGLE head gets tokens accepted"
+
+
+def test_medusa_tour_runs():
+    opening = "from pathlib import Path\nimport specdec\nfrom specdec.model import LlamaModel\n"
+    opening += "from specdec.decoding import MedusaStrategy"
+    code = python_block(README.read_text(), opening)
+    scope: dict = {}
+    with use_backend("torch"):
+        exec(compile("import torch\n" + code, str(README), "exec"), scope)
+        result, target = scope["result"], scope["target"]
+        greedy = scope["SpeculativeDecoder"](target).generate([[1, 15, 27]], max_new_tokens=32, seed=0)
+    assert [len(t) for t in result.tokens] == [32, 32]
+    assert result.tokens[0] == greedy.tokens[0], "the greedy request must equal plain greedy decoding"
+    assert scope["medusa"].max_nodes == 12 and result.stats[0].tau > 1

@@ -3,8 +3,9 @@
 The pair (``specdec/assets/pair``) is a small LLaMA target and a one-layer draft distilled
 from it, both trained on the Python standard library by ``scripts/train_embedded_pair.py``.
 The demo completes held-out code prompts with plain autoregressive decoding, a greedy draft
-chain, a draft token tree, n-gram (prompt lookup) drafts and EAGLE-2 (the EAGLE head shipped
-in ``specdec/assets/eagle``); checks that every speculative output equals the target's own
+chain, a draft token tree, n-gram (prompt lookup) drafts, the target's Medusa heads
+(``specdec/assets/medusa``, no draft model) and EAGLE-2 (the EAGLE head shipped in
+``specdec/assets/eagle``); checks that every speculative output equals the target's own
 greedy output token for token; and prints tokens/s, speedup, tau (tokens per target forward)
 and the draft acceptance rate.
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "pair"
+MEDUSA = ASSETS.parent / "medusa"  # 4 heads trained for the embedded target
 CHAIN = 5
 TREE = (3, 2, 1, 1, 1)  # depth 5 like the chain; 28 nodes keep the CPU verify forward cheap
 
@@ -85,6 +87,14 @@ def eagle_row(target, assets: str | Path = ASSETS, **options) -> tuple[str, obje
     strategy = EagleStrategy(head, **options)
     kind = "EAGLE-1" if options.get("static_tree") else "EAGLE-2"
     return f"{kind} {options['tree_budget']} nodes, depth {options['depth']}", strategy
+
+
+def medusa_row(target, choices=None) -> tuple[str, object]:
+    """(label, strategy): the shipped Medusa heads on the embedded target, with the searched tree by default."""
+    from specdec.decoding import MedusaStrategy
+
+    strategy = MedusaStrategy.from_pretrained(MEDUSA, target, choices)
+    return f"Medusa heads, {strategy.max_nodes}-node tree", strategy
 
 
 @dataclass
@@ -234,7 +244,7 @@ def _demo(device, num_prompts, max_new_tokens, show, assets, out) -> int:
         "every output is checked against the target's own greedy decoding\n",
         file=out,
     )
-    plan = strategies(draft) + [eagle_row(target, assets)]
+    plan = [*strategies(draft), medusa_row(target), eagle_row(target, assets)]
     # Warm-up: first calls pay one-off costs (allocations, kernel selection) that are not decoding speed.
     for _, strategy in plan:
         decode_all(target, strategy, "", ids[:1], 8)

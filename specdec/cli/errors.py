@@ -20,7 +20,7 @@ import traceback
 USAGE, RUNTIME = 2, 1
 DEBUG_ENV = "SPECDEC_DEBUG"
 
-# API parameter -> the flag that sets it (longest first, so a name inside another never matches first).
+# API parameter -> the flag that sets it.
 _FLAGS = {
     "allow_beyond_max_positions=True": "--allow-beyond-max-positions",
     "max_new_tokens": "--max-new-tokens",
@@ -31,7 +31,15 @@ _FLAGS = {
     "top_p": "--top-p",
     "seed": "--seed",
 }
-_FLAG_PATTERN = re.compile("|".join(rf"(?<![\w-]){re.escape(name)}(?!\w)" for name in _FLAGS))
+
+
+def _names_pattern(names) -> re.Pattern:
+    """Whole-word matches of ``names``, longest first (so a name inside another never matches first)."""
+    ordered = sorted(names, key=len, reverse=True)
+    return re.compile("|".join(rf"(?<![\w-]){re.escape(name)}(?!\w)" for name in ordered))
+
+
+_FLAG_PATTERN = _names_pattern(_FLAGS)
 
 
 class CliError(Exception):
@@ -42,9 +50,12 @@ class CliError(Exception):
         self.status = status
 
 
-def as_flags(message: str) -> str:
-    """Rewrite the API's parameter names in ``message`` to the command line's flags."""
-    return _FLAG_PATTERN.sub(lambda m: _FLAGS[m.group(0)], message)
+def as_flags(message: str, flags: dict[str, str] | None = None) -> str:
+    """Rewrite the API's parameter names in ``message`` to the command line's flags (``flags``: a
+    name -> flag map of its own, for a message from one constructor whose names mean something else)."""
+    pattern = _FLAG_PATTERN if flags is None else _names_pattern(flags)
+    flags = _FLAGS if flags is None else flags
+    return pattern.sub(lambda m: flags[m.group(0)], message)
 
 
 def debug_requested(flag: bool = False) -> bool:

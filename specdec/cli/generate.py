@@ -1,9 +1,9 @@
 """``python -m specdec generate``: stream a completion from local checkpoints and summarise the run.
 
-Failures follow ``specdec.cli.errors``: a checkpoint that does not load, a draft with another
-vocabulary or caches beyond the memory available exit 1; argument values the API refuses
-(``SpeculativeDecoder.validate``) exit 2; a request that ends other than 'eos' or 'length'
-is reported on stderr and exits 1.
+Failures follow ``specdec.cli.errors``: a checkpoint (or Medusa heads) that does not load or fit
+the target, a draft with another vocabulary or caches beyond the memory available exit 1;
+argument values the API refuses (``SpeculativeDecoder.validate``, a Medusa tree) exit 2; a request
+that ends other than 'eos' or 'length' is reported on stderr and exits 1.
 """
 
 from __future__ import annotations
@@ -41,11 +41,31 @@ def loading(flag: str, path: str):
         raise CliError(f"{flag} {path}: {exc}", RUNTIME) from exc
 
 
+# MedusaStrategy's parameter names -> the flags that set them (its top_k is not the sampling --top-k).
+MEDUSA_FLAGS = {"choices": "--medusa-choices", "top_k": "--medusa-top-k", "max_nodes": "--max-nodes"}
+
+
+def medusa_strategy(args: argparse.Namespace, target):
+    """``MedusaStrategy`` from ``--medusa DIR`` (heads in the authors' layout) and its tree flags."""
+    from specdec.decoding import MedusaStrategy
+    from specdec.model.medusa import MedusaHeads
+
+    with loading("--medusa", args.medusa):
+        heads = MedusaHeads.from_pretrained(args.medusa, target)
+    options = {"max_nodes": args.max_nodes} | ({} if args.medusa_top_k is None else {"top_k": args.medusa_top_k})
+    try:
+        return MedusaStrategy(heads, args.medusa_choices, **options)
+    except (TypeError, ValueError) as exc:
+        raise CliError(as_flags(str(exc), MEDUSA_FLAGS), USAGE) from exc
+
+
 def build_strategy(args: argparse.Namespace, target, dtype, tokenizer):
     """The drafting strategy the flags ask for (``NoDraft``: plain autoregressive decoding)."""
     from specdec.decoding import DraftModelStrategy, NgramStrategy, NoDraft, check_same_vocabulary
     from specdec.model.llama import LlamaModel
 
+    if args.medusa is not None:
+        return medusa_strategy(args, target)
     if args.ngram is not None:
         return NgramStrategy(num_draft=args.num_draft, max_ngram=args.ngram)
     if args.eagle is not None:
@@ -61,6 +81,7 @@ def build_strategy(args: argparse.Namespace, target, dtype, tokenizer):
     return DraftModelStrategy(draft, (1,) * args.num_draft)
 
 
+# EagleStrategy's parameter names -> the flags that set them (its top_k is not the sampling --top-k).
 EAGLE_FLAGS = {"tree_budget": "--tree-budget", "depth": "--depth", "top_k": "--eagle-top-k",
                "confidence_temperature": "--confidence-temperature"}  # fmt: skip
 
@@ -77,12 +98,8 @@ def eagle_strategy(args: argparse.Namespace, target):
             head, tree_budget=args.tree_budget, depth=args.depth, top_k=args.eagle_top_k,
             static_tree="default" if args.static_tree else None, confidence_temperature=args.confidence_temperature,
         )  # fmt: skip
-    except ValueError as exc:
-        message = str(exc)
-        for name, flag in EAGLE_FLAGS.items():
-            if message.startswith(name + " "):
-                message = flag + message[len(name) :]
-        raise CliError(message, USAGE) from exc
+    except (TypeError, ValueError) as exc:
+        raise CliError(as_flags(str(exc), EAGLE_FLAGS), USAGE) from exc
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -91,7 +108,12 @@ def run_generate(args: argparse.Namespace) -> int:
     from specdec.validation import InsufficientMemoryError
 
     if args.tree and args.draft is None:
-        raise CliError("--tree needs --draft" + (" (n-gram drafts are chains)" if args.ngram else ""), USAGE)
+        why = " (n-gram drafts are chains)" if args.ngram else ""
+        why = " (a Medusa tree is --medusa-choices)" if args.medusa else why
+        raise CliError("--tree needs --draft" + why, USAGE)
+    for flag in ("medusa_choices", "medusa_top_k"):
+        if getattr(args, flag) is not None and args.medusa is None:
+            raise CliError(f"--{flag.replace('_', '-')} needs --medusa", USAGE)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)

@@ -7,6 +7,7 @@ A user error prints one line ``error: ...`` and exits 2 (usage) or 1 (runtime); 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import sys
 from pathlib import Path
@@ -50,6 +51,18 @@ def _branching(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"must be positive ints, one per depth, like 4,2,2,1; got {text!r}")
     return values
+
+
+def _medusa_choices(text: str) -> str | list:
+    """A preset name (``MedusaStrategy``'s: chain, default, tree-8 ...) or a JSON list of top-k index paths."""
+    if not text.lstrip().startswith("["):
+        return text  # a name: MedusaStrategy refuses one it does not know, listing the presets
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(
+            f"must be a preset name or a JSON list of paths like [[0],[1],[0,0]]; got {text!r}"
+        ) from None
 
 
 def _directory(text: str) -> str:
@@ -118,6 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--confidence-temperature", type=_checked(as_float, float, low=0.0, low_open=True), default=1.0,
         help="EAGLE-2: temperature of the head's confidences (below 1 sharpens an under-confident head)",
     )  # fmt: skip
+    draft.add_argument("--medusa", type=_directory, help="Medusa heads directory (the authors' layout) on the target")
+    gen.add_argument(
+        "--medusa-choices", type=_medusa_choices, metavar="TREE",
+        help="Medusa tree: a preset (default, chain, tree-8 ... tree-64) or JSON top-k paths like [[0],[1],[0,0]]",
+    )  # fmt: skip
+    gen.add_argument(
+        "--medusa-top-k", type=_checked(as_int, int, low=1), help="candidates per Medusa head (default: 10)"
+    )
     gen.add_argument("--tree", type=_branching, help="draft tree branching per depth, e.g. 4,2,2,1 (default: a chain)")
     gen.add_argument("--tree-rule", choices=("stochastic", "deterministic"), default="deterministic")
     gen.add_argument("--max-nodes", type=_checked(as_int, int, low=2), default=64, help="tree nodes, root included")

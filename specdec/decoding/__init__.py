@@ -3,17 +3,20 @@
 ``SpeculativeDecoder(target, strategy)`` runs batched generation with any ``Strategy``
 (``specdec.decoding.strategy``: the contract and how to add a drafter): ``NoDraft`` (plain
 autoregressive decoding; also what ``strategy=None`` means), ``DraftModelStrategy`` (a draft
-model's chain or token tree), ``EagleStrategy`` (an EAGLE head's static or dynamic tree) or
-``NgramStrategy`` (prompt lookup).
+model's chain or token tree), ``MedusaStrategy`` (Medusa heads on the target, a static tree),
+``EagleStrategy`` (an EAGLE head's static or dynamic tree) or ``NgramStrategy`` (prompt lookup).
+``StaticTree`` turns top-k index paths into a tree.
 """
 
 from specdec.decoding.draft_model import DraftModelStrategy
 from specdec.decoding.eagle import EagleStrategy
 from specdec.decoding.engine import SpeculativeDecoder
+from specdec.decoding.medusa import MedusaStrategy
 from specdec.decoding.ngram import NgramStrategy, propose_ngram
 from specdec.decoding.proposal import DeviceTrees, Proposal
 from specdec.decoding.requests import FINISH_REASONS
 from specdec.decoding.results import GenerationResult, RequestStats, StepOutput
+from specdec.decoding.static_tree import StaticTree
 from specdec.decoding.strategy import (
     NoDraft,
     Prefill,
@@ -29,12 +32,14 @@ __all__ = [
     "DraftModelStrategy",
     "EagleStrategy",
     "GenerationResult",
+    "MedusaStrategy",
     "NgramStrategy",
     "NoDraft",
     "Prefill",
     "Proposal",
     "RequestStats",
     "SpeculativeDecoder",
+    "StaticTree",
     "StepContext",
     "StepOutput",
     "StepResult",
