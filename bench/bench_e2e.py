@@ -15,6 +15,7 @@ prompt, so drifting background load on a shared machine hits them all alike. A P
 chart of the greedy tokens/s goes to ``--out`` when matplotlib is importable.
 
     python bench/bench_e2e.py --quick            # CPU smoke run: 2 prompts, 32 tokens
+    python bench/bench_e2e.py --dry-run          # the GPU check's rehearsal: 1 prompt, 8 tokens
     python bench/bench_e2e.py --out OUT          # 6 prompts, 96 tokens (CPU: one thread)
 """
 
@@ -114,7 +115,7 @@ def main() -> None:
     device = args.device
     if not device.startswith("cuda"):
         torch.set_num_threads(1)  # the pair is small: intra-op threads only add overhead on a shared CPU
-    num_prompts, new_tokens = (2, 32) if args.quick else (6, 96)
+    num_prompts, new_tokens = (1, 8) if args.dry_run else (2, 32) if args.quick else (6, 96)
     target, draft, tokenizer = load_pair(device, assets=ASSETS)
     target_dir, draft_dir = ASSETS / "target", ASSETS / "draft"
     hf_target, hf_draft = load_hf(target_dir, device), load_hf(draft_dir, device)

@@ -1,14 +1,23 @@
-"""Triton when it is installed; stand-ins otherwise, so the kernel modules still import.
+"""Triton when a supported version is installed; stand-ins otherwise, so the kernel modules still import.
 
-Without Triton ``select_backend`` always picks the PyTorch references, so the kernels
-defined with ``jit`` are never launched; the stand-in ``tl`` only has to let their
-signatures (``BLOCK: tl.constexpr``) be evaluated.
+Without a usable Triton (missing, or older than ``specdec._backend.MIN_TRITON``) ``select_backend``
+always picks the PyTorch paths, so the kernels defined with ``jit`` are never launched; the
+stand-in ``tl`` only has to let their signatures (``BLOCK: tl.constexpr``) be evaluated. An old
+Triton is refused here, at the import of the kernel modules, with a warning that names the
+installed and the required versions.
 """
 
-try:
+import warnings
+
+from specdec import _backend
+
+_usable, _detail = _backend.triton_status()
+if _usable:
     import triton
     import triton.language as tl
-except ImportError:
+else:
+    if not _detail.startswith("triton does not import"):
+        warnings.warn(f"specdec: {_detail}", RuntimeWarning, stacklevel=2)
     triton = None
 
     class tl:  # noqa: N801  (stands in for triton.language)
