@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 TORCH_PIN  ?= torch==2.13.0
 TRITON_PIN ?= triton==3.9.0
 RUNTIME_DEPS := $(TORCH_PIN) $(TRITON_PIN) numpy safetensors tokenizers ninja setuptools wheel
-TEST_DEPS    := pytest pytest-xdist ruff transformers
+TEST_DEPS    := pytest pytest-xdist ruff transformers hypothesis
 TEST_JOBS    ?= 2
 
 # The vLLM plugin's tests run in their own environment (.venv-vllm, ~3.5 GB): vLLM's CPU build,
@@ -35,7 +35,7 @@ demo: install
 test: install-test lint
 	$(PY) -m pytest -q -n $(TEST_JOBS) tests
 	# every docstring example in the package runs as written (PyTorch path on the CPU)
-	$(PY) -m pytest -q --doctest-modules specdec
+	$(PY) -m pytest -q --doctest-modules specdec --ignore=specdec/integrations/_vllm_samplers.py  # (imports vLLM: its own environment)
 	# again without the compiled extension: every op must fall back to its PyTorch path
 	SPECDEC_DISABLE_EXTENSION=1 $(PY) -m pytest -q -n $(TEST_JOBS) tests/test_tree_metadata.py tests/test_engine.py -k "not exact"
 

@@ -38,4 +38,4 @@ def test_generate_streams_and_summarises(strategy, label):
 
 def test_generate_refuses_a_tree_without_a_draft():
     result = run_cli("generate", "--target", str(PAIR / "target"), "--ngram", "2", "--tree", "2,2", "--prompt", "x")
-    assert result.returncode != 0 and "--tree needs --draft" in result.stderr
+    assert result.returncode == 2 and result.stderr == "error: --tree needs --draft (n-gram drafts are chains)\n"

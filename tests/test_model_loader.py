@@ -123,6 +123,34 @@ def test_unsupported_config_is_refused(tmp_path, change, match):
         LlamaModel.from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        ({"rms_norm_eps": "abc"}, TypeError, r"^config.json rms_norm_eps must be a number, got 'abc' \(str\)$"),
+        ({"rms_norm_eps": -1e-5}, ValueError, r"^config.json rms_norm_eps must be a finite number > 0.0, got -1e-05$"),
+        ({"rms_norm_eps": True}, TypeError, r"^config.json rms_norm_eps must be a number, got True"),
+        ({"max_position_embeddings": "512"}, TypeError, r"^config.json max_position_embeddings must be an int, got '5"),
+        ({"max_position_embeddings": 512.5}, TypeError, r"^config.json max_position_embeddings must be an int, got 5"),
+        ({"max_position_embeddings": 0}, ValueError, r"^config.json max_position_embeddings must be an int >= 1, got"),
+        ({"hidden_size": "32"}, TypeError, r"^config.json hidden_size must be an int, got '32'"),
+        ({"num_attention_heads": 0}, ValueError, r"^config.json num_attention_heads must be an int >= 1, got 0$"),
+        ({"head_dim": 16.0}, TypeError, r"^config.json head_dim must be an int, got 16.0"),
+        ({"rope_parameters": {"rope_theta": "1e4"}}, TypeError, r"^config.json rope_theta must be a number, got '1e4'"),
+        ({"rope_parameters": {"rope_type": "linear", "factor": 0}}, ValueError, r"json rope scaling factor must be a"),
+        ({"tie_word_embeddings": "false"}, TypeError, r"^config.json tie_word_embeddings must be true or false, got"),
+        ({"eos_token_id": [2, "x"]}, TypeError, r"^config.json eos_token_id\[1\] must be an int, got 'x'"),
+        ({"bos_token_id": -1}, ValueError, r"^config.json bos_token_id must be an int >= 0, got -1$"),
+    ],
+)
+def test_config_values_of_the_wrong_kind_are_refused_by_name(tmp_path, change, error, match):
+    hf = dict(HF_CONFIG, **change)
+    with pytest.raises(error, match=match):
+        ModelConfig.from_hf(hf)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(error, match=match):
+        LlamaModel.from_pretrained(tmp_path)
+
+
 def test_loads_values_dtype_and_tied_embeddings(tmp_path):
     tensors = write_checkpoint(tmp_path)
     model = LlamaModel.from_pretrained(tmp_path, dtype=torch.bfloat16)

@@ -187,7 +187,7 @@ def run_demo(
     """
     out = out or sys.stdout
     if device.startswith("cuda") and not torch.cuda.is_available():
-        print("--device cuda asked for, but CUDA is not available here", file=sys.stderr)
+        print(f"error: --device {device}: CUDA is not available here", file=sys.stderr)
         return 2
     threads = torch.get_num_threads()
     if not device.startswith("cuda"):

@@ -1,13 +1,22 @@
-"""``python -m specdec generate``: stream a completion from local checkpoints and summarise the run."""
+"""``python -m specdec generate``: stream a completion from local checkpoints and summarise the run.
+
+Failures follow ``specdec.cli.errors``: a checkpoint that does not load, a draft with another
+vocabulary or caches beyond the memory available exit 1; argument values the API refuses
+(``SpeculativeDecoder.validate``) exit 2; a request that ends other than 'eos' or 'length'
+is reported on stderr and exits 1.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from specdec.cli.errors import RUNTIME, USAGE, CliError, as_flags
 
 
 def load_tokenizer(path: str | Path):
@@ -17,7 +26,19 @@ def load_tokenizer(path: str | Path):
     file = Path(path) / "tokenizer.json"
     if not file.is_file():
         raise FileNotFoundError(f"{file} not found: generate needs the checkpoint's tokenizer.json to encode text")
-    return Tokenizer.from_file(str(file))
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
+        raise ValueError(f"{file} is not a valid tokenizer.json ({exc})") from exc
+
+
+@contextmanager
+def loading(flag: str, path: str):
+    """Report a checkpoint that does not load as a runtime error naming the flag and the directory."""
+    try:
+        yield
+    except (ValueError, TypeError, OSError) as exc:
+        raise CliError(f"{flag} {path}: {exc}", RUNTIME) from exc
 
 
 def build_strategy(args: argparse.Namespace, target, dtype, tokenizer):
@@ -26,50 +47,58 @@ def build_strategy(args: argparse.Namespace, target, dtype, tokenizer):
     from specdec.model.llama import LlamaModel
 
     if args.ngram is not None:
-        if args.tree:
-            raise ValueError("--tree needs --draft (n-gram drafts are chains)")
         return NgramStrategy(num_draft=args.num_draft, max_ngram=args.ngram)
     if args.draft is None:
-        if args.tree:
-            raise ValueError("--tree needs --draft")
         return NoDraft()
-    draft = LlamaModel.from_pretrained(args.draft, dtype=dtype, device=args.device)
-    draft_tokenizer = load_tokenizer(args.draft) if (Path(args.draft) / "tokenizer.json").is_file() else None
-    check_same_vocabulary(target, draft, tokenizer, draft_tokenizer)
+    with loading("--draft", args.draft):
+        draft = LlamaModel.from_pretrained(args.draft, dtype=dtype, device=args.device)
+        draft_tokenizer = load_tokenizer(args.draft) if (Path(args.draft) / "tokenizer.json").is_file() else None
+        check_same_vocabulary(target, draft, tokenizer, draft_tokenizer)
     if args.tree:
-        branching = tuple(int(k) for k in args.tree.split(","))
-        return DraftModelStrategy(draft, branching, max_nodes=args.max_nodes, rule=args.tree_rule)
+        return DraftModelStrategy(draft, args.tree, max_nodes=args.max_nodes, rule=args.tree_rule)
     return DraftModelStrategy(draft, (1,) * args.num_draft)
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from specdec.decoding import SpeculativeDecoder
+    from specdec.decoding import FINISH_REASONS, SpeculativeDecoder
     from specdec.model.llama import LlamaModel
+    from specdec.validation import InsufficientMemoryError
 
+    if args.tree and args.draft is None:
+        raise CliError("--tree needs --draft" + (" (n-gram drafts are chains)" if args.ngram else ""), USAGE)
     if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    tokenizer = load_tokenizer(args.target)
-    target = LlamaModel.from_pretrained(args.target, dtype=dtype, device=args.device)
+    with loading("--target", args.target):
+        tokenizer = load_tokenizer(args.target)
+        target = LlamaModel.from_pretrained(args.target, dtype=dtype, device=args.device)
     strategy = build_strategy(args, target, dtype, tokenizer)
     decoder = SpeculativeDecoder(target, strategy)
     prompts = [tokenizer.encode(p).ids for p in args.prompt]
+    sampling = dict(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        seed=args.seed, allow_beyond_max_positions=args.allow_beyond_max_positions,
+    )  # fmt: skip
+    try:
+        decoder.validate(prompts, **sampling)
+    except (TypeError, ValueError) as exc:
+        raise CliError(as_flags(str(exc)), USAGE) from exc
     outputs: list[list[int]] = [[] for _ in prompts]
+    finished: dict[int, str] = {}
     printed = [0] * len(prompts)
     start = time.perf_counter()
-    for step in decoder.stream(
-        prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-    ):  # fmt: skip
-        for request, tokens in zip(step.requests, step.tokens):
-            outputs[request].extend(tokens)
-            if len(prompts) == 1:  # one prompt streams as it goes; a batch prints at the end
-                text = tokenizer.decode(outputs[0])
-                sys.stdout.write(text[printed[0] :])
-                sys.stdout.flush()
-                printed[0] = len(text)
+    try:
+        for step in decoder.stream(prompts, **sampling):
+            finished.update(step.finished)
+            for request, tokens in zip(step.requests, step.tokens):
+                outputs[request].extend(tokens)
+                if len(prompts) == 1:  # one prompt streams as it goes; a batch prints at the end
+                    text = tokenizer.decode(outputs[0])
+                    sys.stdout.write(text[printed[0] :])
+                    sys.stdout.flush()
+                    printed[0] = len(text)
+    except InsufficientMemoryError as exc:
+        raise CliError(as_flags(str(exc)), RUNTIME) from exc
     elapsed = time.perf_counter() - start
     if len(prompts) > 1:
         for i, tokens in enumerate(outputs):
@@ -78,10 +107,16 @@ def run_generate(args: argparse.Namespace) -> int:
     generated = sum(s.generated for s in stats)
     forwards = sum(s.target_forwards for s in stats)
     drafted, accepted = sum(s.drafted for s in stats), sum(s.accepted for s in stats)
-    name = strategy.name
     rate = f"{accepted / drafted:.2f}" if drafted else "n/a"
     print(
-        f"\n[{name}] {generated} tokens in {elapsed:.2f} s ({generated / elapsed:.1f} tok/s), "
+        f"\n[{strategy.name}] {generated} tokens in {elapsed:.2f} s ({generated / elapsed:.1f} tok/s), "
         f"{forwards} target forwards, tau {generated / max(forwards, 1):.2f}, acceptance {rate}"
     )
-    return 0
+    failed = {i: why for i, why in sorted(finished.items()) if why not in ("eos", "length")}
+    for i, why in failed.items():
+        print(
+            f"error: --prompt {args.prompt[i][:40]!r} ended {why!r} after {len(outputs[i])} tokens: "
+            f"{FINISH_REASONS.get(why, 'see the README')}",
+            file=sys.stderr,
+        )
+    return RUNTIME if failed else 0

@@ -1,14 +1,61 @@
-"""Command line: ``python -m specdec info | demo | generate``."""
+"""Command line: ``python -m specdec info | demo | generate``.
+
+A user error prints one line ``error: ...`` and exits 2 (usage) or 1 (runtime); see
+``specdec.cli.errors``. ``--debug`` (or ``SPECDEC_DEBUG=1``) adds the traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import platform
 import sys
+from pathlib import Path
 
 import torch
 
 from specdec import __version__, _backend
+from specdec.cli.errors import USAGE, CliError, debug_requested, report
+from specdec.validation import INT32_MAX, INT64_MAX, INT64_MIN, as_device, as_float, as_int, as_temperature
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but its errors become one ``error:`` line with exit status 2 (no usage dump)."""
+
+    def error(self, message: str):
+        raise CliError(message, USAGE)
+
+
+def _checked(check, parse=str, **bounds):
+    """An argparse type: ``parse`` the text, then ``check`` it (errors read 'argument --flag: must be ...')."""
+
+    def convert(text: str):
+        try:
+            value = parse(text)
+        except ValueError:
+            kind = "an int" if parse is int else "a number"
+            raise argparse.ArgumentTypeError(f"must be {kind}, got {text!r}") from None
+        try:
+            return check("value", value, **bounds)
+        except (TypeError, ValueError) as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix("value ")) from None
+
+    return convert
+
+
+def _branching(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"must be positive ints, one per depth, like 4,2,2,1; got {text!r}")
+    return values
+
+
+def _directory(text: str) -> str:
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory (a local checkpoint directory is expected)")
+    return text
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -29,7 +76,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from specdec.cli.demo import run_demo
 
-    return run_demo(device=args.device)
+    return run_demo(device=str(args.device))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -38,31 +85,57 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return run_generate(args)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specdec", description=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    device = _checked(as_device)
+    parser = _Parser(prog="python -m specdec", description=__doc__.split("\n")[0])
+    parser.add_argument("--debug", action="store_true", help="print the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="print versions and available backends").set_defaults(func=cmd_info)
+    debug = dict(action="store_true", default=argparse.SUPPRESS, help="print the traceback of an error")
+    info = sub.add_parser("info", help="print versions and available backends")
+    info.add_argument("--debug", **debug)
+    info.set_defaults(func=cmd_info)
     demo = sub.add_parser("demo", help="run the end-to-end demo")
-    demo.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    demo.add_argument("--device", type=device, default="cpu", help="cpu or cuda (default: cpu)")
+    demo.add_argument("--debug", **debug)
     demo.set_defaults(func=cmd_demo)
     gen = sub.add_parser("generate", help="generate from a local checkpoint, optionally with speculation")
-    gen.add_argument("--target", required=True, help="HuggingFace LLaMA-family checkpoint directory")
+    gen.add_argument("--target", required=True, type=_directory, help="HuggingFace LLaMA-family checkpoint directory")
     draft = gen.add_mutually_exclusive_group()
-    draft.add_argument("--draft", help="draft model checkpoint directory (same vocabulary)")
-    draft.add_argument("--ngram", type=int, metavar="N", help="prompt-lookup drafts matching up to N tokens")
-    gen.add_argument("--tree", help="draft tree branching per depth, e.g. 4,2,2,1 (default: a chain)")
+    draft.add_argument("--draft", type=_directory, help="draft model checkpoint directory (same vocabulary)")
+    draft.add_argument(
+        "--ngram", type=_checked(as_int, int, low=1), metavar="N", help="prompt-lookup drafts matching up to N tokens"
+    )
+    gen.add_argument("--tree", type=_branching, help="draft tree branching per depth, e.g. 4,2,2,1 (default: a chain)")
     gen.add_argument("--tree-rule", choices=("stochastic", "deterministic"), default="deterministic")
-    gen.add_argument("--max-nodes", type=int, default=64, help="tree node budget, root included")
-    gen.add_argument("-k", "--num-draft", type=int, default=5, help="chain / n-gram draft length")
+    gen.add_argument("--max-nodes", type=_checked(as_int, int, low=2), default=64, help="tree nodes, root included")
+    gen.add_argument("-k", "--num-draft", type=_checked(as_int, int, low=1), default=5, help="chain / n-gram length")
     gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--device", default="cpu")
+    gen.add_argument("--max-new-tokens", type=_checked(as_int, int, low=0, high=INT32_MAX), default=128)
+    gen.add_argument(
+        "--allow-beyond-max-positions", action="store_true",
+        help="run past the model's max_position_embeddings (refused by default)",
+    )  # fmt: skip
+    gen.add_argument("--temperature", type=_checked(as_temperature, float), default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=_checked(as_int, int, low=0), default=0, help="0 = off; at most the vocabulary")
+    gen.add_argument("--top-p", type=_checked(as_float, float, low=0.0, high=1.0, low_open=True), default=1.0)
+    gen.add_argument("--seed", type=_checked(as_int, int, low=INT64_MIN, high=INT64_MAX), default=0)
+    gen.add_argument("--device", type=device, default="cpu")
     gen.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
-    gen.add_argument("--threads", type=int, help="CPU intra-op threads (default: torch's; 1 suits small models)")
+    threads = "CPU intra-op threads (default: torch's; 1 suits small models)"
+    gen.add_argument("--threads", type=_checked(as_int, int, low=1), help=threads)
+    gen.add_argument("--debug", **debug)
     gen.set_defaults(func=cmd_generate)
-    args = parser.parse_args(argv)
-    return args.func(args)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0 ok, 1 runtime failure, 2 usage error)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except CliError as exc:
+        return report(exc, debug=False)
+    debug = debug_requested(args.debug)
+    try:
+        return args.func(args)
+    except (Exception, KeyboardInterrupt) as exc:
+        return report(exc, debug)

@@ -10,6 +10,7 @@ from specdec.decoding.draft_model import DraftModelStrategy
 from specdec.decoding.engine import GenerationResult, RequestStats, SpeculativeDecoder, StepOutput
 from specdec.decoding.ngram import NgramStrategy, propose_ngram
 from specdec.decoding.proposal import Proposal
+from specdec.decoding.requests import FINISH_REASONS
 from specdec.decoding.strategy import (
     NoDraft,
     Prefill,
@@ -20,6 +21,7 @@ from specdec.decoding.strategy import (
 )
 
 __all__ = [
+    "FINISH_REASONS",
     "DraftModelStrategy",
     "GenerationResult",
     "NgramStrategy",

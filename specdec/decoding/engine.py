@@ -39,6 +39,7 @@ from specdec.decoding.strategy import NoDraft, Prefill, StepContext, StepResult,
 from specdec.kernels import TreeVerifyResult, verify_tree
 from specdec.kernels.sampling_params import SamplingParams
 from specdec.model.attention_metadata import AttentionMetadata, causal_positions, tree_positions
+from specdec.validation import InsufficientMemoryError
 
 
 @dataclass
@@ -150,6 +151,22 @@ class SpeculativeDecoder:
         text = None if tokenizer is None else [tokenizer.decode(t) for t in outputs]
         return GenerationResult(outputs, self.stats, text)
 
+    def validate(self, prompts, *, allow_beyond_max_positions: bool = False, **sampling) -> Requests:
+        """Check ``stream``'s arguments without running anything (``stream`` calls it first).
+
+        Raises TypeError / ValueError naming the argument (``make_requests`` lists the ranges),
+        including for a prompt plus ``max_new_tokens`` beyond the target's
+        ``max_position_embeddings`` unless ``allow_beyond_max_positions`` is True.
+        """
+        if not isinstance(allow_beyond_max_positions, bool):
+            raise TypeError(f"allow_beyond_max_positions must be a bool, got {allow_beyond_max_positions!r}")
+        config = self.target.config
+        max_positions = None if allow_beyond_max_positions else config.max_position_embeddings
+        return make_requests(
+            prompts, vocab_size=config.vocab_size, config_eos=config.eos_token_ids, max_positions=max_positions,
+            **sampling,
+        )  # fmt: skip
+
     @torch.inference_mode()
     def stream(
         self,
@@ -161,18 +178,26 @@ class SpeculativeDecoder:
         top_p: float | Sequence[float] = 1.0,
         seed: int | Sequence[int] | None = None,
         eos_token_id: int | Sequence[int] | None | str = DEFAULT_EOS,
+        allow_beyond_max_positions: bool = False,
     ) -> Iterator[StepOutput]:
         """Yield one ``StepOutput`` per target forward; ``self.stats`` is updated as it goes.
 
-        Sampling arguments are one value or one per prompt: max_new_tokens >= 0, temperature
-        >= 0 (0 = greedy), top_k >= 0 (0 = off), top_p in (0, 1], seed (int: request b gets
-        seed + b; None: drawn from torch's generator), eos_token_id (None: never stop early).
+        Sampling arguments are one value or one per prompt: max_new_tokens int >= 0; temperature
+        0 (greedy) or >= 1e-30 (smaller ones are refused: 1/T and logits/T must stay finite in
+        float32); top_k int in [0, vocab] (0 = off); top_p in (0, 1]; seed (int: request b gets
+        seed + b; None: drawn from torch's generator); eos_token_id (None: never stop early).
+        A prompt plus max_new_tokens beyond the target's max_position_embeddings is refused
+        unless ``allow_beyond_max_positions=True``. ``validate`` checks all of this before
+        anything runs (TypeError / ValueError naming the argument).
+
+        The KV caches are allocated up front for prompt + max_new_tokens (plus one tree); caches
+        that would not fit in the memory available are refused with
+        ``specdec.validation.InsufficientMemoryError`` (a ValueError) naming max_new_tokens.
+        Each request ends with a reason from ``FINISH_REASONS``: 'eos', 'length' or 'invalid'.
         """
-        target = self.target
-        req = make_requests(
-            prompts, vocab_size=target.config.vocab_size, config_eos=target.config.eos_token_ids,
-            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-            seed=seed, eos_token_id=eos_token_id,
+        req = self.validate(
+            prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+            eos_token_id=eos_token_id, allow_beyond_max_positions=allow_beyond_max_positions,
         )  # fmt: skip
         self.stats = [RequestStats(len(p)) for p in req.prompts]
         running = [b for b in range(req.batch_size) if req.max_new_tokens[b] > 0]
@@ -182,8 +207,13 @@ class SpeculativeDecoder:
         if not running:
             yield StepOutput((), (), done)
             return
-        run = _Run(self, req, running)
-        first = run.prefill()
+        try:
+            run = _Run(self, req, running)
+            first = run.prefill()
+        except InsufficientMemoryError as exc:
+            longest, batch = max(req.max_new_tokens), req.batch_size
+            drivers = f"max_new_tokens ({longest}; caches hold prompt + max_new_tokens) or the batch ({batch})"
+            raise exc.blame(drivers) from None
         yield StepOutput(first.requests, first.tokens, {**done, **first.finished})  # 0-token requests end here
         while run.running:
             yield run.step()

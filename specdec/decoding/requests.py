@@ -4,13 +4,32 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
+import numpy as np
 import torch
 
 from specdec._transfer import to_device
 from specdec.kernels.sampling_params import SamplingParams
+from specdec.validation import (
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    as_float,
+    as_int,
+    as_sequence,
+    as_temperature,
+    per_request,
+)
 
 DEFAULT_EOS = "config"  # use the model config's EOS ids
+NOT_A_LIST = "prompts must be a list of prompts (token-id sequences, or strings with tokenizer=), not one value"
+# Why a request ended (``RequestStats.finish_reason``, ``StepOutput.finished``).
+FINISH_REASONS = {
+    "eos": "it emitted one of its EOS tokens (the last token returned)",
+    "length": "it generated max_new_tokens tokens",
+    "invalid": "the target's logits held no valid token (NaN or all -inf; check the weights and inputs)",
+}
 
 
 @dataclass(frozen=True)
@@ -52,83 +71,99 @@ def make_requests(
     top_p: float | Sequence[float] = 1.0,
     seed: int | Sequence[int] | None = None,
     eos_token_id: int | Sequence[int] | None | str = DEFAULT_EOS,
+    max_positions: int | None = None,
 ) -> Requests:
     """Check and normalise generation arguments; each may be one value or one per prompt.
 
-    max_new_tokens >= 0 (0: the request returns nothing); temperature >= 0 (0 = greedy);
-    top_k >= 0 (0 = off); top_p in (0, 1] (1 = off); seed: an int (request b gets seed + b),
-    per-request ints, or None (drawn from torch's global generator); eos_token_id: id(s) that
-    end a request, None for none, or "config" for the model's own.
+    Integers must be integers (NumPy integers are fine; floats and bools are refused, never
+    truncated). Ranges, each error naming the argument:
+
+    - prompts: non-empty sequences (or 1-D integer tensors / arrays) of token ids in [0, vocab_size);
+    - max_new_tokens: int in [0, 2**31 - 1] (0: the request returns nothing);
+    - temperature: 0 (greedy) or a finite float >= ``specdec.validation.MIN_TEMPERATURE`` (1e-30);
+      smaller positive temperatures are refused, not treated as greedy: 1/T, or logits/T, would
+      overflow float32 in the sampling ops and the request would end 'invalid';
+    - top_k: int in [0, vocab_size] (0 = off; vocab_size keeps every token);
+    - top_p: in (0, 1] (1 = off);
+    - seed: an int (request b gets seed + b, which must fit in int64), per-request int64 values,
+      or None (drawn from torch's global generator);
+    - eos_token_id: token id(s) in [0, vocab_size) that end a request, None for none, or
+      "config" for the model's own.
+
+    ``max_positions`` (the model's ``max_position_embeddings``; None: no limit) refuses a request
+    whose prompt plus ``max_new_tokens`` is longer.
     """
+    prompts = as_sequence(prompts)
+    if prompts is None:
+        raise TypeError(NOT_A_LIST)
     batch = len(prompts)
     if batch == 0:
         raise ValueError("prompts must hold at least one prompt")
     ids = [_prompt(b, p, vocab_size) for b, p in enumerate(prompts)]
-    limits = _per_request("max_new_tokens", max_new_tokens, batch, int)
-    if any(m < 0 for m in limits):
-        raise ValueError(f"max_new_tokens must be >= 0 for every request, got {limits}")
-    temps = _per_request("temperature", temperature, batch, float)
-    if any(not t >= 0 or t == float("inf") for t in temps):
-        raise ValueError(f"temperature must be finite and >= 0, got {temps}")
-    top_ks = _per_request("top_k", top_k, batch, int)
-    if any(k < 0 for k in top_ks):
-        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_ks}")
-    top_ps = _per_request("top_p", top_p, batch, float)
-    if any(not 0 < p <= 1 for p in top_ps):
-        raise ValueError(f"top_p must lie in (0, 1], got {top_ps}")
+    limits = per_request("max_new_tokens", max_new_tokens, batch, partial(as_int, low=0, high=INT32_MAX))
+    temps = per_request("temperature", temperature, batch, as_temperature)
+    top_ks = per_request("top_k", top_k, batch, partial(as_int, low=0, high=vocab_size, note=" (0 = off)"))
+    top_ps = per_request("top_p", top_p, batch, partial(as_float, low=0.0, high=1.0, low_open=True))
     if seed is None:
         seeds = torch.randint(0, 2**62, (batch,)).tolist()
-    elif isinstance(seed, int) and not isinstance(seed, bool):
-        seeds = [seed + b for b in range(batch)]
+    elif as_sequence(seed) is not None:
+        seeds = per_request("seed", seed, batch, partial(as_int, low=INT64_MIN, high=INT64_MAX))
     else:
-        seeds = _per_request("seed", seed, batch, int)
-    return Requests(ids, limits, temps, top_ks, top_ps, seeds, frozenset(_eos_ids(eos_token_id, config_eos)))
+        note = " (request b uses seed + b, a 64-bit int)" if batch > 1 else " (a 64-bit int)"
+        first = as_int("seed", seed, low=INT64_MIN, high=INT64_MAX - (batch - 1), note=note)
+        seeds = [first + b for b in range(batch)]
+    eos = _eos_ids(eos_token_id, config_eos, vocab_size)
+    if max_positions is not None:
+        _check_positions(ids, limits, max_positions)
+    return Requests(ids, limits, temps, top_ks, top_ps, seeds, frozenset(eos))
 
 
 def _prompt(b: int, prompt, vocab: int) -> list[int]:
-    if isinstance(prompt, torch.Tensor):
-        if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype == torch.bool:
-            raise ValueError(f"prompts[{b}] must be a 1-D integer tensor, got {prompt.dtype} {tuple(prompt.shape)}")
+    name = f"prompts[{b}]"
+    if isinstance(prompt, (torch.Tensor, np.ndarray)):
+        if prompt.ndim != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(prompt.shape)}")
         prompt = prompt.tolist()
-    ids = list(prompt)
-    if not ids:
-        raise ValueError(f"prompts[{b}] is empty; every prompt needs at least one token")
-    for i, t in enumerate(ids):
-        if not isinstance(t, int) or not 0 <= t < vocab:
-            raise ValueError(f"prompts[{b}][{i}] = {t!r} is not a token id in [0, {vocab})")
-    return ids
+    elif isinstance(prompt, str):
+        raise ValueError(f"{name} is text: pass tokenizer= to encode it")
+    elif isinstance(prompt, bytes) or not isinstance(prompt, Sequence):
+        raise TypeError(f"{name} must be a sequence of token ids, got {type(prompt).__name__}")
+    if len(prompt) == 0:
+        raise ValueError(f"{name} is empty; every prompt needs at least one token")
+    return [as_int(f"{name}[{i}]", t, low=0, high=vocab - 1, note=" (a token id)") for i, t in enumerate(prompt)]
 
 
-def _per_request(name: str, value, batch: int, kind: type) -> list:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return [kind(value)] * batch
-    values = list(value)
-    if len(values) != batch:
-        raise ValueError(f"{name} must be one value or {batch} (one per prompt), got {len(values)}")
-    if kind is int and not all(isinstance(v, int) for v in values):
-        raise ValueError(f"{name} must hold ints, got {values!r}")
-    return [kind(v) for v in values]
+def _check_positions(prompts: list[list[int]], limits: list[int], max_positions: int) -> None:
+    for b, (prompt, new) in enumerate(zip(prompts, limits)):
+        if len(prompt) + new > max_positions:
+            raise ValueError(
+                f"prompts[{b}] ({len(prompt)} tokens) + max_new_tokens ({new}) = {len(prompt) + new} tokens, beyond "
+                f"the model's max_position_embeddings ({max_positions}); shorten the prompt, lower max_new_tokens, "
+                "or pass allow_beyond_max_positions=True to run past the positions the model was trained for"
+            )
 
 
-def _eos_ids(eos_token_id, config_eos: Sequence[int]) -> tuple[int, ...]:
+def _eos_ids(eos_token_id, config_eos: Sequence[int], vocab: int) -> tuple[int, ...]:
     if isinstance(eos_token_id, str):
         if eos_token_id != DEFAULT_EOS:
             raise ValueError(f"eos_token_id must be an int, ints, None or {DEFAULT_EOS!r}, got {eos_token_id!r}")
         return tuple(config_eos)
     if eos_token_id is None:
         return ()
-    ids = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
-    if not all(isinstance(i, int) for i in ids):
-        raise ValueError(f"eos_token_id must hold ints, got {eos_token_id!r}")
-    return ids
+    many = as_sequence(eos_token_id)
+    check = partial(as_int, low=0, high=vocab - 1, note=" (a token id)")
+    if many is None:
+        return (check("eos_token_id", eos_token_id),)
+    return tuple(check(f"eos_token_id[{i}]", v) for i, v in enumerate(many))
 
 
 def encode_prompts(prompts, tokenizer) -> list:
     """Token ids as given, or strings encoded with a ``tokenizers.Tokenizer``."""
-    if isinstance(prompts, (str, bytes)):
-        raise TypeError("prompts must be a list of prompts, not a single string")
+    items = as_sequence(prompts)
+    if items is None:
+        raise TypeError(NOT_A_LIST)
     out = []
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(items):
         if isinstance(p, str):
             if tokenizer is None:
                 raise ValueError(f"prompts[{i}] is text: pass tokenizer= to encode it")

@@ -1,16 +1,20 @@
-"""LLaMA-style model, its config, the HuggingFace checkpoint loader and the KV cache."""
+"""LLaMA-style model, its config, the HuggingFace checkpoint loader, the KV cache and the draft heads."""
 
 from specdec.model.attention_metadata import AttentionMetadata, causal_positions, tree_positions
 from specdec.model.block_allocator import BlockAllocator
 from specdec.model.config import ModelConfig, RopeScaling
+from specdec.model.eagle import EagleHead
 from specdec.model.kv_cache import KVCache
 from specdec.model.llama import LlamaModel
+from specdec.model.medusa import MedusaHeads
 
 __all__ = [
     "AttentionMetadata",
     "BlockAllocator",
+    "EagleHead",
     "KVCache",
     "LlamaModel",
+    "MedusaHeads",
     "ModelConfig",
     "RopeScaling",
     "causal_positions",

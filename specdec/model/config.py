@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from specdec.validation import as_float, as_int
+
 # architecture -> (q/k/v projections carry a bias, o_proj carries a bias); None: read ``attention_bias``.
 _ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", None),
@@ -81,36 +83,36 @@ class ModelConfig:
         arch = _architecture(hf)
         model_type, fixed_bias = _ARCHITECTURES[arch]
         _refuse_unsupported(hf, model_type)
-        hidden, heads = _required(hf, "hidden_size"), _required(hf, "num_attention_heads")
-        head_dim = hf.get("head_dim") or hidden // heads
+        hidden, heads = _int(hf, "hidden_size"), _int(hf, "num_attention_heads")
+        head_dim = _int(hf, "head_dim", hidden // heads)
         if fixed_bias is None:
-            attention_bias = bool(hf.get("attention_bias", False))
+            attention_bias = _flag(hf, "attention_bias")
             qkv_bias, o_bias = attention_bias, attention_bias
         else:
             qkv_bias, o_bias = fixed_bias
         rope_theta, rope_scaling = _rope(hf)
         eos = hf.get("eos_token_id")
-        eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
-        sliding = hf.get("sliding_window") if model_type == "mistral" else None
+        eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+        sliding = _int(hf, "sliding_window", None) if model_type == "mistral" else None
         return cls(
-            vocab_size=_required(hf, "vocab_size"),
+            vocab_size=_int(hf, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=_required(hf, "intermediate_size"),
-            num_layers=_required(hf, "num_hidden_layers"),
+            intermediate_size=_int(hf, "intermediate_size"),
+            num_layers=_int(hf, "num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            num_kv_heads=_int(hf, "num_key_value_heads", heads),
             head_dim=head_dim,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=_float(hf, "rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=_flag(hf, "tie_word_embeddings"),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            mlp_bias=_flag(hf, "mlp_bias"),
+            max_position_embeddings=_int(hf, "max_position_embeddings", 2048),
             sliding_window=sliding,
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            bos_token_id=_int(hf, "bos_token_id", None, low=0),
+            eos_token_ids=tuple(as_int(f"config.json eos_token_id[{i}]", e, low=0) for i, e in enumerate(eos)),
             architecture=arch,
         )
 
@@ -152,10 +154,31 @@ class ModelConfig:
         return torch.where(in_between, blended, slowed)
 
 
-def _required(hf: dict, key: str):
+_REQUIRED = object()
+
+
+def _int(hf: dict, key: str, default=_REQUIRED, *, low: int = 1) -> int | None:
+    """``hf[key]`` as an int >= ``low`` (errors name the key); ``default`` when absent or null."""
     value = hf.get(key)
     if value is None:
-        raise ValueError(f"config.json lacks {key!r}")
+        if default is _REQUIRED:
+            raise ValueError(f"config.json lacks {key!r}")
+        return default
+    return as_int(f"config.json {key}", value, low=low)
+
+
+def _float(hf: dict, key: str, default: float, name: str | None = None) -> float:
+    """A positive finite float (an epsilon, a theta, a scaling factor); ``name`` for nested keys."""
+    value = hf.get(key, default)
+    return as_float(f"config.json {name or key}", value, low=0.0, low_open=True)
+
+
+def _flag(hf: dict, key: str) -> bool:
+    value = hf.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise TypeError(f"config.json {key} must be true or false, got {value!r}")
     return value
 
 
@@ -194,7 +217,7 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(params, dict):
         raise ValueError(f"config.json rope_parameters/rope_scaling must be an object, got {params!r}")
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    theta = _float(params, "rope_theta", hf.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise ValueError(f"unsupported rope type {kind!r}; supported: {list(ROPE_TYPES)}")
@@ -202,8 +225,9 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
         return theta, None
     if "factor" not in params:
         raise ValueError(f"rope scaling {kind!r} needs 'factor'")
+    factor = _float(params, "factor", None, "rope scaling factor")
     if kind == "linear":
-        return theta, RopeScaling("linear", float(params["factor"]))
+        return theta, RopeScaling("linear", factor)
     missing = [k for k in ("low_freq_factor", "high_freq_factor") if k not in params]
     if missing:
         raise ValueError(f"rope scaling 'llama3' needs {missing}")
@@ -212,8 +236,8 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
         raise ValueError("rope scaling 'llama3' needs 'original_max_position_embeddings'")
     return theta, RopeScaling(
         "llama3",
-        float(params["factor"]),
-        float(params["low_freq_factor"]),
-        float(params["high_freq_factor"]),
-        int(original),
+        factor,
+        _float(params, "low_freq_factor", None, "rope scaling low_freq_factor"),
+        _float(params, "high_freq_factor", None, "rope scaling high_freq_factor"),
+        as_int("config.json rope scaling original_max_position_embeddings", original, low=1),
     )

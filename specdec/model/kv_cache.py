@@ -49,6 +49,7 @@ from specdec.kernels.kv_append import kv_append
 from specdec.kernels.kv_compact import check_accepted_path, kv_compact
 from specdec.kernels.kv_layout import DTYPES
 from specdec.model.block_allocator import BlockAllocator
+from specdec.validation import check_memory, tensor_bytes
 
 LAYOUTS = ("contiguous", "paged")
 
@@ -59,7 +60,7 @@ class KVCache:
     Parameters
     ----------
     num_layers, batch_size, num_kv_heads, head_dim : cache geometry.
-    max_len : capacity of each request in tokens.
+    max_len : capacity of each request in tokens (a cache beyond the memory available is refused).
     dtype : float16, bfloat16 or float32.
     device : where ``data``, ``seq_lens`` and ``block_tables`` live.
     layout : "contiguous" or "paged".
@@ -125,6 +126,7 @@ class KVCache:
             self.block_tables = None
             self.allocator = None
             shape = (num_layers, 2, batch_size, max_len, num_kv_heads, head_dim)
+            check_memory(tensor_bytes(shape, dtype), self.device, f"KV cache {shape}", drivers="max_len or batch_size")
         else:
             self.block_size = block_size
             max_blocks = math.ceil(max_len / block_size)
@@ -132,11 +134,12 @@ class KVCache:
                 num_blocks = batch_size * max_blocks
             if not isinstance(num_blocks, int) or num_blocks < 1:
                 raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+            shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+            check_memory(tensor_bytes(shape, dtype), self.device, f"paged KV cache {shape}", drivers="num_blocks")
             self.allocator = BlockAllocator(num_blocks)
             self._blocks: list[list[int]] = [[] for _ in range(batch_size)]  # block ids per request, in order
             self._host_tables = torch.zeros(batch_size, max_blocks, dtype=torch.int32)
             self.block_tables = torch.zeros_like(self._host_tables, device=self.device)
-            shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         self.data = torch.zeros(shape, dtype=dtype, device=self.device)
 
     def __repr__(self) -> str:

@@ -29,6 +29,7 @@ from specdec.model import hf_layout
 from specdec.model.attention_metadata import AttentionMetadata
 from specdec.model.config import ModelConfig
 from specdec.model.loader import load_tensors
+from specdec.validation import as_device
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -264,6 +265,7 @@ class LlamaModel(nn.Module):
         """
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+        device = as_device("device", device)
         config = ModelConfig.from_pretrained(path)
         with torch.device("meta"):  # shapes only: the checkpoint provides every value
             model = cls(config)

@@ -20,8 +20,11 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def checkpoint_files(path: str | Path) -> dict[str, Path]:
-    """Map each tensor name to the file holding it, from the index or the single file's header."""
+def checkpoint_files(path: str | Path, *, single_file: str = SINGLE_FILE) -> dict[str, Path]:
+    """Map each tensor name to the file holding it, from the index or the single file's header.
+
+    ``single_file`` names the one-file form (draft heads ship e.g. ``medusa_lm_head.safetensors``).
+    """
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"checkpoint path {path} is not a directory")
@@ -40,7 +43,7 @@ def checkpoint_files(path: str | Path) -> dict[str, Path]:
                 raise ValueError(f"{index} puts tensor {name!r} in {file!r}, which is not a file in {path}")
             files[name] = shard
         return files
-    single = path / SINGLE_FILE
+    single = path / single_file
     if single.is_file():
         return dict.fromkeys(_read_names(single), single)
     if any(path.glob("*.bin")) or any(path.glob("*.pt")) or any(path.glob("*.pth")):
@@ -48,7 +51,7 @@ def checkpoint_files(path: str | Path) -> dict[str, Path]:
             f"{path} holds only pickle checkpoints (.bin/.pt); specdec loads safetensors only, never pickle. "
             "Convert the checkpoint to safetensors first."
         )
-    raise ValueError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+    raise ValueError(f"{path} has neither {single_file} nor {INDEX_FILE}")
 
 
 def load_tensors(
@@ -58,6 +61,7 @@ def load_tensors(
     dtype: torch.dtype,
     device: torch.device | str,
     ignore: Iterable[str] = (),
+    single_file: str = SINGLE_FILE,
 ) -> dict[str, torch.Tensor]:
     """Load exactly the ``expected`` tensors (name -> shape), cast to ``dtype`` on ``device``.
 
@@ -65,7 +69,7 @@ def load_tensors(
     checkpoint with tied embeddings, or stale rotary buffers); any other name the
     checkpoint holds beyond ``expected`` is an error.
     """
-    files = checkpoint_files(path)
+    files = checkpoint_files(path, single_file=single_file)
     ignore = set(ignore)
     missing = [name for name in expected if name not in files]
     if missing:

@@ -1,0 +1,198 @@
+"""EAGLE draft head (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty").
+
+The head extrapolates the target's features instead of re-reading the text. Row t of a
+forward pairs the target's last hidden state ``f_t`` (after the final norm: the second
+output of ``LlamaModel.forward``) with the token that follows it, ``x_{t+1}``:
+
+    x = fc([embed(x_{t+1}), f_t])              fc: 2*hidden -> hidden (bias per config "bias")
+    x = DecoderLayer(x) ...                    layer 0 skips its input RMSNorm (fc's output goes straight in)
+    predicted feature  f^_{t+1} = x            no final norm
+    logits for x_{t+2} = lm_head(x)            the target's LM head, shared (not a copy)
+
+Drafting further feeds ``(f^_{t+1}, x_{t+2})`` back in. The embedding is the head's own when
+its checkpoint has one (the authors' checkpoints usually carry a copy of the target's) and
+the target's otherwise. The head keeps its own KV cache (``new_cache``), written and
+committed like the target's: ``forward`` never advances it.
+
+Checkpoints load in the authors' layout (``config.json`` of a one-layer LLaMA plus an
+optional ``"bias"`` flag for ``fc``, default true; tensors ``fc.weight``, ``fc.bias``,
+``layers.0.*`` without ``input_layernorm``, optionally ``embed_tokens.weight``) from
+safetensors only. The authors publish ``pytorch_model.bin`` (pickle), which is refused with
+the command that converts it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.kernels._checks import check_tensor
+from specdec.model.attention_metadata import AttentionMetadata
+from specdec.model.config import ModelConfig
+from specdec.model.head_loading import check_fits_target, head_checkpoint_files, read_config_json
+from specdec.model.hf_layout import checkpoint_shapes, fuse
+from specdec.model.kv_cache import KVCache
+from specdec.model.llama import INDEX_DTYPES, DecoderLayer, LlamaModel, rope_cos_sin
+from specdec.model.loader import SINGLE_FILE, load_tensors
+
+EMBEDDING = "embed_tokens.weight"
+
+
+class EagleHead(nn.Module):
+    """EAGLE-1 draft head over a target ``LlamaModel`` (see the module docstring).
+
+    Parameters
+    ----------
+    config : the head's ``ModelConfig`` (``num_layers`` decoder layers, usually 1); its
+        ``hidden_size`` and ``vocab_size`` must equal the target's.
+    target : the model whose features the head extrapolates; its LM head (and, without
+        ``own_embedding``, its embedding) is used in place, never copied.
+    fc_bias : whether ``fc`` has a bias (the authors' config key ``"bias"``, default true).
+    own_embedding : give the head its own ``embed_tokens`` (as the authors' checkpoints do).
+
+    The head's parameters take the dtype and device they are created with; ``from_pretrained``
+    puts them on the target's.
+    """
+
+    def __init__(self, config: ModelConfig, target: LlamaModel, *, fc_bias: bool = True, own_embedding: bool = False):
+        super().__init__()
+        check_fits_target(config.hidden_size, config.vocab_size, target, "EAGLE head")
+        self.config = config
+        hidden = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, hidden) if own_embedding else None
+        self.fc = nn.Linear(2 * hidden, hidden, bias=fc_bias)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers[0].input_layernorm = nn.Identity()  # the authors' layer 0 has no input norm
+        self.register_buffer("rope_inv_freq", config.rope_inv_freq(), persistent=False)
+        # A plain attribute, not a submodule: the target's weights stay the target's (no copy, not in state_dict).
+        object.__setattr__(self, "target", target)
+
+    @property
+    def embedding_weight(self) -> torch.Tensor:
+        return self.target.model.embed_tokens.weight if self.embed_tokens is None else self.embed_tokens.weight
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.target.lm_head_weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    def forward(
+        self,
+        features: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        cache: KVCache,
+        logits_rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Extrapolate one feature per row, writing the rows' K/V into the head's ``cache``.
+
+        Parameters
+        ----------
+        features : ``[Tq, hidden]`` in the head's dtype: the target's last hidden state of token t
+            (after the final norm), or a feature this head predicted at an earlier level.
+        tokens : ``[Tq]`` int32/int64: the token that follows each feature (``x_{t+1}``).
+        positions : ``[Tq]`` int32/int64 RoPE positions of the rows (the authors place row t at t).
+        metadata : ``AttentionMetadata`` of the rows (causal prefill/chain, or a tree mask).
+        cache : the head's ``KVCache`` (``new_cache``); written at ``seq_lens[b] + i``, not advanced.
+        logits_rows : optional ``[R]`` int64 rows to compute logits for; default all rows.
+
+        Returns
+        -------
+        features ``[Tq, hidden]`` (the predicted ``f_{t+1}``, fed back when drafting deeper) and
+        logits ``[R or Tq, vocab]`` for ``x_{t+2}``, both in the head's dtype.
+
+        Example
+        -------
+        >>> cache = head.new_cache(batch_size=1, max_len=256)
+        >>> meta = AttentionMetadata(torch.tensor([0, 5], dtype=torch.int32))       # 5 rows of one request
+        >>> feats, logits = head(hidden[:5], prompt[1:6], causal_positions(meta.q_offsets, cache.seq_lens, 5),
+        ...                      meta, cache)
+        >>> cache.advance([5])
+        """
+        device, hidden = self.device, self.config.hidden_size
+        check_tensor("features", features, dtype=self.dtype, ndim=2, device=device)
+        num_rows = features.shape[0]
+        if features.shape[1] != hidden:
+            raise ValueError(f"features must have shape ({num_rows}, {hidden}), got {tuple(features.shape)}")
+        check_tensor("tokens", tokens, dtype=INDEX_DTYPES, shape=(num_rows,), device=device)
+        check_tensor("positions", positions, dtype=INDEX_DTYPES, shape=(num_rows,), device=device)
+        if not isinstance(metadata, AttentionMetadata):
+            raise TypeError(f"metadata must be an AttentionMetadata, got {type(metadata).__name__}")
+        if logits_rows is not None:
+            check_tensor("logits_rows", logits_rows, dtype=INDEX_DTYPES, ndim=1, device=device)
+        x = self.fc(torch.cat((F.embedding(tokens, self.embedding_weight), features), dim=-1))  # [Tq, H]
+        cos, sin = rope_cos_sin(positions, self.rope_inv_freq, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, metadata, cache)
+        rows = x if logits_rows is None else x.index_select(0, logits_rows)
+        return x, F.linear(rows, self.lm_head_weight)
+
+    def new_cache(self, batch_size: int, max_len: int, **layout) -> KVCache:
+        """The head's own ``KVCache`` (``layout``: layout=, block_size=, num_blocks=, as for the target's)."""
+        c = self.config
+        return KVCache(
+            c.num_layers,
+            batch_size,
+            c.num_kv_heads,
+            c.head_dim,
+            max_len=max_len,
+            dtype=self.dtype,
+            device=self.device,
+            **layout,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, target: LlamaModel) -> EagleHead:
+        """Load a head in the EAGLE authors' layout from a local directory, in eval mode.
+
+        The head takes the target's dtype and device (it runs on the target's features and LM
+        head). Raises ValueError when the head does not fit the target (``hidden_size`` or
+        ``vocab_size``), when a tensor is missing, extra or misshapen, or when the directory
+        holds only a pickle checkpoint (with the command that converts it).
+
+        Example
+        -------
+        >>> target = LlamaModel.from_pretrained("/models/vicuna-7b-v1.3", dtype=torch.float16, device="cuda")
+        >>> head = EagleHead.from_pretrained("/models/EAGLE-Vicuna-7B-v1.3", target)
+        """
+        if not isinstance(target, LlamaModel):
+            raise TypeError(f"target must be a LlamaModel, got {type(target).__name__}")
+        path = Path(path)
+        hf = read_config_json(path)
+        config = ModelConfig.from_hf(hf)
+        if "qkv_bias" in hf:  # the authors' key for heads of targets with q/k/v biases
+            config = replace(config, qkv_bias=bool(hf["qkv_bias"]))
+        fc_bias = hf.get("bias", True)
+        if not isinstance(fc_bias, bool):
+            raise ValueError(f"config.json 'bias' must be true or false, got {fc_bias!r}")
+        check_fits_target(config.hidden_size, config.vocab_size, target, f"EAGLE head {path}")
+        names = head_checkpoint_files(path, SINGLE_FILE, "pytorch_model.bin")  # name -> file
+        with torch.device("meta"):  # shapes only: the checkpoint provides every value
+            head = cls(config, target, fc_bias=fc_bias, own_embedding=EMBEDDING in names)
+        state = eagle_state_dict(path, head, dtype=target.dtype, device=target.device)
+        head.load_state_dict(state, assign=True, strict=True)
+        head.rope_inv_freq = config.rope_inv_freq(target.device)
+        return head.requires_grad_(False).eval()
+
+
+def eagle_state_dict(path: Path, head: EagleHead, *, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+    """The head's state dict from a checkpoint in the authors' layout: the one place that knows their names.
+
+    The module's names are the authors' (``fc.*``, ``layers.{i}.*``, ``embed_tokens.weight``) except
+    for the fused projections of its decoder layer, which ``hf_layout`` converts to and from.
+    """
+    model_shapes = {name: tuple(t.shape) for name, t in head.state_dict().items()}
+    expected = checkpoint_shapes(model_shapes, head.config)
+    return fuse(load_tensors(path, expected, dtype=dtype, device=device))
