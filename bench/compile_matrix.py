@@ -160,7 +160,7 @@ def sampling_cases():
         verification.verify_triton(logits, tokens, tokens, offsets, q, params(batch), outputs(width), rule=rule,
                                    chain=chain)  # fmt: skip
 
-    def greedy_path(vocab, dtype, chain):
+    def greedy_path(vocab, dtype, chain, k=k):
         rows = batch * (k + 1) if chain else batch * nodes
         tokens = torch.empty(rows, dtype=torch.int32)
         offsets = torch.arange(0, batch + 1, dtype=torch.int32) * (k if chain else nodes)
@@ -193,6 +193,7 @@ def sampling_cases():
                     lambda v=vocab, t=dtype, c=chain: greedy_path(v, t, c)
                 )
             cases[f"sample / filtered_probs / sample_probs V={vocab} {name}"] = lambda v=vocab, t=dtype: others(v, t)
+            cases[f"greedy chain K=0 V={vocab} {name}"] = lambda v=vocab, t=dtype: greedy_path(v, t, True, k=0)
     return cases
 
 
@@ -342,7 +343,7 @@ def report(jobs: list[Job], results: dict, archs: list[int], version: str, elaps
     kernels: dict[str, dict] = {}
     rows = []
     for j, job in enumerate(jobs):
-        summary = kernels.setdefault(job.kernel, dict(configs=0, defaults=0, cases=set(), arch={}))
+        summary = kernels.setdefault(job.kernel, dict(configs=0, defaults=0, cases=set(), arch={}, seconds=0.0))
         summary["configs"] += 1
         summary["defaults"] += job.default
         summary["cases"].update(job.cases)
@@ -362,6 +363,7 @@ def report(jobs: list[Job], results: dict, archs: list[int], version: str, elaps
                 continue
             for field in ("registers", "spill", "stack", "shared"):
                 worst[field] = max(worst[field], r[field])
+            summary["seconds"] += r["seconds"]
             cells.append(usage(r))
         origin = "default" if job.default else "candidate"
         more = f" (+{len(job.cases) - 1})" if len(job.cases) > 1 else ""
@@ -376,14 +378,14 @@ def report(jobs: list[Job], results: dict, archs: list[int], version: str, elaps
         "(from ptxas -v).",
         "",
         "| kernel | configs (defaults) | cases | " + " | ".join(f"sm_{a} {USAGE}" for a in archs)
-        + " | failed |",
-        "|---|---|---|" + "---|" * len(archs) + "---|",
+        + " | failed | compile s |",
+        "|---|---|---|" + "---|" * len(archs) + "---|---|",
     ]
     for name, s in sorted(kernels.items()):
         worst = [s["arch"][a] for a in archs]
         cells = [usage(w) for w in worst]
         lines.append(f"| {name} | {s['configs']} ({s['defaults']}) | {len(s['cases'])} | " + " | ".join(cells)
-                     + f" | {sum(w['failed'] for w in worst)} |")  # fmt: skip
+                     + f" | {sum(w['failed'] for w in worst)} | {s['seconds']:.0f} |")  # fmt: skip
     lines += ["", "Limits: no spill stores; shared memory per block <= "
               + ", ".join(f"{SHARED_LIMIT[a] // 1024} KB (sm_{a})" for a in archs) + ".", ""]  # fmt: skip
     if failures:
@@ -400,7 +402,8 @@ def report(jobs: list[Job], results: dict, archs: list[int], version: str, elaps
         "configurations": len(jobs),
         "failures": failures,
         "kernels": {k: {"configs": s["configs"], "defaults": s["defaults"], "cases": len(s["cases"]),
-                        "worst": {str(a): s["arch"][a] for a in archs}} for k, s in kernels.items()},  # fmt: skip
+                        "compile_s": round(s["seconds"], 1), "worst": {str(a): s["arch"][a] for a in archs}}
+                    for k, s in kernels.items()},  # fmt: skip
     }
     return "\n".join(lines) + "\n", summary, len(failures)
 

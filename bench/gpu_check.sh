@@ -4,7 +4,7 @@
 #   bash bench/gpu_check.sh OUT                  on a machine with an NVIDIA GPU (nothing is downloaded)
 #   bash bench/gpu_check.sh --dry-run OUT        the same stages on the CPU (interpreter, tiny shapes)
 #   bash bench/gpu_check.sh --stages a,b OUT     only the named stages
-#   SPECDEC_GPU_CHECK_BUDGET=seconds             the budget (default 420; a dry run 300)
+#   SPECDEC_GPU_CHECK_BUDGET=seconds             the budget (default 420; a dry run 600)
 #   PYTHON=...                                   the interpreter (default python3)
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -14,7 +14,7 @@ from helpers import assert_close
 from specdec import _backend
 from specdec.kernels import build_tree_metadata, plan_attention, run_attention, tree_attention
 from specdec.kernels import tree_attention_torch as torch_path
-from specdec.kernels.tree_attention_kernels import tile_config, triton_launches
+from specdec.kernels.tree_attention_kernels import attention_space, tile_config, triton_launches
 from specdec.kernels.tree_attention_torch import tree_attention_reference
 
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (3e-3, 3e-3), torch.bfloat16: (2e-2, 2e-2)}
@@ -435,11 +435,25 @@ def test_launches_follow_the_plan(splits):
                               torch.empty(64 * 3, 32) if splits > 1 else None)  # fmt: skip
     assert [p[0].__name__ for p in planned] == ["tree_attention_kernel"] + ["merge_splits_kernel"] * (splits > 1)
     kernel, grid, _args, meta, config, space = planned[0]
-    assert (tile.block_m, tile.block_q, tile.block_n) == (256, 64, 32)  # a whole 64-node tree x 4 heads per tile
+    assert (tile.block_m, tile.block_q, tile.block_n) == (256, 64, 16)  # a whole 64-node tree x 4 heads per tile
     assert grid == (3 * 64 // tile.block_q + 3, 8, splits)
     assert meta["BLOCK_M"] == 256 and meta["TREE"] and meta["PAGED"]
-    assert config == {"BLOCK_N": 32, "num_warps": 8, "num_stages": 3}
+    assert config == {"BLOCK_N": 16, "num_warps": 8, "num_stages": 3}
     assert config in space.configs  # the default is one of the tuning candidates
+
+
+def test_tile_choice_by_architecture_and_dtype():
+    # 256-row tiles (a 64-node tree x 4 heads) only on Hopper: every 256-row configuration spills on sm_80;
+    # fp32 tiles hold one query token's group (16 rows), as wider fp32 tiles spill; the default is always
+    # the first candidate of its tuning space
+    assert tile_config(64 * 3, 3, 4, 128, 1).block_m == 256
+    assert tile_config(64 * 3, 3, 4, 128, 1, hopper=False)[:4] == (128, 32, 32, 128)
+    assert tile_config(64 * 3, 3, 4, 128, 1, fp32=True)[:5] == (16, 4, 16, 128, 8)
+    for tokens, batch, group, d, fp32, hopper in [(8, 8, 4, 128, False, True), (4096, 1, 8, 128, False, False),
+                                                  (64, 1, 8, 256, False, True), (1, 1, 4, 64, True, True)]:  # fmt: skip
+        tile = tile_config(tokens, batch, group, d, 1, fp32=fp32, hopper=hopper)
+        space = attention_space(tile.block_m, tile.block_d, fp32)
+        assert space.configs[0] == {"BLOCK_N": tile.block_n, "num_warps": tile.num_warps, "num_stages": tile.num_stages}
 
 
 # ---------------------------------------------------------------- GPU only (compiled Triton, bf16, big caches)

@@ -47,20 +47,21 @@ def ids(configs):
 # ---------------------------------------------------------------- every tile candidate against the reference
 
 
-ATTENTION = attention_space(16, 32, True)  # the fp32 rows of the test below
+ATTENTION = attention_space(16, 32, False)  # the 16-row fp16 tile of the test below (fp16: bf16 dots are wrong
+# in Triton 3.9's interpreter)
 
 
 @pytest.mark.parametrize("config", tile_candidates(ATTENTION), ids=ids(tile_candidates(ATTENTION)))
 def test_attention_candidates(config):
     trees = [random_tree(9), chain(3)]
-    batch = Batch([5, 70], trees, hq=4, hkv=2, d=32, dtype=torch.float32, device=DEVICE, paged=True)
+    batch = Batch([5, 70], trees, hq=4, hkv=2, d=32, dtype=torch.float16, device=DEVICE, paged=True)
     with _backend.use_backend("triton"), tuning.use_config("tree_attention_kernel", config):
         tuning.clear_chosen()
         out, lse = batch.run()
         assert tuning.chosen_configs()["tree_attention_kernel"] == config
     ref_out, ref_lse = batch.oracle()
-    assert_close(out, ref_out, *ATTENTION_TOL[torch.float32], "out")
-    assert_close(lse, ref_lse, *ATTENTION_TOL[torch.float32], "lse")
+    assert_close(out, ref_out, *ATTENTION_TOL[torch.float16], "out")
+    assert_close(lse, ref_lse, *ATTENTION_TOL[torch.float16], "lse")
 
 
 THRESHOLD = mod("top_k_top_p").THRESHOLD_SPACE

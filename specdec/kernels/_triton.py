@@ -28,6 +28,13 @@ else:
 INT32_MAX = tl.constexpr(2147483647) if triton is not None else 2147483647
 
 
-def jit(fn):
-    """``triton.jit`` (compiled, or interpreted under TRITON_INTERPRET=1), or the plain function."""
-    return triton.jit(fn) if triton is not None else fn
+def jit(fn=None, *, do_not_specialize=()):
+    """``triton.jit`` (compiled, or interpreted under TRITON_INTERPRET=1), or the plain function.
+
+    ``do_not_specialize``: integer arguments the JIT must not turn into constants when they equal 1
+    (code folded around such a constant can break a Triton version's compiler)."""
+    if fn is None:
+        return lambda f: jit(f, do_not_specialize=do_not_specialize)
+    if triton is None:
+        return fn
+    return triton.jit(fn, do_not_specialize=list(do_not_specialize)) if do_not_specialize else triton.jit(fn)

@@ -129,7 +129,7 @@ def _final_sample_kernel(
 
 
 # The vocabulary tile is the statistics' own (shared by every stage): warps only.
-FINAL_MASS_SPACE = TuningSpace(candidates(num_warps=(2, 4, 8)), key=("V", "RULE", "CHAIN"))
+FINAL_MASS_SPACE = TuningSpace(candidates(num_warps=(8, 2)), key=("V", "RULE", "CHAIN"))  # 4 spills (sm_80, 3.6)
 FINAL_SAMPLE_SPACE = TuningSpace(candidates(num_warps=(2, 4, 8)), key=("V", "RULE", "CHAIN"))
 
 
@@ -145,7 +145,7 @@ def final_sample_triton(logits, tokens, parents, q, thr, inv_row, stats, params,
     meta = dict(RULE=rule, CHAIN=chain, BLOCK=block, T_PAD=triton.next_power_of_2(n_tiles))
     vocab = logits.shape[1]
     mass_args = (*common, w_mass, p_mass, vocab, n_tiles, logits.stride(0), q.stride(0))
-    launch(_final_mass_kernel, (batch, n_tiles), mass_args, meta, dict(num_warps=4), FINAL_MASS_SPACE)
+    launch(_final_mass_kernel, (batch, n_tiles), mass_args, meta, dict(num_warps=8), FINAL_MASS_SPACE)
     sample_args = (*common, w_mass, p_mass, seed, offset, out_tok, num_acc, vocab, n_tiles, logits.stride(0),
                    q.stride(0), out_tok.stride(0))  # fmt: skip
     sample_meta = dict(meta, EPS=RESIDUAL_EPS)

@@ -135,7 +135,7 @@ def _greedy_test(tok, valid, argmax):
     return valid & (tok == argmax)
 
 
-@jit
+@jit(do_not_specialize=["W"])  # W = 1 (sample's one-token rows) as a constant breaks Triton 3.6's compiler
 def _tree_walk_kernel(
     logits_ptr,  # [R, V] target logits, one row per node (unit column stride)
     tokens_ptr,  # [R] int32 node tokens (roots' ignored); CHAIN: [T] draft tokens

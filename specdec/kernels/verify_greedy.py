@@ -32,7 +32,7 @@ from specdec.kernels.verify_tree import TreeVerifyResult, check_tree
 # ----------------------------------------------------------------------------- Triton
 
 
-@jit
+@jit(do_not_specialize=["W"])  # as the tree walk: W = 1 as a constant breaks Triton 3.6's compiler
 def _greedy_walk_kernel(
     tokens_ptr,  # [R] int32 node tokens; CHAIN: [T] draft tokens
     parents_ptr,  # [R] int32 local parents; unread with CHAIN
