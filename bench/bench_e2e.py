@@ -6,31 +6,48 @@ Greedy (temperature 0), batch 1, each held-out prompt decoded alone for N new to
   specdec autoregressive | chain K=5 | tree 3,2,1,1,1 (deterministic rule) | n-gram K=5
   HF generate (greedy) | HF assisted generation (assistant_model = the draft) | HF prompt lookup (5 tokens)
 
-tokens/s = generated tokens / wall time summed over prompts (prefill included);
+tokens/s = generated tokens / time summed over prompts (prefill included); on the CPU the time
+is the thread's CPU time with one intra-op thread (``common.clock``), on CUDA wall time;
 tau = tokens per target forward (HF: counted with a forward hook on the target);
 "identical" = every prompt's tokens equal specdec's autoregressive greedy tokens.
 Then a temperature-1 run (specdec strategies with the tree on the stochastic rule, HF
 sampling and HF assisted sampling): tokens/s and tau. Methods run interleaved prompt by
-prompt, so drifting background load on a shared machine hits them all alike. A PNG bar
-chart of the greedy tokens/s goes to ``--out`` when matplotlib is importable.
+prompt, ``--repeats`` times, each (method, prompt) keeping its fastest run, so drifting
+background load on a shared machine hits them all alike. Last, per strategy: the host
+syncs of each step (counted, ``tests/sync_counter.py``) and the kernel launches of the
+target forward it runs (counted by ``bench/count_launches.py`` with the Triton path
+interpreted). A PNG bar chart of the greedy tokens/s goes to ``--out`` when matplotlib is
+importable.
 
     python bench/bench_e2e.py --quick            # CPU smoke run: 2 prompts, 32 tokens
     python bench/bench_e2e.py --dry-run          # the GPU check's rehearsal: 1 prompt, 8 tokens
-    python bench/bench_e2e.py --out OUT          # 6 prompts, 96 tokens (CPU: one thread)
+    python bench/bench_e2e.py --out OUT          # 6 prompts, 96 tokens, 3 repeats (CPU: one thread)
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
-import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Table, bench_args  # noqa: E402
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+from common import Table, bench_args, clock, cpu_threads  # noqa: E402
 
-from specdec.cli.demo import ASSETS, Run, decode_all, first_difference, heldout_prompts, load_pair, strategies  # noqa: E402
+from specdec.cli.demo import (  # noqa: E402
+    ASSETS,
+    Run,
+    decode_all,
+    first_difference,
+    heldout_prompts,
+    load_pair,
+    strategies,
+)
 
 
 class ForwardCounter:
@@ -45,36 +62,71 @@ class ForwardCounter:
 
 
 def hf_run(label, hf, counter, prompts, new_tokens, device, **kwargs) -> Run:
-    """HuggingFace ``generate`` on each prompt alone; tau from the target's forward count."""
-    tokens, seconds, forwards = [], 0.0, 0
+    """HuggingFace ``generate`` on each prompt alone; tau from the target's forward count (untimed: see
+    ``interleaved``)."""
+    tokens, forwards = [], 0
     for ids in prompts:
         x = torch.tensor([ids], device=device)
         counter.calls = 0
-        start = time.perf_counter()
         with torch.inference_mode():
             y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, **kwargs)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        seconds += time.perf_counter() - start
         forwards += counter.calls
         tokens.append(y[0, len(ids) :].tolist())
     generated = sum(map(len, tokens))
-    return Run(label, tokens, seconds, generated, forwards, 0, 0)
+    return Run(label, tokens, 0.0, generated, forwards, 0, 0)
 
 
-def interleaved(methods, prompts) -> list[Run]:
-    """Run every method on prompt 1, then every method on prompt 2, ...; sum each method's runs.
+def interleaved(methods, prompts, device: str, repeats: int) -> list[Run]:
+    """Run every method on prompt 1, then every method on prompt 2, ..., ``repeats`` times over; each
+    (method, prompt) keeps its fastest time (``common.clock``) and its first run's tokens and counters.
 
-    On a shared machine the background load drifts over a run; interleaving spreads it
-    evenly over the methods, so the ratios between them stay meaningful.
+    On a shared machine the background load drifts over a run; interleaving spreads it evenly over
+    the methods and the fastest of several runs drops the bursts, so the ratios stay meaningful.
     """
-    parts = [[m([p]) for m in methods] for p in prompts]
+    now = clock(device)
+    parts: list[list[Run]] = [[None] * len(methods) for _ in prompts]
+    for _ in range(repeats):
+        for part, p in zip(parts, prompts):
+            for i, m in enumerate(methods):
+                start = now()
+                run = m([p])
+                seconds = now() - start
+                part[i] = replace(run, seconds=seconds) if part[i] is None else replace(
+                    part[i], seconds=min(part[i].seconds, seconds)
+                )
     runs = []
     for i in range(len(methods)):
         mine = [part[i] for part in parts]
         total = [sum(getattr(r, f) for r in mine) for f in ("seconds", "generated", "forwards", "drafted", "accepted")]
         runs.append(Run(mine[0].label, [t for r in mine for t in r.tokens], *total))
     return runs
+
+
+def step_counts(target, draft, prompts, quick: bool) -> Table:
+    """Per strategy: host syncs per step (counted over a greedy generation) and target launches per forward."""
+    sys.path.insert(0, str(BENCH.parent / "tests"))
+    from count_launches import syncs_per_step
+
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(BENCH.parent))
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "count_launches.py"), "--json"], env=env, capture_output=True, text=True
+    )
+    launches = json.loads(out.stdout) if out.returncode == 0 else None
+    forward_kind = {"autoregressive": "decode", "draft chain": "chain K=5", "n-gram": "chain K=5"}
+    table = Table(
+        "Per step: host syncs (counted on the CPU's path) and the target forward's kernel launches (Triton path, "
+        "counted on the CPU by bench/count_launches.py)",
+        ["decoding", "host syncs per step", "target forward", "launches per forward", "per decoder layer"],
+    )
+    for label, strategy in strategies(draft):
+        syncs = syncs_per_step(target, strategy, prompts[:1], max_new_tokens=16 if quick else 32)
+        kind = next((k for prefix, k in forward_kind.items() if label.startswith(prefix)), "tree 16 nodes")
+        per_forward, per_layer = launches[kind]["1"] if launches else ("?", "?")
+        counted = f"{min(syncs)}-{max(syncs)}" if min(syncs) != max(syncs) else str(syncs[0])
+        table.add(label, f"{counted} ({len(syncs)} steps)", kind, per_forward, per_layer)
+    if launches is None:
+        print(f"count_launches.py failed: {out.stderr[-400:]}")
+    return table
 
 
 def load_hf(directory: Path, device: str):
@@ -111,11 +163,14 @@ def chart(runs: list[Run], baseline: Run, path: Path) -> str:
 
 
 def main() -> None:
-    args = bench_args(__doc__.splitlines()[0])
+    args = bench_args(
+        __doc__.splitlines()[0],
+        lambda p: p.add_argument("--repeats", type=int, default=None, help="runs per (method, prompt); fastest kept"),
+    )
     device = args.device
-    if not device.startswith("cuda"):
-        torch.set_num_threads(1)  # the pair is small: intra-op threads only add overhead on a shared CPU
+    cpu_threads(device)
     num_prompts, new_tokens = (1, 8) if args.dry_run else (2, 32) if args.quick else (6, 96)
+    repeats = args.repeats or (1 if args.quick or device.startswith("cuda") else 3)
     target, draft, tokenizer = load_pair(device, assets=ASSETS)
     target_dir, draft_dir = ASSETS / "target", ASSETS / "draft"
     hf_target, hf_draft = load_hf(target_dir, device), load_hf(draft_dir, device)
@@ -137,11 +192,11 @@ def main() -> None:
         lambda ps, kw=kw, label=label: hf_run(label, hf_target, counter, ps, new_tokens, device, **kw)
         for label, kw in hf_plan
     ]
-    runs = interleaved(methods, prompts)
+    runs = interleaved(methods, prompts, device, repeats)
     base, hf_base, hf_assist = runs[0], runs[len(plan)], runs[len(plan) + 1]
     title = (
         f"End-to-end greedy decoding, embedded pair, {device}, batch 1, {num_prompts} held-out prompts x "
-        f"{new_tokens} tokens"
+        f"{new_tokens} tokens, fastest of {repeats}"
     )
     table = Table(
         title,
@@ -176,7 +231,7 @@ def main() -> None:
         ]
     ]
     torch.manual_seed(0)
-    sampled = interleaved(methods, prompts)
+    sampled = interleaved(methods, prompts, device, repeats)
     t1 = Table(
         f"Temperature 1 (top-k/top-p off), embedded pair, {device}, batch 1, "
         f"{num_prompts} prompts x {new_tokens} tokens",
@@ -189,6 +244,7 @@ def main() -> None:
             "-" if r.acceptance is None else f"{r.acceptance:.2f}",
         )  # fmt: skip
     t1.write(args.out, "e2e_temperature1")
+    step_counts(target, draft, prompts, args.quick).write(args.out, "e2e_step_counts")
 
 
 if __name__ == "__main__":

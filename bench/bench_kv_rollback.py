@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Table, bench_args, copy_bandwidth_gbs, measure_us  # noqa: E402
+from common import Table, bench_args, copy_bandwidth_gbs, cpu_threads, measure_many_us  # noqa: E402
 
 from specdec import _backend  # noqa: E402
 from specdec.kernels import kv_compact  # noqa: E402
@@ -105,7 +105,7 @@ def measure_case(layout, batch, chains, shape, device, bandwidth):
         raise AssertionError(f"specdec and the eager loop disagree ({layout}, batch {batch})")
     del original, after_ours
 
-    t_ours, t_eager = measure_us(ours, device), measure_us(eager, device)
+    t_ours, t_eager = measure_many_us([ours, eager], device)
     nbytes = 2 * moved * layers * 2 * heads * dim * data.element_size()
     floor_us = nbytes / (bandwidth * 1e9) * 1e6
     return (
@@ -125,8 +125,7 @@ def measure_case(layout, batch, chains, shape, device, bandwidth):
 def main():
     args = bench_args(__doc__.splitlines()[0])
     device = args.device
-    if device == "cpu":  # one thread: on a shared 2-core machine a 2-thread OpenMP region stalls behind neighbours
-        torch.set_num_threads(1)
+    cpu_threads(device)
     if args.dry_run:
         shape, batches = (2, 2, 32, 16, 8, torch.float32), (1, 4)
     elif args.quick:

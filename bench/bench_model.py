@@ -4,9 +4,9 @@ Both run greedy decoding of the same random LLaMA checkpoint (built with transfo
 its weights copied into specdec's model) for B prompts of equal length, so neither
 needs padding. Decode tokens/s = B * (N - 1) / (t(N new tokens) - t(1 new token)): the
 one-token run is prefill plus the first sample, so the difference is the N - 1 decode
-steps. The last column is the fraction of requests whose N greedy tokens are identical
-between the two (all of them in float32; bf16 on a GPU may legitimately drift after a
-near-tie).
+steps. The four runs interleave; CPU times are the thread's CPU time (``common.measure_many_us``).
+The last column is the fraction of requests whose N greedy tokens are identical between the two
+(all of them in float32; bf16 on a GPU may legitimately drift after a near-tie).
 
     python bench/bench_model.py --quick        # CPU: 4 layers, hidden 256, fp32, N = 32, one thread
     python bench/bench_model.py --dry-run      # the GPU check's rehearsal: N = 8, batch 1 and 2
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Table, bench_args, measure_us  # noqa: E402
+from common import Table, bench_args, cpu_threads, measure_many_us  # noqa: E402
 
 from specdec.decoding.autoregressive import generate  # noqa: E402
 from specdec.model import LlamaModel, ModelConfig  # noqa: E402
@@ -58,10 +58,9 @@ def main() -> None:
     device = args.device
     quick = args.quick or not device.startswith("cuda")
     shape, dtype, new_tokens, prompt_len = (QUICK, torch.float32, 32, 16) if quick else (FULL, torch.bfloat16, 64, 64)
+    cpu_threads(device)
     if args.dry_run:
         new_tokens, prompt_len = 8, 8
-    if not device.startswith("cuda"):
-        torch.set_num_threads(1)  # a shared 2-core machine: spinning OpenMP threads distort small matmuls
     hf, ours = build_models(shape, dtype, device)
     layers, hidden = shape["num_hidden_layers"], shape["hidden_size"]
     table = Table(
@@ -83,11 +82,12 @@ def main() -> None:
                 return hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)[:, prompt_len:]
 
         same = sum(a == b for a, b in zip(run_ours(new_tokens), run_hf(new_tokens).tolist()))
-        step_ms = {}
-        for name, run in (("ours", run_ours), ("hf", run_hf)):
-            full = measure_us(lambda run=run: run(new_tokens), device, min_runs=3)[0]
-            first = measure_us(lambda run=run: run(1), device, min_runs=3)[0]
-            step_ms[name] = (full - first) / (new_tokens - 1) / 1e3
+        fns = [lambda run=run, n=n: run(n) for run in (run_ours, run_hf) for n in (new_tokens, 1)]  # interleaved
+        (ours_full, *_), (ours_first, *_), (hf_full, *_), (hf_first, *_) = measure_many_us(fns, device, min_runs=3)
+        step_ms = {
+            "ours": (ours_full - ours_first) / (new_tokens - 1) / 1e3,
+            "hf": (hf_full - hf_first) / (new_tokens - 1) / 1e3,
+        }
         tok_s = {name: batch / (ms / 1e3) for name, ms in step_ms.items()}
         table.add(
             batch, tok_s["ours"], tok_s["hf"], f"{tok_s['ours'] / tok_s['hf']:.2f}x",

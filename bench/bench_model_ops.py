@@ -1,9 +1,9 @@
 """Per-layer model ops: specdec's fused RMSNorm, add + RMSNorm, RoPE and SwiGLU against the eager
-PyTorch composites the model runs today (``specdec.model.llama``), measured in one run.
+PyTorch composites of HuggingFace's LLaMA (written out below), measured in one run.
 
-Peers: ``RMSNorm`` (6 ATen ops); ``residual + x`` then ``RMSNorm``; ``rope_cos_sin`` then
-``apply_rope`` on q and on k (the op computes its angles itself, so the peer computes cos/sin
-too); ``F.silu(gate) * up`` on the halves of a fused gate/up output. specdec is timed twice:
+Peers: RMSNorm (6 ATen ops); ``residual + x`` then RMSNorm; cos/sin from the positions then
+``x * cos + rotate_half(x) * sin`` on q and on k (the op computes its angles itself, so the peer
+computes cos/sin too); ``F.silu(gate) * up`` on the halves of a fused gate/up output. specdec is timed twice:
 the public function (argument checks + custom-op dispatch, what outside callers pay) and the
 op body the model's planned forward calls directly. Bytes that must move: every input read
 once and every output written once; GB/s is that over the body's time, next to the
@@ -27,16 +27,28 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Table, bench_args, copy_bandwidth_gbs, measure_us  # noqa: E402
+from common import Table, bench_args, copy_bandwidth_gbs, cpu_threads, measure_many_us  # noqa: E402
 
 from specdec import _backend  # noqa: E402
 from specdec.kernels import add_rms_norm, apply_rotary, rms_norm, silu_mul  # noqa: E402
 from specdec.kernels.rms_norm import add_rms_norm_op, rms_norm_op  # noqa: E402
 from specdec.kernels.rotary import apply_rotary_op  # noqa: E402
 from specdec.kernels.silu_mul import silu_mul_op  # noqa: E402
-from specdec.model.llama import RMSNorm, apply_rope, rope_cos_sin  # noqa: E402
 
 EPS = 1e-5
+
+
+def hf_rms_norm(x, weight):
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+
+
+def hf_rope(x, positions, inv_freq):
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos().to(x.dtype)[:, None], angles.sin().to(x.dtype)[:, None]
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def cases(T, shape, dtype, device, backend):
@@ -46,9 +58,8 @@ def cases(T, shape, dtype, device, backend):
     size = torch.empty(0, dtype=dtype).element_size()
     x = torch.randn(T, hidden, device=device).to(dtype)
     residual = torch.randn(T, hidden, device=device).to(dtype)
-    norm = RMSNorm(hidden, EPS).to(device=device, dtype=dtype)
-    norm.weight.data.normal_()
-    weight = norm.weight.data
+    weight = torch.randn(hidden, device=device).to(dtype)
+    norm = lambda h: hf_rms_norm(h, weight)  # noqa: E731
     out = torch.empty_like(x)
     qkv = torch.randn(T, hq + 2 * hkv, d, device=device).to(dtype)
     q, k = qkv[:, :hq], qkv[:, hq : hq + hkv]
@@ -59,8 +70,7 @@ def cases(T, shape, dtype, device, backend):
     rms, add_rms, rope, silu = (op.body(backend) for op in (rms_norm_op, add_rms_norm_op, apply_rotary_op, silu_mul_op))
 
     def eager_rope():
-        cos, sin = rope_cos_sin(positions, inv_freq, dtype)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return hf_rope(q, positions, inv_freq), hf_rope(k, positions, inv_freq)
 
     def first_rms():
         rms(x, weight, EPS, out)
@@ -122,8 +132,7 @@ def check(name: str, T: int, ours: torch.Tensor, expected: torch.Tensor, exact: 
 def main():
     args = bench_args(__doc__.splitlines()[0])
     device = args.device
-    if device == "cpu":  # one thread: on a small shared CPU, intra-op threads mostly measure contention
-        torch.set_num_threads(1)
+    cpu_threads(device)
     if args.dry_run:
         shape, dtype, tokens = (96, 4, 2, 32, 160), torch.float32, (1, 5)
     elif args.quick:
@@ -152,7 +161,7 @@ def main():
     for T in tokens:
         for name, (public, body, eager, nbytes, first_run) in cases(T, shape, dtype, device, backend).items():
             check(name, T, *first_run(), exact=backend == "torch")
-            t_public, t_body, t_eager = (measure_us(fn, device) for fn in (public, body, eager))
+            t_public, t_body, t_eager = measure_many_us([public, body, eager], device)
             copy_us = nbytes / (bandwidth * 1e9) * 1e6
             table.add(
                 name,

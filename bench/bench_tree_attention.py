@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Table, bench_args, copy_bandwidth_gbs, measure_us  # noqa: E402
+from common import Table, bench_args, copy_bandwidth_gbs, cpu_threads, measure_many_us  # noqa: E402
 
 from specdec.kernels import (  # noqa: E402
     build_tree_metadata,
@@ -151,18 +151,20 @@ def bench_row(batch, context, shape, dtype, device, timing, want_flex, flex_note
     """Times (median us) of every provider on one shape, specdec's p20/p80, bytes moved, error vs SDPA."""
     c = make_case(batch, context, shape, dtype, device)
     out = torch.empty_like(c["q"])
-    public = measure_us(lambda: run_specdec(c, out), device, **timing)[0]
     plan = plan_specdec(c)
-    us, p20, p80 = measure_us(lambda: run_attention(c["q"], c["k_cache"], c["v_cache"], plan, out), device, **timing)
-    sdpa = measure_us(lambda: run_sdpa(c), device, **timing)[0]
-    eager = measure_us(lambda: run_eager(c), device, **timing)[0]
-    err = (out.float() - run_sdpa(c).transpose(1, 2).reshape_as(out).float()).abs().max().item()
-    flex = None
+    fns = [
+        lambda: run_attention(c["q"], c["k_cache"], c["v_cache"], plan, out), lambda: run_specdec(c, out),
+        lambda: run_sdpa(c), lambda: run_eager(c),
+    ]  # fmt: skip
+    flex_fn = None
     if want_flex:
-        fn, why = flex_runner(c, device)
-        flex = measure_us(fn, device, **timing)[0] if fn is not None else None
+        flex_fn, why = flex_runner(c, device)
         if why:
             flex_notes.add(why)
+    times = measure_many_us(fns + ([flex_fn] if flex_fn is not None else []), device, **timing)
+    (us, p20, p80), public, sdpa, eager = times[0], times[1][0], times[2][0], times[3][0]
+    flex = times[4][0] if flex_fn is not None else None
+    err = (out.float() - run_sdpa(c).transpose(1, 2).reshape_as(out).float()).abs().max().item()
     moved = 2 * batch * c["length"] * HKV * D * c["k_cache"].element_size()  # K and V of every position
     moved += 2 * c["q"].numel() * c["q"].element_size()  # q in, out back
     return dict(us=us, p20=p20, p80=p80, public=public, sdpa=sdpa, eager=eager, flex=flex, err=err, bytes=moved)
@@ -181,8 +183,7 @@ def main() -> None:
         batches, contexts = [1, 8, 32], [1024, 4096, 16384]
     shapes = ["decode", "chain 8", "tree 64"]
     timing = {} if on_gpu else dict(min_runs=3, budget_s=0.15)
-    if not on_gpu:
-        torch.set_num_threads(1)  # on a small shared CPU, intra-op threads mostly measure contention
+    cpu_threads(device)
     copy_gbs = copy_bandwidth_gbs(device)
     dev_name = torch.cuda.get_device_name() if on_gpu else "CPU"
     print(f"{dev_name}, {dtype}, {torch.get_num_threads()} thread(s), measured copy bandwidth {copy_gbs:.0f} GB/s")

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Table, bench_args, copy_bandwidth_gbs, measure_us  # noqa: E402
+from common import Table, bench_args, copy_bandwidth_gbs, cpu_threads, measure_many_us  # noqa: E402
 
 from specdec import _backend  # noqa: E402
 from specdec.kernels import SamplingParams, verify_chain, verify_chain_greedy, verify_tree  # noqa: E402
@@ -79,15 +79,18 @@ def run_case(kind, batch, size, vocab, dtype, device, top_p=1.0):
         p = sampling_params(batch, device, top_p)
         fast = lambda: verify_chain(*inputs, p, rule="stochastic", draft_probs=q, max_draft_len=size)
         eager = lambda: verify_chain_reference(*inputs, p, rule="stochastic", draft_probs=q, max_draft_len=size)
-    ours = measure_us(fast, device)
-    with _backend.use_backend("torch"):
-        peer = measure_us(eager, device)
+    def peer():
+        with _backend.use_backend("torch"):
+            eager()
+
+    ours, peer = measure_many_us([fast, peer], device)
     return ours, peer, nbytes
 
 
 def main():
     args = bench_args("verify_chain / verify_tree vs eager PyTorch")
     device = args.device
+    cpu_threads(device)
     quick = args.quick or not device.startswith("cuda")
     bandwidth = copy_bandwidth_gbs(device)
     where = f"{torch.cuda.get_device_name()}" if device.startswith("cuda") else "CPU"

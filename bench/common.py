@@ -1,11 +1,15 @@
-"""Timing and reporting shared by the microbenchmarks in bench/.
+"""Timing and reporting shared by the benchmarks in bench/.
 
-Every benchmark measures specdec next to its peer in the same run and reports
-median and p20/p80 times. On CUDA, times come from ``triton.testing.do_bench``
-(CUDA events, cache flushed between runs); on the CPU from a perf_counter loop.
-``--dry-run`` (the GPU check's CPU rehearsal) means tiny shapes and one timed run.
-A table made with ``configs=True`` ends each row with the kernel configurations the
-row launched (``specdec.kernels.tuning``).
+Every benchmark measures specdec next to its peer in the same run and reports median and
+p20/p80 times. On CUDA, times come from ``triton.testing.do_bench`` (CUDA events, cache flushed
+between runs). On the CPU the methods of a comparison run interleaved (one call of each in turn)
+and are timed with ``time.thread_time``, the calling thread's CPU time: on a shared machine the
+other processes' load hits every method alike and sleeping or descheduled time is not counted,
+so the ratios between methods stay meaningful even when the absolute times drift. Benchmarks
+set one intra-op thread on the CPU (``cpu_threads``) so the thread's time is the work's time.
+``--dry-run`` (the GPU check's CPU rehearsal) means tiny shapes and one timed run. A table made
+with ``configs=True`` ends each row with the kernel configurations the row launched
+(``specdec.kernels.tuning``).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -24,13 +28,15 @@ from specdec.kernels import tuning
 DRY_RUN = False  # set by bench_args(--dry-run): one timed run per measurement
 
 
-def bench_args(description: str) -> argparse.Namespace:
-    """The flags every benchmark script takes."""
+def bench_args(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    """The flags every benchmark script takes (``extra`` adds a script's own)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="small shapes only (CPU smoke run)")
     parser.add_argument("--out", type=Path, default=None, help="folder for the markdown table")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, one timed run (tests the script)")
+    if extra is not None:
+        extra(parser)
     args = parser.parse_args()
     global DRY_RUN
     DRY_RUN = args.dry_run
@@ -38,25 +44,58 @@ def bench_args(description: str) -> argparse.Namespace:
     return args
 
 
+def cpu_threads(device: str) -> None:
+    """One intra-op thread on the CPU: ``time.thread_time`` then measures all of the work (and a shared
+    machine's spinning OpenMP threads do not distort small ops)."""
+    if not device.startswith("cuda"):
+        torch.set_num_threads(1)
+
+
+def clock(device: str) -> Callable[[], float]:
+    """Seconds now: per-thread CPU time on the CPU, wall time after a synchronize on CUDA."""
+    if device.startswith("cuda"):
+
+        def wall() -> float:
+            torch.cuda.synchronize()
+            return time.perf_counter()
+
+        return wall
+    return time.thread_time
+
+
 def measure_us(fn: Callable[[], object], device: str, min_runs: int = 5, budget_s: float = 1.0) -> tuple[float, ...]:
-    """(median, p20, p80) wall time of ``fn()`` in microseconds."""
+    """(median, p20, p80) time of ``fn()`` in microseconds (see ``measure_many_us``)."""
+    return measure_many_us([fn], device, min_runs, budget_s)[0]
+
+
+def measure_many_us(
+    fns: Sequence[Callable[[], object]], device: str, min_runs: int = 5, budget_s: float = 1.0
+) -> list[tuple[float, ...]]:
+    """(median, p20, p80) microseconds of each function; on the CPU interleaved, one call of each in turn."""
     if DRY_RUN:
         min_runs, budget_s = 1, 0.0
     if device.startswith("cuda"):
         from triton.testing import do_bench
 
-        ms = do_bench(fn, quantiles=[0.5, 0.2, 0.8], warmup=1 if DRY_RUN else 25, rep=1 if DRY_RUN else 100)
-        return tuple(1e3 * t for t in ms)
-    fn()  # warm-up
-    times = []
-    start = time.perf_counter()
-    while len(times) < min_runs or (time.perf_counter() - start < budget_s and len(times) < 1000):
-        t0 = time.perf_counter()
+        warmup, rep = (1, 1) if DRY_RUN else (25, 100)
+        return [tuple(1e3 * t for t in do_bench(fn, quantiles=[0.5, 0.2, 0.8], warmup=warmup, rep=rep)) for fn in fns]
+    now = clock(device)
+    for fn in fns:  # warm-up
         fn()
-        times.append(1e6 * (time.perf_counter() - t0))
-    times.sort()
-    q = statistics.quantiles(times, n=10) if len(times) > 1 else times * 9
-    return statistics.median(times), q[1], q[7]
+    times: list[list[float]] = [[] for _ in fns]
+    start = now()
+    while len(times[0]) < min_runs or (now() - start < budget_s * len(fns) and len(times[0]) < 1000):
+        for fn, samples in zip(fns, times):
+            t0 = now()
+            fn()
+            samples.append(1e6 * (now() - t0))
+    return [_quantiles(samples) for samples in times]
+
+
+def _quantiles(samples: list[float]) -> tuple[float, float, float]:
+    samples = sorted(samples)
+    q = statistics.quantiles(samples, n=10) if len(samples) > 1 else samples * 9
+    return statistics.median(samples), q[1], q[7]
 
 
 def copy_bandwidth_gbs(device: str, nbytes: int = 1 << 30) -> float:

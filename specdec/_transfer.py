@@ -1,4 +1,4 @@
-"""Host -> device copies that never make the host wait: the one upload helper of the engine and the cache.
+"""Host <-> device copies: uploads that never make the host wait, and the step's one read-back.
 
 A plain ``torch.tensor(values, device="cuda")`` or ``cpu_tensor.to("cuda")`` copies from pageable
 memory, which blocks the host until the copy is done -- a hidden synchronisation in the middle of a
@@ -61,3 +61,24 @@ def offsets_to_device(counts: Sequence[int], device: torch.device | str) -> torc
     for c in counts:
         out.append(out[-1] + c)
     return to_device(out, torch.int32, device)
+
+
+def read_back(values: torch.Tensor) -> list:
+    """``values.tolist()``: the device -> host copy a decoding step makes once (its ``HOST SYNC``).
+
+    The one synchronisation a step is allowed: under ``torch.cuda.set_sync_debug_mode`` this copy
+    is exempt (the mode is lifted around it), so a test can run a whole generation in "error" mode.
+
+    Example
+    -------
+    >>> read_back(torch.tensor([[3, 1], [2, 0]]))
+    [[3, 1], [2, 0]]
+    """
+    if not values.is_cuda:
+        return values.tolist()
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        return values.tolist()
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)

@@ -16,9 +16,8 @@ from helpers import assert_close
 
 from specdec.kernels import add_rms_norm, apply_rotary, rms_norm, silu_mul
 from specdec.kernels.rms_norm import MAX_HIDDEN, add_rms_norm_op, rms_norm_op, rms_norm_reference
-from specdec.kernels.rotary import apply_rotary_op, apply_rotary_reference
+from specdec.kernels.rotary import apply_rotary_op, apply_rotary_reference, rotary_table, rotary_tables, rotate
 from specdec.kernels.silu_mul import silu_mul_op, silu_mul_reference
-from specdec.model.llama import RMSNorm, apply_rope, rope_cos_sin
 
 # the package re-exports functions under their modules' names, so fetch the modules themselves
 rms_norm_module, rotary_module, silu_mul_module = (
@@ -40,6 +39,20 @@ def rows(t: int, h: int, dtype, device, pad: int = 0) -> torch.Tensor:
 
 def inv_freq(d: int, base: float = 10000.0) -> torch.Tensor:
     return 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+
+
+# HuggingFace's LLaMA composites, written out: the oracle the PyTorch bodies must match bit for bit.
+def hf_rms_norm(x, weight, eps):
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def hf_rope(x, positions, freq):
+    angles = positions.float()[:, None] * freq[None, :]
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos().to(x.dtype)[:, None], angles.sin().to(x.dtype)[:, None]
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 # ---------------------------------------------------------------- RMSNorm and add + RMSNorm
@@ -83,17 +96,16 @@ def test_rms_norm_in_place(backend, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
-def test_norm_bodies_equal_todays_composite_bitwise(dtype):
-    # The model's composite (specdec.model.llama.RMSNorm) is the oracle: not one bit may change.
-    norm = RMSNorm(200, EPS).to(dtype)
-    norm.weight.data = torch.randn(200).to(dtype)
+def test_norm_bodies_equal_the_hf_composite_bitwise(dtype):
+    # HuggingFace's LlamaRMSNorm is the oracle: not one bit may change.
+    weight = torch.randn(200).to(dtype)
     x, residual = rows(9, 200, dtype, "cpu", pad=4), rows(9, 200, dtype, "cpu")
     out = torch.empty(9, 200, dtype=dtype)
-    rms_norm_op.body("torch")(x, norm.weight.data, EPS, out)
-    assert torch.equal(out, norm(x))
+    rms_norm_op.body("torch")(x, weight, EPS, out)
+    assert torch.equal(out, hf_rms_norm(x, weight, EPS))
     expected_residual = residual + x
-    add_rms_norm_op.body("torch")(x, residual, norm.weight.data, EPS, out)
-    assert torch.equal(residual, expected_residual) and torch.equal(out, norm(expected_residual))
+    add_rms_norm_op.body("torch")(x, residual, weight, EPS, out)
+    assert torch.equal(residual, expected_residual) and torch.equal(out, hf_rms_norm(expected_residual, weight, EPS))
 
 
 def test_norm_ops_pass_opcheck(backend, device):
@@ -197,12 +209,16 @@ def test_apply_rotary_separate_strides(backend, device):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("t,hq,hkv,d", ROPE_SHAPES)
-def test_rotary_body_equals_todays_composite_bitwise(dtype, t, hq, hkv, d):
-    _, q, k, _ = fused_qkv(t, hq, hkv, d, dtype, "cpu")
+def test_rotary_body_equals_the_hf_composite_bitwise(dtype, t, hq, hkv, d):
+    qkv, q, k, _ = fused_qkv(t, hq, hkv, d, dtype, "cpu")
     positions = torch.randint(0, 8192, (t,))
     freq = inv_freq(d)
-    cos, sin = rope_cos_sin(positions, freq, dtype)
-    expected_q, expected_k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    expected_q, expected_k = hf_rope(q, positions, freq), hf_rope(k, positions, freq)
+    # the model's hot path: q and k as one [T, Hq + Hkv, D] view, cos / sin gathered from a table
+    table = rotary_table(8192, freq, dtype)[positions]
+    qk = rotate(qkv[:, : hq + hkv], table[:, 0], table[:, 1])
+    assert torch.equal(qk[:, :hq], expected_q) and torch.equal(qk[:, hq:], expected_k)
+    assert all(torch.equal(a, b) for a, b in zip(rotary_tables(positions, freq, dtype), table.unbind(1)))
     apply_rotary_op.body("torch")(q, k, positions, freq)
     assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
 

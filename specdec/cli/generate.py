@@ -73,7 +73,7 @@ def run_generate(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(args.target)
         target = LlamaModel.from_pretrained(args.target, dtype=dtype, device=args.device)
     strategy = build_strategy(args, target, dtype, tokenizer)
-    decoder = SpeculativeDecoder(target, strategy)
+    decoder = SpeculativeDecoder(target, strategy, compile=args.compile)
     prompts = [tokenizer.encode(p).ids for p in args.prompt]
     sampling = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

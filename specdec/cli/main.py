@@ -123,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     threads = "CPU intra-op threads (default: torch's; 1 suits small models)"
     gen.add_argument("--threads", type=_checked(as_int, int, low=1), help=threads)
+    gen.add_argument("--compile", action="store_true", help="torch.compile the model forwards (slow first steps)")
     gen.add_argument("--debug", **debug)
     gen.set_defaults(func=cmd_generate)
     return parser

@@ -7,10 +7,11 @@ model's chain or token tree) or ``NgramStrategy`` (prompt lookup).
 """
 
 from specdec.decoding.draft_model import DraftModelStrategy
-from specdec.decoding.engine import GenerationResult, RequestStats, SpeculativeDecoder, StepOutput
+from specdec.decoding.engine import SpeculativeDecoder
 from specdec.decoding.ngram import NgramStrategy, propose_ngram
 from specdec.decoding.proposal import Proposal
 from specdec.decoding.requests import FINISH_REASONS
+from specdec.decoding.results import GenerationResult, RequestStats, StepOutput
 from specdec.decoding.strategy import (
     NoDraft,
     Prefill,

@@ -114,10 +114,15 @@ class DraftModelStrategy:
             tokens, probs = self._draft_chain(step, widest - 1)
         else:
             tokens, probs = self._draft_tree(step, widest)
+        # Greedy steps: every q is one-hot at the draft's choice, which is the deterministic rule's q.
+        rule = "deterministic" if probs is None else self.rule
+        if all(len(p) == widest for p in parents):  # every request drafted the whole template
+            flat_probs = None if probs is None else probs.flatten(0, 1)
+            return Proposal(tokens.flatten(), parents, rule=rule, draft_probs=flat_probs)
         rows = [r * widest + i for r, p in enumerate(parents) for i in range(len(p))]
         keep = to_device(rows, torch.int64, tokens.device)
         flat_probs = None if probs is None else probs.flatten(0, 1).index_select(0, keep)
-        return Proposal(tokens.flatten().index_select(0, keep), parents, rule=self.rule, draft_probs=flat_probs)
+        return Proposal(tokens.flatten().index_select(0, keep), parents, rule=rule, draft_probs=flat_probs)
 
     def commit(self, result: StepResult) -> None:
         """Cut the draft cache back to each request's committed length minus one; free finished slots."""
@@ -131,33 +136,41 @@ class DraftModelStrategy:
 
     # ---- drafting ------------------------------------------------------------------------------
 
-    def _draft_chain(self, step, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[R, k+1] tokens (root first) and [R, k+1, V] child distributions, one forward per token."""
+    def _draft_chain(self, step, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[R, k+1] tokens (root first) and [R, k+1, V] child distributions (None for a greedy step: every q
+        is one-hot at the draft's argmax), one forward per token."""
         device, rows = self.draft.device, len(step.running)
         self._catch_up(step)
-        tokens = [to_device(step.roots, torch.int64, device)]
-        probs = []
-        feed = torch.stack((to_device(step.previous, torch.int64, device), tokens[0]), dim=1).flatten()
-        per_request = 2
+        feed = to_device([t for pair in zip(step.previous, step.roots) for t in pair], torch.int64, device)
+        tokens, probs = [feed.view(rows, 2)[:, 1]], []
         for j in range(k):
-            counts = step.full_counts(per_request)
-            q_offsets = offsets_to_device(counts, device)
+            per_request = 2 if j == 0 else 1
+            if j < 2:  # the same layout for every later draft token
+                counts = step.full_counts(per_request)
+                q_offsets = offsets_to_device(counts, device)
+                added = to_device(counts, torch.int32, device)  # committed on the device: no upload per token
+                uniform = per_request if len(self.lengths) == rows else None  # every slot running
+                last_rows = torch.arange(per_request - 1, rows * per_request, per_request, device=device)
             self.cache.reserve(counts)
-            positions = causal_positions(q_offsets, self.cache.seq_lens, feed.numel())
-            last_rows = torch.arange(1, rows + 1, device=device) * per_request - 1
+            positions = causal_positions(q_offsets, self.cache.seq_lens, feed.numel(), per_request=uniform)
             logits, _ = self.draft(feed, positions, AttentionMetadata(q_offsets), self.cache, logits_rows=last_rows)
-            self.cache.advance(counts)
-            q, token = self._sample(logits, step, counter=j)
-            probs.append(q)
-            tokens.append(token)
-            feed, per_request = token, 1
+            self.cache.advance(added)
+            if step.greedy:
+                feed = logits.argmax(-1)  # (a NaN row drafts some token; verification decides)
+            else:
+                q, feed = self._sample(logits, step, counter=j)
+                probs.append(q)
+            tokens.append(feed)
         for b in step.running:
             self.lengths[b] += k + 1  # previous, root and the first k - 1 drafts
+        if step.greedy:
+            return torch.stack(tokens, dim=1), None
         probs.append(torch.zeros_like(probs[0]))  # the last draft token has no children
         return torch.stack(tokens, dim=1), torch.stack(probs, dim=1)
 
     def _draft_tree(self, step, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[R, n] template tokens and ([R, n, V] child distributions or None), one forward per level."""
+        """[R, n] template tokens and ([R, n, V] child distributions, or None for the deterministic rule and
+        greedy steps), one forward per level."""
         device, rows = self.draft.device, len(step.running)
         parents, depth = self.parents[:n], self.depth[:n]
         self._catch_up(step)
@@ -168,7 +181,8 @@ class DraftModelStrategy:
         tokens = torch.zeros(rows, n + 1, dtype=torch.int64, device=device)
         tokens[:, 0] = to_device(step.previous, torch.int64, device)
         tokens[:, 1] = to_device(step.roots, torch.int64, device)
-        probs = torch.zeros(rows, n, self.draft.config.vocab_size, device=device) if self.rule == "stochastic" else None
+        sampled = self.rule == "stochastic" and not step.greedy  # greedy: every q is one-hot, no probs kept
+        probs = torch.zeros(rows, n, self.draft.config.vocab_size, device=device) if sampled else None
         for level in range(max(depth)):
             frontier = [i for i in range(n) if depth[i] == level]
             fed = 1 + max(i for i in range(n) if depth[i] <= level) + 1
@@ -206,15 +220,31 @@ class DraftModelStrategy:
     def _expand(self, logits, step, frontier, parents, tokens, probs) -> None:
         """Give every frontier node its children (in template order) from the draft's logits."""
         rows, width = len(step.running), len(frontier)
+        children = {node: [i for i, p in enumerate(parents) if p == node] for node in frontier}
+        most = max(len(c) for c in children.values())
+        if most == 0:
+            return
+        if step.greedy:  # every q is one-hot at the draft's argmax: no filtering, no uniforms
+            scores = logits.view(rows, width, -1).float()
+            if self.rule == "stochastic":  # i.i.d. draws from a one-hot: every child is the argmax
+                best = scores.argmax(-1)  # [R, width] (a NaN row drafts some token; verification decides)
+                for f, node in enumerate(frontier):
+                    for c in children[node]:
+                        tokens[:, 1 + c] = best[:, f]
+            else:  # the top-k of the draft's logits (the target's argmax may be any of them)
+                top = scores.topk(most, dim=-1).indices  # [R, width, most]
+                for f, node in enumerate(frontier):
+                    for j, c in enumerate(children[node]):
+                        tokens[:, 1 + c] = top[:, f, j]
+            return
         q = filtered_probs(logits, _draft_params(step).repeat_rows(width, rows * width)).probs  # [R * width, V]
         for f, node in enumerate(frontier):
-            children = [i for i, p in enumerate(parents) if p == node]
-            if not children:
+            if not children[node]:
                 continue
             q_node = q.view(rows, width, -1)[:, f]
             if self.rule == "stochastic":
                 probs[:, node] = q_node
-                for c in children:
+                for c in children[node]:
                     tokens[:, 1 + c] = sample_probs(q_node, _draft_params(step), counter=c)
             else:
                 # Children are the top-k of q (its support, in the order of the scaled logits); greedy rows
@@ -222,15 +252,11 @@ class DraftModelStrategy:
                 greedy = (step.params.temperature <= 0)[:, None]
                 draft_logits = logits.view(rows, width, -1)[:, f].float()
                 scores = torch.where(greedy, draft_logits, torch.where(q_node > 0, q_node, -1.0))
-                top = scores.topk(len(children), dim=-1).indices
-                for j, c in enumerate(children):
+                top = scores.topk(len(children[node]), dim=-1).indices
+                for j, c in enumerate(children[node]):
                     tokens[:, 1 + c] = top[:, j]
 
     def _sample(self, logits, step, counter) -> tuple[torch.Tensor, torch.Tensor]:
-        if step.greedy:  # q is one-hot at the argmax: skip the filtering and the draft's uniforms
-            s = logits.float()
-            token = torch.where(torch.isnan(s), float("-inf"), s).argmax(-1)
-            return _one_hot(token, s.shape[-1]), token
         params = _draft_params(step)
         q = filtered_probs(logits, params).probs  # one-hot at the argmax for rows that cannot be sampled
         return q, sample_probs(q, params, counter=counter).long()
@@ -239,11 +265,6 @@ class DraftModelStrategy:
 def _draft_params(step: StepContext) -> SamplingParams:
     """The running requests' sampling parameters with the draft's own seeds (salted)."""
     return step.params._replace(seed=step.params.seed ^ DRAFT_SEED_SALT)
-
-
-def _one_hot(index: torch.Tensor, size: int) -> torch.Tensor:
-    """fp32 [R, size] one-hot rows (``F.one_hot`` reads the indices back to check them on the CPU)."""
-    return torch.zeros(index.shape[0], size, device=index.device).scatter_(1, index[:, None], 1.0)
 
 
 def _template(branching: tuple[int, ...], max_nodes: int) -> list[int]:

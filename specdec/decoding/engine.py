@@ -9,13 +9,18 @@ Each step:
      per-request limits;
   2. one target forward over every node of every running request, the tree mask built from
      the host-known tree shapes and copied without waiting;
-  3. ``verify``: accepted path, emitted tokens, invalid rows -- greedy or exact sampling
-     with per-request ``SamplingParams``;
+  3. ``verify``: accepted path, emitted tokens, invalid rows -- the argmax-only greedy path
+     when every running request has temperature 0 (a host fact), else exact sampling with
+     per-request ``SamplingParams``; op bodies called directly (the trees were checked on the host);
   4. ``KVCache.compact``: the accepted nodes' K/V move next to the prefix;
-  5. the step's one host synchronisation (marked ``HOST SYNC`` below): emitted tokens and
-     counts come back to stream them and to decide who finishes; everything sent to the
-     device goes through ``specdec._transfer.to_device`` (pinned, non-blocking);
+  5. the step's one host synchronisation (``_transfer.read_back``, marked ``HOST SYNC`` below):
+     emitted tokens and counts come back to stream them and to decide who finishes; everything
+     sent to the device goes through ``specdec._transfer.to_device`` (pinned, non-blocking);
   6. ``strategy.commit`` with what was accepted.
+
+Nothing else in a step reads a device value: the forward's plan, the cache's capacity and
+every size come from host data (tested by counting, on the CPU, every operation that would
+synchronise on a GPU), and the same code runs on both.
 
 The prefill is the same with the whole prompts as causal rows, and each request's last prompt
 token as a one-node tree whose verification samples the first token.
@@ -28,79 +33,19 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
-from specdec._transfer import offsets_to_device, to_device
+from specdec._transfer import offsets_to_device, read_back, to_device
 from specdec.decoding.proposal import Proposal, check_proposal, depths, tree_metadata_on
 from specdec.decoding.requests import DEFAULT_EOS, Requests, encode_prompts, make_requests
+from specdec.decoding.results import GenerationResult, RequestStats, StepOutput
 from specdec.decoding.strategy import NoDraft, Prefill, StepContext, StepResult, Strategy
-from specdec.kernels import TreeVerifyResult, verify_tree
+from specdec.decoding.verification import verify
+from specdec.kernels import TreeVerifyResult
 from specdec.kernels.sampling_params import SamplingParams
 from specdec.model.attention_metadata import AttentionMetadata, causal_positions, tree_positions
 from specdec.validation import InsufficientMemoryError
-
-
-@dataclass
-class RequestStats:
-    """Per-request counters; ``tau`` is the mean number of tokens per target forward."""
-
-    prompt_tokens: int
-    generated: int = 0
-    target_forwards: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    drafted_at: list[int] = field(default_factory=list)  # position j reached with a draft to test
-    accepted_at: list[int] = field(default_factory=list)  # ... and that draft was accepted
-    finish_reason: str | None = None
-
-    @property
-    def tau(self) -> float:
-        return self.generated / self.target_forwards if self.target_forwards else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    def acceptance_by_position(self) -> list[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    """Tokens emitted in one step: request ``requests[i]`` produced ``tokens[i]`` (a tuple).
-
-    ``finished`` maps each request that ended this step to why: 'eos' (its EOS token is the
-    last of its tokens), 'length' (reached max_new_tokens) or 'invalid' (its target logits had
-    no valid token: NaN / all -inf; nothing emitted for it this step).
-    """
-
-    requests: tuple[int, ...]
-    tokens: tuple[tuple[int, ...], ...]
-    finished: dict[int, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    tokens: list[list[int]]
-    stats: list[RequestStats]
-    text: list[str] | None = None
-
-
-def verify(
-    logits: torch.Tensor, proposal: Proposal, node_offsets: torch.Tensor, params: SamplingParams
-) -> TreeVerifyResult:
-    """The engine's one call into verification: the prefill's first tokens and every step's trees.
-
-    ``node_offsets [R+1]`` int32 splits ``logits [N, V]`` (one row per node) by tree. Returns a
-    ``TreeVerifyResult`` (output_tokens, num_accepted, accepted_path, invalid; ``[R, ...]``).
-    """
-    parents = to_device([p for tree in proposal.parents for p in tree], torch.int32, logits.device)
-    return verify_tree(
-        logits, proposal.tokens.to(torch.int32), parents, node_offsets, params, rule=proposal.rule,
-        draft_probs=proposal.draft_probs, max_depth=proposal.max_depth(),
-    )  # fmt: skip
 
 
 class SpeculativeDecoder:
@@ -111,6 +56,14 @@ class SpeculativeDecoder:
     target : a ``LlamaModel``.
     strategy : a ``Strategy`` (``DraftModelStrategy``, ``NgramStrategy``, ...); None means ``NoDraft()``.
     cache_layout, block_size : the KV caches' layout ("contiguous" or "paged") and page size.
+    compile : run the target's (and a ``DraftModelStrategy``'s draft's) planned forwards through
+        ``torch.compile(fullgraph=True)`` (``LlamaModel.compile_run``; the models are changed in place).
+        Opt-in: the first steps pay the compilation.
+    graphs : replay the target's (and a draft's) CUDA forwards of up to 512 rows from CUDA graphs
+        (``LlamaModel.use_cuda_graphs``; models changed in place): one replay per forward, captured on
+        first use per row bucket. CUDA only. Opt-in: each stream captures its buckets again (a new
+        cache), which costs a little on short generations, and it is not yet the default while the
+        GPU check that compares replays with eager forwards on real hardware is owed.
 
     Example
     -------
@@ -126,7 +79,14 @@ class SpeculativeDecoder:
     """
 
     def __init__(
-        self, target, strategy: Strategy | None = None, *, cache_layout: str = "contiguous", block_size: int = 16
+        self,
+        target,
+        strategy: Strategy | None = None,
+        *,
+        cache_layout: str = "contiguous",
+        block_size: int = 16,
+        compile: bool = False,
+        graphs: bool = False,
     ):
         strategy = NoDraft() if strategy is None else strategy
         if not isinstance(strategy, Strategy):
@@ -138,6 +98,15 @@ class SpeculativeDecoder:
             raise ValueError(f"strategy.max_nodes must be an int >= 1, got {strategy.max_nodes!r}")
         strategy.attach(target)
         self.target, self.strategy = target, strategy
+        models = [m for m in (target, getattr(strategy, "draft", None)) if m is not None]
+        if compile:
+            for model in models:
+                if model._compiled_run is None:
+                    model.compile_run()
+        if graphs:
+            for model in models:
+                if model.cuda_graphs is None:
+                    model.use_cuda_graphs()
         self.cache_options = {"layout": cache_layout, "block_size": block_size}
         self.stats: list[RequestStats] = []
 
@@ -252,46 +221,51 @@ class _Run:
         self.strategy.prefill(Prefill(prompts, self.max_len, self.decoder.cache_options, hidden, q_offsets))
         roots = Proposal(tokens.index_select(0, last_rows), [[-1]] * len(running), rule="deterministic")
         last_hidden = hidden.index_select(0, last_rows)
-        return self._verify_and_emit(logits, last_hidden, roots, self._running_params(), compact=False)
+        node_offsets = offsets_to_device([1] * len(running), self.device)
+        return self._verify_and_emit(logits, last_hidden, roots, node_offsets, self._running_params(), commit=None)
 
     def step(self) -> StepOutput:
         context = self._context()
         proposal = self.strategy.propose(context)
         check_proposal(proposal, self.strategy.name, len(self.running), context.max_nodes, context.max_depth)
         # One target forward over every node of every running request.
-        depth, mask = tree_metadata_on(proposal.parents, self.device)
         counts = context.full_counts(proposal.counts)
         q_offsets = offsets_to_device(counts, self.device)
         self.cache.reserve(counts)
-        positions = tree_positions(q_offsets, self.cache.seq_lens, depth)
+        num_nodes = sum(counts)
         # Chains (plain decoding, draft chains, n-gram) need no mask: causal attention is the same thing.
         chains = all(tree == list(range(-1, len(tree) - 1)) for tree in proposal.parents)
-        metadata = AttentionMetadata(q_offsets, None if chains else mask)
+        if chains:
+            positions = causal_positions(q_offsets, self.cache.seq_lens, num_nodes, per_request=_uniform(counts))
+            metadata = AttentionMetadata(q_offsets)
+        else:
+            depth, mask = tree_metadata_on(proposal.parents, self.device)
+            positions = tree_positions(q_offsets, self.cache.seq_lens, depth)
+            metadata = AttentionMetadata(q_offsets, mask)
         logits, hidden = self.target(proposal.tokens, positions, metadata, self.cache)
-        return self._verify_and_emit(logits, hidden, proposal, context.params, compact=True)
+        all_running = len(self.running) == self.req.batch_size  # then the trees' offsets are the forward's
+        node_offsets = q_offsets if all_running else offsets_to_device(proposal.counts, self.device)
+        commit = "chains" if chains else "trees"
+        return self._verify_and_emit(logits, hidden, proposal, node_offsets, context.params, commit=commit)
 
     # ---- verification and bookkeeping --------------------------------------------------------------
 
     def _verify_and_emit(
-        self, logits, hidden, proposal: Proposal, params: SamplingParams, *, compact: bool
+        self, logits, hidden, proposal: Proposal, node_offsets, params: SamplingParams, *, commit: str | None
     ) -> StepOutput:
         """Verify the running requests' trees, commit the accepted K/V, read back, emit, tell the strategy.
 
-        ``compact``: move the accepted nodes' K/V next to the prefix (a step); the prefill's
-        ``advance`` already committed its prompts.
+        ``commit``: "trees" moves the accepted nodes' K/V next to the prefix; "chains" (every tree a
+        chain, a host fact) has nothing to move and only advances the lengths; None for the prefill,
+        whose ``advance`` already committed its prompts.
         """
-        node_offsets = offsets_to_device(proposal.counts, self.device)
-        result = verify(logits, proposal, node_offsets, params)
-        if compact:
-            width = result.accepted_path.shape[1]
-            path = torch.full((self.req.batch_size, width), -1, dtype=torch.int32, device=self.device)
-            path.index_copy_(0, self._running()[0], result.accepted_path)
-            self.cache.compact(path)
-        host = torch.cat(  # HOST SYNC: the step's one read-back, to stream and decide termination
-            (result.output_tokens.long(), result.num_accepted.long()[:, None], result.invalid.long()[:, None]), dim=1
-        ).cpu()
+        greedy = all(self.req.temperature[b] <= 0 for b in self.running)
+        result = verify(logits, proposal, node_offsets, params, greedy=greedy, chains=commit == "chains")
+        if commit is not None:
+            self._commit_accepted(result, chains=commit == "chains")
+        packed = torch.cat((result.output_tokens, result.num_accepted[:, None], result.invalid[:, None].int()), dim=1)
+        rows = read_back(packed)  # HOST SYNC: the step's one read-back, to stream and decide termination
         running = self.running
-        rows = host.tolist()  # host data from here on
         output = self._emit(rows, proposal.parents)
         self.strategy.commit(
             StepResult(
@@ -305,6 +279,23 @@ class _Run:
             )
         )
         return output
+
+    def _commit_accepted(self, result: TreeVerifyResult, *, chains: bool) -> None:
+        """Commit each running request's accepted nodes in the target's cache (finished slots stay as they are)."""
+        every = len(self.running) == self.req.batch_size
+        if chains:  # the accepted nodes are the first num_accepted + 1 rows already: advance
+            counts = result.num_accepted + 1
+            if not every:
+                counts = torch.zeros(self.req.batch_size, dtype=torch.int32, device=self.device).index_copy_(
+                    0, self._running()[0], counts
+                )
+            self.cache.advance(counts)
+            return
+        path = result.accepted_path
+        if not every:
+            path = torch.full((self.req.batch_size, path.shape[1]), -1, dtype=torch.int32, device=self.device)
+            path.index_copy_(0, self._running()[0], result.accepted_path)
+        self.cache.compact(path, check=False)
 
     def _emit(self, rows: list[list[int]], trees: list[list[int]]) -> StepOutput:
         """Append each running request's tokens, update its stats, retire finished requests."""
@@ -374,6 +365,11 @@ class _Run:
         """The running requests' sampling parameters; offset = tokens generated so far (sent each step)."""
         offset = to_device([self.generated[b] for b in self.running], torch.int64, self.device)
         return self._running()[1]._replace(offset=offset)
+
+
+def _uniform(counts: list[int]) -> int | None:
+    """The rows every request sends when they all send the same number (a host fact the ops use), else None."""
+    return counts[0] if len(set(counts)) == 1 else None
 
 
 def _grow(values: list[int], size: int) -> None:

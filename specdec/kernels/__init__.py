@@ -22,8 +22,13 @@ from specdec.kernels.tree_attention import AttentionPlan, plan_attention, run_at
 from specdec.kernels.tree_metadata import TreeMetadata, build_tree_metadata, pack_mask_rows, unpack_mask_rows
 from specdec.kernels.uniforms import counter_uniform
 from specdec.kernels.verify_chain import ChainVerifyResult, verify_chain
-from specdec.kernels.verify_greedy import verify_chain_greedy, verify_tree_greedy
-from specdec.kernels.verify_tree import TreeVerifyResult, verify_tree
+from specdec.kernels.verify_greedy import (
+    run_verify_chain_greedy,
+    run_verify_tree_greedy,
+    verify_chain_greedy,
+    verify_tree_greedy,
+)
+from specdec.kernels.verify_tree import TreeVerifyResult, run_verify_tree, verify_tree
 
 __all__ = [
     "AttentionPlan",
@@ -45,6 +50,9 @@ __all__ = [
     "plan_attention",
     "rms_norm",
     "run_attention",
+    "run_verify_chain_greedy",
+    "run_verify_tree",
+    "run_verify_tree_greedy",
     "sample",
     "sample_probs",
     "silu_mul",

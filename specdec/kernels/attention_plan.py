@@ -9,9 +9,16 @@ What the plan holds, and what each piece depends on:
 
     backend, tile (Triton)          host sizes: tokens, batch, heads, head dim, device
     num_splits, part_out, part_lse  host sizes and the context bound; scratch for split contexts
-    query_rows, token_slots         q_offsets                          (PyTorch path)
-    kv_rows                         q_offsets, prefix_lens, block_table (PyTorch path)
+    query_rows, token_slots         q_offsets                          (PyTorch path; None when uniform)
+    kv_rows                         q_offsets, prefix_lens, block_table (PyTorch path; None for cache views)
     attn_bias                       q_offsets, prefix_lens, tree_start, tree_mask (PyTorch path)
+
+Two host facts let the PyTorch path skip its gathers: ``uniform_queries`` (every request has
+the same number of queries, so the padded layout is q itself) and ``finite_cache`` (a
+contiguous cache whose every position holds finite values, e.g. a zero-initialised
+``KVCache`` written only by a model, so the first ``max_context`` positions of each row
+can be read as a view: the padding past a request's context is stale but masked, and
+only a NaN or inf there could leak through the mask).
 
 Every shape comes from host sizes (``num_tokens``, B, ``max_queries``, ``max_context``,
 the cache shape), so with the bounds given and ``check_bounds=False`` building a plan
@@ -49,7 +56,8 @@ class AttentionPlan:
     ``part_lse [S, T, Hq]`` float32 scratch when S > 1 (else None).
     PyTorch: ``query_rows [B, n_max]``, ``token_slots [T]``, ``kv_rows [B * L_max]`` int64 and
     ``attn_bias [B, 1, n_max, L_max]`` in the query dtype (see ``tree_attention_torch``); None on
-    the Triton backend.
+    the Triton backend, and the first three None where the plan needs no gather (uniform queries;
+    views of a finite contiguous cache).
     """
 
     backend: str
@@ -104,6 +112,8 @@ def plan_attention(
     softmax_scale: float | None = None,
     num_splits: int | None = None,
     check_bounds: bool | None = None,
+    uniform_queries: bool = False,
+    finite_cache: bool = False,
 ) -> AttentionPlan:
     """Validate one forward's attention layout and prepare its plan (see the module docstring).
 
@@ -118,6 +128,10 @@ def plan_attention(
     dtype : dtype of q and the cache.
     max_queries : host bound on any request's query count (the padded width of the PyTorch path).
     max_context : host bound on any request's prefix + queries (how far the PyTorch path reads).
+    uniform_queries : host fact: every request has exactly ``num_tokens / B`` queries (read from
+        the offsets instead when they are on the CPU and ``max_queries`` is not given).
+    finite_cache : host fact: the cache is contiguous and every position of its first B rows
+        holds finite values; the PyTorch path then reads K/V as views instead of gathering them.
 
     Returns
     -------
@@ -192,9 +206,48 @@ def plan_attention(
                           max_queries, max_context)  # fmt: skip
         max_queries = max(sizes) if max_queries is None else max_queries
         max_context = max(contexts) if max_context is None else max_context
+        if uniform_queries and len(set(sizes)) > 1:
+            raise ValueError(f"uniform_queries was given but the requests have {sizes} queries")
+        uniform_queries = uniform_queries or len(set(sizes)) == 1
+    if uniform_queries and num_tokens % batch:
+        raise ValueError(f"uniform_queries: {num_tokens} tokens do not split evenly over {batch} requests")
     max_queries = min(num_tokens if max_queries is None else max_queries, num_tokens)
+    uniform_queries = uniform_queries and num_tokens > 0
+    if uniform_queries:
+        max_queries = num_tokens // batch
     max_context = min(capacity if max_context is None else max_context, capacity)
+    return build_attention_plan(
+        q_offsets, prefix_lens, num_tokens=num_tokens, num_heads=num_heads,
+        cache_shape=(rows, slots, kv_heads, head_dim), dtype=dtype, tree_mask=tree_mask, tree_start=tree_start,
+        block_table=block_table, max_queries=max_queries, max_context=max_context,
+        softmax_scale=float(softmax_scale), num_splits=num_splits, uniform_queries=uniform_queries,
+        finite_cache=finite_cache,
+    )  # fmt: skip
 
+
+def build_attention_plan(
+    q_offsets: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    *,
+    num_tokens: int,
+    num_heads: int,
+    cache_shape: tuple[int, int, int, int],
+    dtype: torch.dtype,
+    tree_mask: torch.Tensor | None,
+    tree_start: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    max_queries: int,
+    max_context: int,
+    softmax_scale: float,
+    num_splits: int | None = None,
+    uniform_queries: bool = False,
+    finite_cache: bool = False,
+) -> AttentionPlan:
+    """``plan_attention`` after its checks: for a caller that validated the layout itself (a model's
+    forward plan). Arguments as ``plan_attention``, all given (host bounds within the capacity,
+    ``uniform_queries`` only when ``num_tokens`` splits evenly); reads no device value."""
+    rows, slots, kv_heads, head_dim = cache_shape
+    batch, device = prefix_lens.shape[0], q_offsets.device
     backend = _backend.select_backend(q_offsets)
     tile = part_out = part_lse = None
     query_rows = token_slots = kv_rows = attn_bias = None
@@ -218,10 +271,10 @@ def plan_attention(
         query_rows, token_slots, kv_rows, attn_bias = padded_layout(
             q_offsets, prefix_lens, tree_start if tree_start is not None else prefix_lens, tree_mask, block_table,
             num_tokens=num_tokens, cache_shape=(rows, slots), max_queries=max_queries, max_context=max_context,
-            dtype=dtype,
+            dtype=dtype, uniform=uniform_queries, kv_view=finite_cache and block_table is None,
         )  # fmt: skip
     return AttentionPlan(
-        backend, num_tokens, num_heads, (rows, slots, kv_heads, head_dim), dtype, float(softmax_scale), max_queries,
+        backend, num_tokens, num_heads, (rows, slots, kv_heads, head_dim), dtype, softmax_scale, max_queries,
         max_context, q_offsets, prefix_lens, tree_start if tree_start is not None else prefix_lens, tree_mask,
         block_table, tile, part_out, part_lse, query_rows, token_slots, kv_rows, attn_bias,
     )  # fmt: skip

@@ -150,6 +150,29 @@ def kv_append_torch(data, layer, k, v, seq_lens, q_offsets, block_tables) -> Non
     data[layer, 1][where] = v if rows is None else v[rows]
 
 
+def append_rows(data, seq_lens, q_offsets, block_tables, num_tokens: int, per_request: int | None = None):
+    """int64 ``[T]``: the row of ``data[l, kv].view(-1, Hkv, D)`` each token goes to, by device ops only.
+
+    The model's forward plan computes these once for every layer's ``index_copy_`` of K and V; the
+    caller has admitted every position (``KVCache.reserve``), so nothing is dropped or checked.
+    ``per_request``: a host fact, every request sends exactly this many tokens (cheaper indexing).
+    """
+    page = data.shape[3]  # positions per request row (contiguous) or per block (paged)
+    device = seq_lens.device
+    if per_request is not None:  # [B, n] positions, request by request
+        i = torch.arange(per_request, device=device)
+        if block_tables is None:  # row b * page + position
+            return ((seq_lens + torch.arange(0, seq_lens.shape[0] * page, page, device=device))[:, None] + i).flatten()
+        pos = seq_lens[:, None] + i
+        return (block_tables.long().gather(1, pos // page) * page + pos % page).flatten()
+    t = torch.arange(num_tokens, device=device)
+    b = torch.searchsorted(q_offsets[1:], t.to(q_offsets.dtype), right=True).clamp_(max=seq_lens.shape[0] - 1)
+    pos = seq_lens.long()[b] + (t - q_offsets.long()[b])
+    if block_tables is None:
+        return b * page + pos
+    return block_tables.long()[b, pos // page] * page + pos % page
+
+
 def _rows_inside(data, block_tables, q_offsets, t, b, pos):
     """None when every token lands in its request's slots, else the indices of those that do.
 

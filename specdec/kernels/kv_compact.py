@@ -165,6 +165,27 @@ def kv_compact_torch(data, seq_lens, accepted_path, block_tables, tickets) -> No
     seq_lens += accepted.sum(1, dtype=torch.int32)
 
 
+def compact_rows(data, seq_lens, accepted_path, block_tables) -> None:
+    """The hot path's PyTorch compaction: no value read back, for paths the caller admitted.
+
+    Every path entry moves (gather all, then scatter all); entries past the accepted ones copy the
+    request's first new position onto itself, which no accepted move touches (its root stays at
+    ``seq_lens[b]``). Paths must be valid and inside the capacity -- e.g. from a verification op over
+    trees whose K/V this step wrote -- which is what lets this skip the selection ``kv_compact`` makes.
+    """
+    node = accepted_path.long()
+    accepted = (node >= 0).cumprod(1).bool()
+    start = seq_lens.long()[:, None]
+    home = start.clamp(max=capacity(data, block_tables) - 1)  # the root's own position
+    j = torch.arange(node.shape[1], device=node.device)
+    src = torch.where(accepted, start + node, home)
+    dst = torch.where(accepted, start + j, home)
+    b = torch.arange(node.shape[0], device=node.device)[:, None].expand_as(node)
+    src_at, dst_at = slots(data, block_tables, b, src), slots(data, block_tables, b, dst)
+    data[:, :, dst_at[0], dst_at[1]] = data[:, :, src_at[0], src_at[1]]
+    seq_lens += accepted.sum(1, dtype=torch.int32)
+
+
 # --------------------------------------------------------------------------------------------
 # Registered op
 # --------------------------------------------------------------------------------------------

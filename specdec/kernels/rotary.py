@@ -117,9 +117,32 @@ def _apply_rotary_triton(q, k, positions, inv_freq) -> None:
 
 
 def _apply_rotary_torch(q, k, positions, inv_freq) -> None:
-    q_rot, k_rot = apply_rotary_reference(q, k, positions, inv_freq)
-    q.copy_(q_rot)
-    k.copy_(k_rot)
+    cos, sin = rotary_tables(positions, inv_freq, q.dtype)
+    q.copy_(rotate(q, cos, sin))
+    k.copy_(rotate(k, cos, sin))
+
+
+def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """``(cos, sin)``, each ``[T, 1, D]`` in ``dtype``, for ``rotate``: computed once per forward, shared by
+    every layer. The sign of the half rotation is folded into ``sin`` (its first half negated), which
+    changes no bit: ``(-x) * s == x * (-s)`` exactly."""
+    angles = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2], float32 as the reference
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    return torch.cat((cos, cos), dim=-1)[:, None], torch.cat((-sin, sin), dim=-1)[:, None]
+
+
+def rotary_table(num_positions: int, inv_freq: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[P, 2, 1, D]``: ``rotary_tables`` of positions 0 .. P-1 (cos in ``[:, 0]``, sin in ``[:, 1]``), so a
+    forward gathers its rows (one ``index_select``) instead of computing them; the same bits."""
+    positions = torch.arange(num_positions, device=inv_freq.device)
+    return torch.stack(rotary_tables(positions, inv_freq, dtype), dim=1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x [T, H, D]`` rotated by ``rotary_tables`` (a new tensor): the reference's ``x * cos +
+    rotate_half(x) * sin`` in four ops, bitwise equal (``roll`` by D/2 swaps the halves; the sign is in
+    ``sin``). q and k of a fused QKV projection rotate as one ``[T, Hq + Hkv, D]`` view."""
+    return torch.roll(x, x.shape[-1] // 2, -1).mul_(sin).add_(x * cos)
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ into one additive mask ``[B, 1, n_max, L_max]`` (0 visible, -inf hidden). A laye
 gathers q and K/V with three ``index_select`` calls, runs one masked
 ``scaled_dot_product_attention`` (grouped-query heads via ``enable_gqa``), and gathers the
 real rows back into ``out``. ``n_max`` and ``L_max`` are host bounds, so every shape comes
-from host sizes and the plan needs no device read.
+from host sizes and the plan needs no device read. Where the caller knows more, the gathers
+go: with uniform query counts the padded layout is q itself (a view), and a finite
+contiguous cache is read as a view of its first ``L_max`` positions (``attention_plan``).
 
 A request whose context is shorter than ``L_max`` re-reads its own last position in the
 padding (never stale or uninitialised cache memory, whose NaN bits would poison the
@@ -37,36 +39,45 @@ LSE_SCORE_BUDGET = 1 << 24  # float32 scores the log-sum-exp path holds at once
 
 
 def padded_layout(q_offsets, prefix_lens, tree_start, tree_mask, block_table, *, num_tokens: int,
-                  cache_shape, max_queries: int, max_context: int, dtype: torch.dtype):  # fmt: skip
+                  cache_shape, max_queries: int, max_context: int, dtype: torch.dtype, uniform: bool = False,
+                  kv_view: bool = False):  # fmt: skip
     """``(query_rows, token_slots, kv_rows, attn_bias)`` of a step, by device ops only (no sync).
 
-    query_rows  [B, n_max]            int64  q row of each padded query slot
-    token_slots [T]                   int64  padded slot (b * n_max + i) of each q row
+    query_rows  [B, n_max]            int64  q row of each padded query slot (None: ``uniform``)
+    token_slots [T]                   int64  padded slot (b * n_max + i) of each q row (None: ``uniform``)
     kv_rows     [B * L_max]           int64  row of ``cache.reshape(-1, Hkv, D)`` of each position
+                                             (None: ``kv_view``, positions 0 .. L_max-1 of rows 0 .. B-1)
     attn_bias   [B, 1, n_max, L_max]  dtype  0 where the query sees the position, -inf elsewhere
 
     Values come from q_offsets (all four), prefix_lens (kv_rows, attn_bias), block_table
     (kv_rows), tree_start and tree_mask (attn_bias); shapes only from the host sizes.
+    ``uniform``: every request has n_max = T / B queries. ``kv_view``: contiguous cache, finite.
     """
     device = q_offsets.device
     batch, n_max, length = prefix_lens.numel(), max_queries, max_context
     rows, slots = cache_shape[0], cache_shape[1]
-    offsets = q_offsets.long()
-    starts, counts = offsets[:-1], offsets[1:] - offsets[:-1]  # [B]
-    prefix = prefix_lens.long()
+    prefix = prefix_lens  # int32; arithmetic with the int64 ranges below promotes
     i = torch.arange(n_max, device=device)
     pos = torch.arange(length, device=device)
 
-    query_rows = (starts[:, None] + torch.minimum(i, (counts - 1).clamp(min=0)[:, None])).clamp_(0, num_tokens - 1)
-    token = torch.arange(num_tokens, device=device)
-    req = torch.searchsorted(offsets[1:].contiguous(), token, right=True).clamp_(max=batch - 1)
-    token_slots = req * n_max + (token - starts[req]).clamp_(0, n_max - 1)
-
-    context = prefix + counts
-    kv_pos = torch.minimum(pos, (context - 1).clamp(min=0)[:, None])  # [B, L]: padding repeats the last position
-    if block_table is None:
+    if uniform:
+        query_rows = token_slots = None
+        context = None if kv_view and tree_mask is None else prefix + n_max
+    else:
+        offsets = q_offsets.long()
+        starts, counts = offsets[:-1], offsets[1:] - offsets[:-1]  # [B]
+        query_rows = (starts[:, None] + torch.minimum(i, (counts - 1).clamp(min=0)[:, None])).clamp_(0, num_tokens - 1)
+        token = torch.arange(num_tokens, device=device)
+        req = torch.searchsorted(offsets[1:].contiguous(), token, right=True).clamp_(max=batch - 1)
+        token_slots = req * n_max + (token - starts[req]).clamp_(0, n_max - 1)
+        context = prefix + counts
+    if kv_view:
+        kv_rows = None
+    elif block_table is None:
+        kv_pos = torch.minimum(pos, (context - 1).clamp(min=0)[:, None])  # [B, L]: padding repeats the last position
         kv_rows = torch.arange(batch, device=device)[:, None] * slots + kv_pos
     else:
+        kv_pos = torch.minimum(pos, (context - 1).clamp(min=0)[:, None])
         page = (kv_pos // slots).clamp_(max=block_table.shape[1] - 1)
         block = block_table.long().gather(1, page).clamp_(0, rows - 1)
         kv_rows = block * slots + kv_pos % slots
@@ -76,14 +87,15 @@ def padded_layout(q_offsets, prefix_lens, tree_start, tree_mask, block_table, *,
     else:  # positions before tree_start always; later ones inside the context by their mask bit
         first = tree_start.long()[:, None]  # [B, 1]
         width = tree_mask.shape[1] * MASK_WORD_BITS
-        bits = unpack_mask_rows(tree_mask[query_rows.flatten()], width).view(batch, n_max, width)
+        rows_mask = tree_mask if uniform else tree_mask[query_rows.flatten()]
+        bits = unpack_mask_rows(rows_mask, width).view(batch, n_max, width)
         bit = (pos - first).clamp(0, width - 1)  # [B, L]
         in_tree = (pos >= first) & (pos - first < width) & (pos < context[:, None])
         tree_bit = bits.gather(2, bit[:, None, :].expand(batch, n_max, length))
         visible = (pos < first)[:, None, :] | (in_tree[:, None, :] & tree_bit)
-    attn_bias = torch.zeros(batch, 1, n_max, length, dtype=dtype, device=device)
-    attn_bias.masked_fill_(~visible[:, None], -math.inf)
-    return query_rows, token_slots, kv_rows.flatten(), attn_bias
+    attn_bias = torch.full((batch, 1, n_max, length), -math.inf, dtype=dtype, device=device)
+    attn_bias.masked_fill_(visible[:, None], 0.0)
+    return query_rows, token_slots, None if kv_rows is None else kv_rows.flatten(), attn_bias
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,15 +113,20 @@ def tree_attention_torch(q, k_cache, v_cache, q_offsets, prefix_lens, tree_start
     """
     if q.shape[0] == 0:
         return
-    if query_rows is None:
+    if attn_bias is None:
         raise RuntimeError("this attention plan was built for the triton backend; plan again for torch")
-    batch, n_max = query_rows.shape
-    length = attn_bias.shape[-1]
+    batch, _, n_max, length = attn_bias.shape
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[2]
-    qp = q.index_select(0, query_rows.flatten()).view(batch, n_max, heads, head_dim).transpose(1, 2)
-    k = k_cache.reshape(-1, kv_heads, head_dim).index_select(0, kv_rows).view(batch, length, kv_heads, head_dim)
-    v = v_cache.reshape(-1, kv_heads, head_dim).index_select(0, kv_rows).view(batch, length, kv_heads, head_dim)
+    if query_rows is None:  # uniform query counts: the padded layout is q itself
+        qp = q.view(batch, n_max, heads, head_dim).transpose(1, 2)
+    else:
+        qp = q.index_select(0, query_rows.flatten()).view(batch, n_max, heads, head_dim).transpose(1, 2)
+    if kv_rows is None:  # a finite contiguous cache: its first L_max positions, as views
+        k, v = k_cache[:batch, :length], v_cache[:batch, :length]
+    else:
+        k = k_cache.reshape(-1, kv_heads, head_dim).index_select(0, kv_rows).view(batch, length, kv_heads, head_dim)
+        v = v_cache.reshape(-1, kv_heads, head_dim).index_select(0, kv_rows).view(batch, length, kv_heads, head_dim)
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, L, D]
     if lse is None:
         if SDPA_HAS_GQA:
@@ -120,8 +137,14 @@ def tree_attention_torch(q, k_cache, v_cache, q_offsets, prefix_lens, tree_start
             o = F.scaled_dot_product_attention(qp, k, v, attn_mask=attn_bias, scale=softmax_scale)
     else:
         o, row_lse = _attention_with_lse(qp, k, v, attn_bias, softmax_scale)
-        lse.copy_(row_lse.transpose(1, 2).reshape(batch * n_max, heads).index_select(0, token_slots))
-    out.copy_(o.transpose(1, 2).reshape(batch * n_max, heads, head_dim).index_select(0, token_slots))
+        if token_slots is None:
+            lse.view(batch, n_max, heads).copy_(row_lse.transpose(1, 2))
+        else:
+            lse.copy_(row_lse.transpose(1, 2).reshape(batch * n_max, heads).index_select(0, token_slots))
+    if token_slots is None:
+        out.view(batch, n_max, heads, head_dim).copy_(o.transpose(1, 2))
+    else:
+        out.copy_(o.transpose(1, 2).reshape(batch * n_max, heads, head_dim).index_select(0, token_slots))
 
 
 def _attention_with_lse(q, k, v, bias, scale) -> tuple[torch.Tensor, torch.Tensor]:

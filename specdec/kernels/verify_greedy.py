@@ -106,19 +106,86 @@ def _chain_greedy_triton(logits, tokens, offsets, output_tokens, num_accepted, i
     _greedy_triton(logits, tokens, tokens, offsets, (output_tokens, num_accepted, path, invalid), chain=True)
 
 
-def _chain_greedy_torch(logits, tokens, offsets, *out) -> None:
-    for dst, src in zip(out, verify_chain_greedy_reference(logits, tokens, offsets, max_draft_len=out[0].shape[1] - 1)):
-        dst.copy_(src)
+def _chain_greedy_torch(logits, tokens, offsets, output_tokens, num_accepted, invalid) -> None:
+    """Vectorised, reading nothing back to the host: accepted = the leading drafts equal to their row's
+    argmax; emitted token d (d <= accepted) is then row d's argmax (an accepted draft equals it)."""
+    batch, width = output_tokens.shape
+    if batch == 0:
+        return
+    argmax, bad = _argmax_and_invalid(logits)
+    offsets = offsets.long()
+    request = torch.arange(batch + 1, device=logits.device)
+    row_offsets = offsets + request  # request b's rows: its drafts' rows and one more
+    row = torch.arange(logits.shape[0], device=logits.device)
+    req = torch.searchsorted(row_offsets[1:], row, right=True).clamp_(max=batch - 1)
+    j = row - row_offsets[req]  # 0 for the row before the first draft
+    drafted = offsets[1:] - offsets[:-1]
+    draft = tokens.long()[(offsets[req] + j - 1).clamp_(0, max(tokens.numel() - 1, 0))] if tokens.numel() else j
+    stops = (j > 0) & ((j >= width) | (draft != argmax[(row - 1).clamp_(min=0)]))
+    first_stop = (drafted + 1).scatter_reduce(0, req, torch.where(stops, j, width + drafted[req]), "amin")
+    accepted = torch.minimum(first_stop, drafted + 1) - 1
+    wrong = _any_per_request(bad, req, batch)
+    d = torch.arange(width, device=logits.device)
+    emitted = argmax[(row_offsets[:-1, None] + torch.minimum(d, drafted[:, None])).clamp_(max=row.numel() - 1)]
+    keep = (d <= accepted[:, None]) & ~wrong[:, None]
+    output_tokens.copy_(torch.where(keep, emitted, -1))
+    num_accepted.copy_(torch.where(wrong, 0, accepted))
+    invalid.copy_(wrong)
 
 
 def _tree_greedy_triton(logits, tokens, parents, offsets, *out) -> None:
     _greedy_triton(logits, tokens, parents, offsets, out, chain=False)
 
 
-def _tree_greedy_torch(logits, tokens, parents, offsets, *out) -> None:
-    ref = verify_tree_greedy_reference(logits, tokens, parents, offsets, max_depth=out[0].shape[1] - 1)
-    for dst, src in zip(out, ref):
-        dst.copy_(src)
+def _tree_greedy_torch(logits, tokens, parents, offsets, output_tokens, num_accepted, accepted_path, invalid) -> None:
+    """Vectorised, reading nothing back to the host. A node is *good* when it is the first child of its
+    parent whose token equals the parent's argmax; the path is the root and the good nodes whose
+    parents are on it, found one tree level per pass (W - 1 passes). Emitted token d is then the
+    argmax of the path's node at depth d (an accepted child's token equals its parent's argmax)."""
+    batch, width = output_tokens.shape
+    if batch == 0:
+        return
+    device, n = logits.device, logits.shape[0]
+    argmax, bad = _argmax_and_invalid(logits)
+    if n == batch:  # one node per tree (every tree has its root): each emits its root's argmax
+        output_tokens.fill_(-1)[:, 0] = torch.where(bad, -1, argmax)
+        accepted_path.fill_(-1)[:, 0] = 0
+        num_accepted.zero_()
+        invalid.copy_(bad)
+        return
+    node = torch.arange(n, device=device)
+    req = torch.searchsorted(offsets[1:], node.to(offsets.dtype), right=True).clamp_(max=batch - 1)
+    start = offsets.long()[req]
+    root = parents < 0
+    parent = torch.where(root, node, start + parents.long())
+    matches = ~root & (tokens.long() == argmax[parent])
+    first = torch.full_like(node, n).scatter_reduce_(0, parent, torch.where(matches, node, n), "amin")
+    good = matches & (first[parent] == node) & ~_any_per_request(bad, req, batch)[req]
+    on_path, depth = root, torch.zeros_like(node)
+    for _ in range(width - 1):
+        on_path = root | (good & on_path[parent])
+        depth = torch.where(root, 0, depth[parent] + 1)
+    wrong = _any_per_request(bad, req, batch)
+    spare = batch * width  # one slot past the results takes every node off the path
+    slot = torch.where(on_path, req * width + depth, spare)
+    token_slot = torch.where(wrong[req], spare, slot)
+    flat = torch.full((spare + 1,), -1, dtype=torch.int32, device=device)
+    output_tokens.copy_(flat.scatter(0, token_slot, argmax.int())[:spare].view(batch, width))
+    accepted_path.copy_(flat.scatter(0, slot, (node - start).int())[:spare].view(batch, width))
+    num_accepted.copy_(torch.zeros(batch, dtype=torch.int32, device=device).index_add_(0, req, (on_path & ~root).int()))
+    invalid.copy_(wrong)
+
+
+def _argmax_and_invalid(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row argmax (int64; first of ties) and bad rows: a row max that is not finite means a NaN, a +inf or
+    no finite logit (``max`` propagates NaN). Bad rows' argmax is never used."""
+    best, argmax = logits.max(-1)
+    return argmax, ~torch.isfinite(best)
+
+
+def _any_per_request(flags: torch.Tensor, req: torch.Tensor, batch: int) -> torch.Tensor:
+    """bool ``[B]``: some row of the request is flagged."""
+    return torch.zeros(batch, dtype=torch.int32, device=flags.device).index_add_(0, req, flags.int()) > 0
 
 
 # ----------------------------------------------------------------------------- registered ops
@@ -232,6 +299,35 @@ def verify_tree_greedy(
     out = result_buffers(out, TreeVerifyResult, batch, max_depth + 1, device)
     _verify_tree_greedy_op(target_logits, node_tokens.contiguous(), parents.contiguous(), node_offsets.contiguous(),
                            *out)  # fmt: skip
+    return out
+
+
+def run_verify_chain_greedy(
+    target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_offsets: torch.Tensor, *, max_draft_len: int
+) -> ChainVerifyResult:
+    """``verify_chain_greedy`` without its argument checks, for a hot path that knows on the host that every
+    request is greedy and checked its chains there (index tensors contiguous, ``max_draft_len`` a host int).
+    Results in fresh buffers; neither body reads a value back to the host."""
+    batch, device = draft_offsets.numel() - 1, target_logits.device
+    out = result_buffers(None, ChainVerifyResult, batch, max_draft_len + 1, device)
+    _verify_chain_greedy_op.run(target_logits, draft_tokens, draft_offsets, *out)
+    return out
+
+
+def run_verify_tree_greedy(
+    target_logits: torch.Tensor,
+    node_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    node_offsets: torch.Tensor,
+    *,
+    max_depth: int,
+) -> TreeVerifyResult:
+    """``verify_tree_greedy`` without its argument checks, for a hot path that knows on the host that every
+    request is greedy and checked its trees there (index tensors contiguous, ``max_depth`` a host int).
+    Results in fresh buffers; neither body reads a value back to the host."""
+    batch, device = node_offsets.numel() - 1, target_logits.device
+    out = result_buffers(None, TreeVerifyResult, batch, max_depth + 1, device)
+    _verify_tree_greedy_op.run(target_logits, node_tokens, parents, node_offsets, *out)
     return out
 
 

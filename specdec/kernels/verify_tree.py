@@ -175,6 +175,27 @@ def verify_tree(
     return out
 
 
+def run_verify_tree(
+    target_logits: torch.Tensor,
+    node_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    node_offsets: torch.Tensor,
+    params: SamplingParams,
+    *,
+    rule: str,
+    draft_probs: torch.Tensor | None,
+    max_depth: int,
+) -> TreeVerifyResult:
+    """``verify_tree`` without its argument checks: the hot path of an engine that built the trees itself
+    and checked them on the host. Arguments as ``verify_tree`` (index tensors contiguous, ``max_depth``
+    a host int); results in fresh buffers. The op's body for the tensors' device runs directly (the
+    registered op inside ``torch.compile``); the Triton body reads nothing back to the host."""
+    batch, device = node_offsets.numel() - 1, target_logits.device
+    out = result_buffers(None, TreeVerifyResult, batch, max_depth + 1, device)
+    _verify_tree_op.run(target_logits, node_tokens, parents, node_offsets, draft_probs, *params, rule, *out)
+    return out
+
+
 # ----------------------------------------------------------------------------- PyTorch reference
 
 

@@ -32,11 +32,13 @@ from torch import nn
 
 from specdec.kernels._checks import check_tensor
 from specdec.model.attention_metadata import AttentionMetadata
+from specdec.model.block import RotaryRows, layer_params, run_layers
 from specdec.model.config import ModelConfig
+from specdec.model.forward_plan import INDEX_DTYPES, plan_forward
 from specdec.model.head_loading import check_fits_target, head_checkpoint_files, read_config_json
 from specdec.model.hf_layout import checkpoint_shapes, fuse
 from specdec.model.kv_cache import KVCache
-from specdec.model.llama import INDEX_DTYPES, DecoderLayer, LlamaModel, rope_cos_sin
+from specdec.model.llama import DecoderLayer, LlamaModel
 from specdec.model.loader import SINGLE_FILE, load_tensors
 
 EMBEDDING = "embed_tokens.weight"
@@ -65,9 +67,11 @@ class EagleHead(nn.Module):
         hidden = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, hidden) if own_embedding else None
         self.fc = nn.Linear(2 * hidden, hidden, bias=fc_bias)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.layers[0].input_layernorm = nn.Identity()  # the authors' layer 0 has no input norm
         self.register_buffer("rope_inv_freq", config.rope_inv_freq(), persistent=False)
+        self._layer_params = layer_params(self.layers)  # the block runs them under a plan (``block.run_layers``)
+        self._rotary = RotaryRows()
         # A plain attribute, not a submodule: the target's weights stay the target's (no copy, not in state_dict).
         object.__setattr__(self, "target", target)
 
@@ -115,11 +119,21 @@ class EagleHead(nn.Module):
 
         Example
         -------
-        >>> cache = head.new_cache(batch_size=1, max_len=256)
+        >>> from specdec.cli.demo import ASSETS                         # the embedded target and its head
+        >>> from specdec.model import causal_positions
+        >>> target = LlamaModel.from_pretrained(ASSETS / "target")
+        >>> head = EagleHead.from_pretrained(ASSETS.parent / "eagle", target)
+        >>> prompt = torch.tensor([1, 15, 27, 4, 9, 33, 2])
+        >>> whole = AttentionMetadata(torch.tensor([0, 7], dtype=torch.int32))
+        >>> target_cache = target.new_cache(batch_size=1, max_len=16)
+        >>> _, hidden = target(prompt, causal_positions(whole.q_offsets, target_cache.seq_lens, 7), whole, target_cache)
+        >>> cache = head.new_cache(batch_size=1, max_len=16)
         >>> meta = AttentionMetadata(torch.tensor([0, 5], dtype=torch.int32))       # 5 rows of one request
         >>> feats, logits = head(hidden[:5], prompt[1:6], causal_positions(meta.q_offsets, cache.seq_lens, 5),
         ...                      meta, cache)
         >>> cache.advance([5])
+        >>> feats.shape, logits.shape                                  # logits of x_{t+2} for t = 0..4
+        (torch.Size([5, 256]), torch.Size([5, 4096]))
         """
         device, hidden = self.device, self.config.hidden_size
         check_tensor("features", features, dtype=self.dtype, ndim=2, device=device)
@@ -132,12 +146,15 @@ class EagleHead(nn.Module):
             raise TypeError(f"metadata must be an AttentionMetadata, got {type(metadata).__name__}")
         if logits_rows is not None:
             check_tensor("logits_rows", logits_rows, dtype=INDEX_DTYPES, ndim=1, device=device)
+        plan = plan_forward(self, tokens, positions, metadata, cache)  # checks the rest, once
         x = self.fc(torch.cat((F.embedding(tokens, self.embedding_weight), features), dim=-1))  # [Tq, H]
-        cos, sin = rope_cos_sin(positions, self.rope_inv_freq, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, metadata, cache)
+        x = run_layers(self._layer_params, x, plan, self.config, self.rope_inv_freq, first_norm=False)
         rows = x if logits_rows is None else x.index_select(0, logits_rows)
         return x, F.linear(rows, self.lm_head_weight)
+
+    def rotary_rows(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, 1, D]`` of ``positions`` below ``max_position`` (the forward plan asks for them)."""
+        return self._rotary(positions, max_position, self.rope_inv_freq, self.dtype)
 
     def new_cache(self, batch_size: int, max_len: int, **layout) -> KVCache:
         """The head's own ``KVCache`` (``layout``: layout=, block_size=, num_blocks=, as for the target's)."""
@@ -164,8 +181,11 @@ class EagleHead(nn.Module):
 
         Example
         -------
-        >>> target = LlamaModel.from_pretrained("/models/vicuna-7b-v1.3", dtype=torch.float16, device="cuda")
-        >>> head = EagleHead.from_pretrained("/models/EAGLE-Vicuna-7B-v1.3", target)
+        >>> from specdec.cli.demo import ASSETS                         # the embedded target and its head
+        >>> target = LlamaModel.from_pretrained(ASSETS / "target")
+        >>> head = EagleHead.from_pretrained(ASSETS.parent / "eagle", target)
+        >>> head.config.num_layers, head.lm_head_weight is target.lm_head_weight
+        (1, True)
         """
         if not isinstance(target, LlamaModel):
             raise TypeError(f"target must be a LlamaModel, got {type(target).__name__}")

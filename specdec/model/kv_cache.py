@@ -43,10 +43,11 @@ from collections.abc import Sequence
 
 import torch
 
+from specdec._backend import select_backend
 from specdec._transfer import to_device
 from specdec.kernels._checks import check_offsets, check_tensor
 from specdec.kernels.kv_append import kv_append
-from specdec.kernels.kv_compact import check_accepted_path, kv_compact
+from specdec.kernels.kv_compact import check_accepted_path, compact_rows, kv_compact, kv_compact_op
 from specdec.kernels.kv_layout import DTYPES
 from specdec.model.block_allocator import BlockAllocator
 from specdec.validation import check_memory, tensor_bytes
@@ -141,6 +142,9 @@ class KVCache:
             self._host_tables = torch.zeros(batch_size, max_blocks, dtype=torch.int32)
             self.block_tables = torch.zeros_like(self._host_tables, device=self.device)
         self.data = torch.zeros(shape, dtype=dtype, device=self.device)
+        # Per layer, made once: (k, v) as ``layer`` returns them, and their token rows [-1, Hkv, D].
+        self.views = [(self.data[l, 0], self.data[l, 1]) for l in range(num_layers)]
+        self.row_views = [tuple(t.view(-1, num_kv_heads, head_dim) for t in kv) for kv in self.views]
 
     def __repr__(self) -> str:
         pool = (
@@ -159,7 +163,7 @@ class KVCache:
         """(k, v) of layer ``l``: contiguous ``[B, max_len, Hkv, D]`` or paged ``[num_blocks, block_size, Hkv, D]``."""
         if not isinstance(l, int) or not 0 <= l < self.num_layers:
             raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {l!r}")
-        return self.data[l, 0], self.data[l, 1]
+        return self.views[l]
 
     def room(self) -> list[int]:
         """Free slots each request is guaranteed (from the host bounds; no device sync)."""
@@ -229,14 +233,36 @@ class KVCache:
         kv_append(self.data, layer, k, v, self.seq_lens, q_offsets, self.block_tables)
         self._written.add(layer)
 
+    def begin_forward(self, q_offsets: torch.Tensor, num_tokens: int) -> list[int]:
+        """Admit a model forward writing ``num_tokens`` rows in every layer; returns its rows per request.
+
+        The counts come from the open reservation (``reserve``; host data, no device access) or,
+        without one (none since the last commit, or a forward already used it), from ``q_offsets``:
+        free on the CPU, one sync on a GPU. The forward then writes each layer's K/V itself through
+        the op bodies (``write`` is the checked per-layer entry for other callers).
+        """
+        if self._pending is None or self._written:
+            check_tensor("q_offsets", q_offsets, dtype=torch.int32, shape=(self.batch_size + 1,), device=self.device)
+            bounds = check_offsets("q_offsets", q_offsets, total=num_tokens)
+            self.reserve([bounds[b + 1] - bounds[b] for b in range(self.batch_size)])
+        if num_tokens != sum(self._pending):
+            raise ValueError(
+                f"the forward has {num_tokens} tokens but this step reserved {sum(self._pending)} "
+                f"({self._pending} per request)"
+            )
+        self._written = set(range(self.num_layers))
+        return list(self._pending)
+
     # ---- committing and shortening ------------------------------------------------------------
 
     def advance(self, counts: Sequence[int] | torch.Tensor) -> None:
-        """``seq_lens += counts`` (``[B]`` int32 on the device, or host ints) after a prefill chunk or decode.
+        """``seq_lens += counts`` (``[B]`` int32 on the cache's device, or host ints) after a prefill chunk or decode.
 
-        Device counts must not exceed the tokens written this step (their bound grows by that number).
+        Counts on the cache's device are never read (on a CPU cache too: the same path as on a GPU); they
+        must not exceed the tokens written this step (their bound grows by that number). Host ints, or a
+        CPU tensor for a cache elsewhere, are checked against the capacity.
         """
-        if isinstance(counts, torch.Tensor) and not counts.is_cpu:
+        if isinstance(counts, torch.Tensor) and counts.device == self.device:
             check_tensor("counts", counts, dtype=torch.int32, shape=(self.batch_size,), device=self.device)
             if self._pending is None:
                 raise ValueError("advance() with device counts needs a write or reserve this step; pass host counts")
@@ -252,17 +278,25 @@ class KVCache:
             self.seq_lens += to_device(added, torch.int32, self.device)
         self._commit([bound + c for bound, c in zip(self._bound, added)])
 
-    def compact(self, accepted_path: torch.Tensor) -> None:
+    def compact(self, accepted_path: torch.Tensor, *, check: bool | None = None) -> None:
         """Commit verified trees: move accepted nodes next to the prefix in every layer, in one launch.
 
         ``accepted_path [B, P]`` int32 holds local node indices, root first, strictly increasing,
         padded with -1: the K/V of node ``path[b, j]`` moves from ``seq_lens[b] + path[b, j]`` to
-        ``seq_lens[b] + j``, then ``seq_lens[b]`` grows by the number of valid entries. A CPU path is
-        validated first (reading ``seq_lens`` back: a sync on a GPU); a path on the cache's device is not.
+        ``seq_lens[b] + j``, then ``seq_lens[b]`` grows by the number of valid entries.
+
+        ``check``: validate the path first (reading it and ``seq_lens`` back: a sync on a GPU) and
+        refuse nodes past those written this step; default: for a path given on the CPU. ``check=False``
+        is the hot path for a path a verification op just produced over this step's trees: nothing is
+        read back on any device (the Triton kernel, or ``compact_rows`` on the PyTorch path).
         """
         check_tensor("accepted_path", accepted_path, dtype=torch.int32, shape=(self.batch_size, None))
         pending = self._pending or [0] * self.batch_size
-        if accepted_path.is_cpu:
+        if check is None:
+            check = accepted_path.is_cpu
+        if accepted_path.device != self.device:
+            accepted_path = to_device(accepted_path, torch.int32, self.device)
+        if check:
             counts = check_accepted_path(accepted_path, self.seq_lens.cpu(), self.max_len)
             for b, (row, written) in enumerate(zip(accepted_path.tolist(), pending)):
                 if counts[b] and row[counts[b] - 1] >= written:
@@ -270,9 +304,13 @@ class KVCache:
                         f"accepted_path[{b}] = {row} names node {row[counts[b] - 1]} but only "
                         f"{written} nodes were written for request {b} this step"
                     )
-        if accepted_path.device != self.device:
-            accepted_path = to_device(accepted_path, torch.int32, self.device)
-        kv_compact(self.data, self.seq_lens, accepted_path, self.block_tables, tickets=self._tickets)
+            kv_compact(self.data, self.seq_lens, accepted_path, self.block_tables, tickets=self._tickets)
+        elif accepted_path.shape[1]:
+            accepted_path = accepted_path.contiguous()
+            if select_backend(accepted_path) == "triton":
+                kv_compact_op.body("triton")(self.data, self.seq_lens, accepted_path, self.block_tables, self._tickets)
+            else:
+                compact_rows(self.data, self.seq_lens, accepted_path, self.block_tables)
         width = accepted_path.shape[1]
         self._commit([bound + min(width, written) for bound, written in zip(self._bound, pending)])
 

@@ -7,12 +7,14 @@ Parameter names are HuggingFace's, except that q/k/v and gate/up are fused into 
 projection each (``qkv_proj``, ``gate_up_proj``: one GEMM each); ``hf_layout`` maps a
 LLaMA/Mistral/Qwen2 checkpoint's tensors onto them and back.
 
-One forward serves prefill, decode and tree verification (see attention_metadata):
-every layer writes its K/V for the query rows through ``cache.write`` and attends
-with ``tree_attention`` over ``cache.layer(l)`` with ``prefix_lens = cache.seq_lens``.
-The forward never advances the cache -- the caller commits (``advance`` after
-prefill/decode, ``compact`` after verification) -- and never reads a device value
-back to the host.
+One forward serves prefill, decode and tree verification (see attention_metadata). It
+is planned once and run layer by layer (``forward_plan``): ``forward`` checks its inputs
+and builds the plan, ``run`` calls the op bodies the plan chose -- per layer (add +)
+RMSNorm, the fused QKV GEMM, RoPE, the K/V write into ``cache``, tree attention over the
+cache, o_proj, add + RMSNorm, the fused gate/up GEMM, SwiGLU, down -- with no checks and
+no per-layer dispatch. The modules below only hold the parameters. The forward never
+advances the cache -- the caller commits (``advance`` after prefill/decode, ``compact``
+after verification) -- and never reads a device value back to the host.
 """
 
 from __future__ import annotations
@@ -23,75 +25,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.kernels import tree_attention
+from specdec._backend import select_backend
 from specdec.kernels._checks import check_tensor
 from specdec.model import hf_layout
 from specdec.model.attention_metadata import AttentionMetadata
+from specdec.model.block import RotaryRows, layer_params, run_layers
 from specdec.model.config import ModelConfig
+from specdec.model.cuda_graphs import BUCKETS, CudaGraphs
+from specdec.model.forward_plan import ForwardPlan, plan_forward
 from specdec.model.loader import load_tensors
 from specdec.validation import as_device
 
-INDEX_DTYPES = (torch.int32, torch.int64)
-
 
 class RMSNorm(nn.Module):
+    """The weight of an RMSNorm (``specdec.kernels.rms_norm`` computes it)."""
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 whatever the model dtype, then scale in the model dtype (as LLaMA does).
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """cos, sin ``[T, D]`` for int ``positions [T]``; angles in float32, the two halves repeated."""
-    angles = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
-    angles = torch.cat((angles, angles), dim=-1)  # [T, D]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, H, D]``: pairs are (i, i + D/2), HuggingFace's layout of the q/k weights."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    def __init__(self, config: ModelConfig):
         super().__init__()
-        self.layer, self.num_heads, self.num_kv_heads = layer, config.num_heads, config.num_kv_heads
-        self.head_dim = config.head_dim
-        hidden = config.hidden_size
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        self.qkv_sizes = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(hidden, q_size + 2 * kv_size, bias=config.qkv_bias)  # rows: q, k, v
-        self.o_proj = nn.Linear(q_size, hidden, bias=config.o_bias)
-
-    def forward(self, x, cos, sin, metadata: AttentionMetadata, cache) -> torch.Tensor:
-        tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)  # strided views of one GEMM's output
-        q = q.view(tokens, self.num_heads, self.head_dim)  # [Tq, Hq, D]
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)  # [Tq, Hkv, D]
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.write(self.layer, k, v, metadata.q_offsets)
-        k_cache, v_cache = cache.layer(self.layer)
-        out = tree_attention(
-            q,
-            k_cache,
-            v_cache,
-            metadata.q_offsets,
-            cache.seq_lens,
-            tree_mask=metadata.tree_mask,
-            causal=metadata.causal,
-            block_table=cache.block_tables,
-        )
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)  # rows: q, k, v
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
 
 
 class MLP(nn.Module):
@@ -101,22 +61,14 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * inner, bias=bias)  # rows: gate, up
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    def __init__(self, config: ModelConfig):
         super().__init__()
-        self.self_attn = Attention(config, layer)
+        self.self_attn = Attention(config)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x, cos, sin, metadata, cache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, metadata, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Decoder(nn.Module):
@@ -125,8 +77,11 @@ class Decoder(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+RECOMPILE_LIMIT = 64  # graphs one compiled forward may hold (see compile_run)
 
 
 class LlamaModel(nn.Module):
@@ -141,6 +96,10 @@ class LlamaModel(nn.Module):
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.register_buffer("rope_inv_freq", config.rope_inv_freq(), persistent=False)
+        self._layer_params = layer_params(self.model.layers)
+        self._rotary = RotaryRows()
+        self._compiled_run = None  # see compile_run
+        self.cuda_graphs: CudaGraphs | None = None  # see use_cuda_graphs
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -169,10 +128,12 @@ class LlamaModel(nn.Module):
         tokens : ``[Tq]`` int32/int64 token ids, flattened over requests (``metadata.q_offsets``).
         positions : ``[Tq]`` int32/int64 RoPE positions: ``cache.seq_lens[b] + i`` for causal rows,
             ``cache.seq_lens[b] + depth`` for tree nodes (``causal_positions`` / ``tree_positions``).
-        metadata : ``AttentionMetadata`` (``q_offsets [B+1]`` int32, ``tree_mask [Tq, W]`` int64 or None).
+        metadata : ``AttentionMetadata`` (``q_offsets [B+1]`` int32, ``tree_mask [Tq, W]`` int64 or None,
+            ``tree_start [B]`` int32 or None).
         cache : ``KVCache`` with B requests; row i of request b is written at ``seq_lens[b] + i``.
-            Not advanced here. On a GPU call ``cache.reserve(rows per request)`` first: the sizes
-            are host data to the caller, while the cache would otherwise read ``q_offsets`` back.
+            Not advanced here. Call ``cache.reserve(rows per request)`` first: the sizes are host
+            data to the caller, while the cache would otherwise read ``q_offsets`` back (a sync on
+            a GPU); the reservation also gives the attention plan its host bounds.
         logits_rows : optional ``[R]`` int64 row indices to compute logits for (e.g. each
             request's last prefill row); default all rows.
 
@@ -197,20 +158,59 @@ class LlamaModel(nn.Module):
         >>> logits.shape, hidden.shape, cache.seq_lens.tolist()
         (torch.Size([1, 32]), torch.Size([5, 32]), [5])
         """
-        device = self.device
-        check_tensor("tokens", tokens, dtype=INDEX_DTYPES, ndim=1, device=device)
-        num_tokens = tokens.shape[0]
-        check_tensor("positions", positions, dtype=INDEX_DTYPES, shape=(num_tokens,), device=device)
-        if not isinstance(metadata, AttentionMetadata):
-            raise TypeError(f"metadata must be an AttentionMetadata, got {type(metadata).__name__}")
-        check_tensor("metadata.q_offsets", metadata.q_offsets, device=device)
         if logits_rows is not None:
-            check_tensor("logits_rows", logits_rows, dtype=INDEX_DTYPES, ndim=1, device=device)
-        x = self.model.embed_tokens(tokens)  # [Tq, H]
-        cos, sin = rope_cos_sin(positions, self.rope_inv_freq, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, metadata, cache)
-        hidden = self.model.norm(x)
+            check_tensor("logits_rows", logits_rows, dtype=(torch.int32, torch.int64), ndim=1, device=self.device)
+        if self.cuda_graphs is not None:
+            replayed = self.cuda_graphs.forward(tokens, positions, metadata, cache, logits_rows)
+            if replayed is not None:
+                return replayed
+        plan = plan_forward(self, tokens, positions, metadata, cache)
+        return (self._compiled_run or self.run)(tokens, plan, logits_rows)
+
+    def use_cuda_graphs(self, buckets: tuple[int, ...] = BUCKETS) -> None:
+        """Replay later CUDA forwards of up to ``max(buckets)`` rows from CUDA graphs (``cuda_graphs``):
+        one replay per forward, captured on first use per (cache, row bucket, mask width, logits rows)."""
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the model on a CUDA device, it is on {self.device}")
+        if select_backend(self.rope_inv_freq) != "triton":
+            raise ValueError("CUDA graphs need the Triton path (its K/V write drops the padding rows), not in use")
+        self.cuda_graphs = CudaGraphs(self, buckets)
+
+    def compile_run(self, **options) -> None:
+        """Run every later forward's planned part (``run``) through ``torch.compile(fullgraph=True, dynamic=True)``.
+
+        The plan stays eager (host bookkeeping); the layers, the K/V writes and the logits form one graph.
+        Shapes are dynamic so prefill, decode, tree verification and caches of any size share a handful
+        of graphs (the first forwards of each kind pay the compilation). ``options`` go to
+        ``torch.compile`` (e.g. ``backend="aot_eager"``, ``mode=...``).
+        """
+        compiled = torch.compile(self.run, fullgraph=True, dynamic=True, **options)
+
+        def run(tokens, plan, logits_rows=None):
+            # a decoder's forwards come in a dozen kinds (prefill, decode, chain, tree, draft levels, sizes 1
+            # or more): let them all have their graph rather than fail at Dynamo's default of 8
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                return compiled(tokens, plan, logits_rows)
+
+        self._compiled_run = run
+
+    def rotary_rows(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, 1, D]`` of ``positions`` (all below the host bound ``max_position``, e.g. the KV
+        cache's capacity), gathered from a table this model keeps (``block.RotaryRows``)."""
+        return self._rotary(positions, max_position, self.rope_inv_freq, self.model.embed_tokens.weight.dtype)
+
+    def plan(self, tokens, positions, metadata: AttentionMetadata, cache) -> ForwardPlan:
+        """Check a forward's inputs and build its plan (``forward_plan.plan_forward``); ``run`` executes it."""
+        return plan_forward(self, tokens, positions, metadata, cache)
+
+    def run(
+        self, tokens: torch.Tensor, plan: ForwardPlan, logits_rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The planned forward: ``forward``'s results for the inputs ``plan`` was built from. No checks."""
+        residual = F.embedding(tokens, self.model.embed_tokens.weight)  # [T, hidden]: the residual stream
+        hidden = run_layers(
+            self._layer_params, residual, plan, self.config, self.rope_inv_freq, final_norm=self.model.norm._parameters
+        )
         rows = hidden if logits_rows is None else hidden.index_select(0, logits_rows)
         return F.linear(rows, self.lm_head_weight), hidden
 

@@ -98,8 +98,10 @@ class MedusaHeads(nn.Module):
 
         Example
         -------
-        >>> logits, hidden = target(tokens, positions, meta, cache)
-        >>> guesses = heads(hidden[-1:]).argmax(-1)     # [K, 1]: tokens 2, 3, ..., K + 1 ahead of the last row
+        >>> heads = MedusaHeads(hidden_size=8, vocab_size=32, num_heads=3)
+        >>> guesses = heads(torch.randn(5, 8)).argmax(-1)   # [K, T]: tokens 2, 3, ..., K + 1 ahead of each row
+        >>> guesses.shape
+        torch.Size([3, 5])
         """
         check_tensor("hidden", hidden, dtype=self.dtype, ndim=2, device=self.device)
         if hidden.shape[1] != self.hidden_size:
@@ -123,8 +125,11 @@ class MedusaHeads(nn.Module):
 
         Example
         -------
-        >>> target = LlamaModel.from_pretrained("/models/vicuna-7b-v1.3", dtype=torch.float16, device="cuda")
-        >>> heads = MedusaHeads.from_pretrained("/models/medusa-vicuna-7b-v1.3", target)
+        >>> from specdec.cli.demo import ASSETS                          # the embedded target and its heads
+        >>> target = LlamaModel.from_pretrained(ASSETS / "target")
+        >>> heads = MedusaHeads.from_pretrained(ASSETS.parent / "medusa", target)
+        >>> heads.num_heads
+        4
         """
         if not isinstance(target, LlamaModel):
             raise TypeError(f"target must be a LlamaModel, got {type(target).__name__}")

@@ -1,0 +1,153 @@
+"""Step time of an 8B-shaped model: plain decoding, a chain of K=5 and a 64-node tree, CUDA graphs off and on.
+
+A step here is the target's side of a speculative step: one forward over every node of every
+request (B x 1, B x 6 or B x 64 rows) after a 1024-token context, then greedy verification. The
+cache's commit is left out so every repeat sees the same context (the step's host bookkeeping,
+its plan and its one read-back are in). The model is random (LLaMA-3-8B's shape: 32 layers,
+hidden 4096, 32/8 heads of 128, intermediate 14336, vocab 128256, bf16), so no checkpoint is
+needed. Launch-bound steps show in the graphs-off rows; the G-step target is a chain step <= 1.15x
+a decode step at batch 1 with graphs on.
+
+    python bench/bench_step.py --out OUT        # GPU: the 8B shape, bf16
+    python bench/bench_step.py --quick          # CPU smoke run: 2 small layers, fp32, graphs off only
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import Table, bench_args, clock, cpu_threads  # noqa: E402
+
+from specdec._transfer import offsets_to_device, read_back, to_device  # noqa: E402
+from specdec.decoding.proposal import tree_metadata_on  # noqa: E402
+from specdec.kernels import run_verify_tree_greedy  # noqa: E402
+from specdec.model import AttentionMetadata, LlamaModel, ModelConfig, causal_positions, tree_positions  # noqa: E402
+
+SHAPE_8B = dict(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+    head_dim=128, rope_theta=500000.0,
+)  # fmt: skip
+SHAPE_QUICK = dict(
+    vocab_size=4096, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32
+)  # fmt: skip
+CONTEXT = 1024
+
+
+def tree_64() -> list[int]:
+    """A 64-node tree in BFS order: 4 children at the root, then 3, 2, 2, 1, ... (cut at 64 nodes)."""
+    parents, level = [-1], [0]
+    for k in (4, 3, 2, 2, 1, 1, 1, 1):
+        nxt = []
+        for node in level:
+            for _ in range(k):
+                if len(parents) < 64:
+                    parents.append(node)
+                    nxt.append(len(parents) - 1)
+        level = nxt
+    return parents
+
+
+KINDS = {"decode": [-1], "chain K=5": list(range(-1, 5)), "tree 64": tree_64()}
+
+
+def random_model(shape: dict, dtype: torch.dtype, device: str) -> LlamaModel:
+    config = ModelConfig(**shape)
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    model = model.to(dtype).to_empty(device=device)  # bf16 storage straight away (an 8B model: 16 GB)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    model.rope_inv_freq = config.rope_inv_freq(device)
+    return model.requires_grad_(False).eval()
+
+
+def make_step(model: LlamaModel, batch: int, parents: list[int], device: str):
+    """A prefilled cache and ``step()``: one verification forward plus greedy verification and its read-back."""
+    vocab, n = model.config.vocab_size, len(parents)
+    cache = model.new_cache(batch, CONTEXT + n, layout="paged", block_size=16)
+    for start in range(0, CONTEXT, 512):  # prefill in chunks (one forward of the whole context is large)
+        counts = [min(512, CONTEXT - start)] * batch
+        q_offsets = offsets_to_device(counts, device)
+        cache.reserve(counts)
+        tokens = torch.randint(0, vocab, (sum(counts),), device=device)
+        positions = causal_positions(q_offsets, cache.seq_lens, len(tokens), per_request=counts[0])
+        model(tokens, positions, AttentionMetadata(q_offsets), cache, logits_rows=q_offsets[1:].long() - 1)
+        cache.advance(counts)
+    chain = parents == list(range(-1, n - 1))
+    q_offsets = offsets_to_device([n] * batch, device)
+    depth, mask = tree_metadata_on([parents] * batch, torch.device(device))
+    tokens = torch.randint(0, vocab, (n * batch,), device=device)
+    node_parents = to_device(parents * batch, torch.int32, device)
+    max_depth = max(depth.tolist())
+
+    def step():
+        cache.reserve([n] * batch)
+        if chain:
+            positions = causal_positions(q_offsets, cache.seq_lens, n * batch, per_request=n)
+            metadata = AttentionMetadata(q_offsets)
+        else:
+            positions = tree_positions(q_offsets, cache.seq_lens, depth)
+            metadata = AttentionMetadata(q_offsets, mask)
+        logits, _ = model(tokens, positions, metadata, cache)
+        result = run_verify_tree_greedy(logits, tokens.int(), node_parents, q_offsets, max_depth=max_depth)
+        read_back(result.num_accepted)  # the step's one host sync
+        cache.discard()
+
+    return step
+
+
+def time_steps(step, device: str, repeats: int) -> float:
+    """Milliseconds per step (the fastest of three rounds of ``repeats`` steps)."""
+    now = clock(device)
+    for _ in range(3):
+        step()  # warm-up: kernels compiled, graphs captured
+    best = float("inf")
+    for _ in range(3):
+        start = now()
+        for _ in range(repeats):
+            step()
+        best = min(best, (now() - start) / repeats)
+    return 1e3 * best
+
+
+def main() -> None:
+    args = bench_args(__doc__.splitlines()[0])
+    device = args.device
+    cpu_threads(device)
+    cuda = device.startswith("cuda")
+    quick = args.quick or not cuda
+    shape, dtype = (SHAPE_QUICK, torch.float32) if quick else (SHAPE_8B, torch.bfloat16)
+    model = random_model(shape, dtype, device)
+    graph_modes = (False, True) if cuda else (False,)
+    table = Table(
+        f"Verification step time, {shape['num_layers']} layers x hidden {shape['hidden_size']}, "
+        f"{str(dtype).replace('torch.', '')}, context {CONTEXT}, greedy ({device})",
+        ["batch", "step", "rows", "graphs", "ms/step", "vs decode (same batch, graphs)"],
+    )
+    with torch.inference_mode():
+        for batch in (1, 8):
+            for graphs in graph_modes:
+                if graphs:
+                    model.use_cuda_graphs()
+                else:
+                    model.cuda_graphs = None
+                decode_ms = None
+                for kind, parents in KINDS.items():
+                    ms = time_steps(make_step(model, batch, parents, device), device, 5 if quick else 20)
+                    decode_ms = decode_ms or ms
+                    rows = batch * len(parents)
+                    table.add(batch, kind, rows, "on" if graphs else "off", f"{ms:.2f}", f"{ms / decode_ms:.2f}x")
+    table.write(args.out, "bench_step")
+
+
+if __name__ == "__main__":
+    main()

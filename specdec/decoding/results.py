@@ -1,0 +1,51 @@
+"""What a generation reports: the tokens of each step, per-request counters, the final result."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestStats:
+    """Per-request counters; ``tau`` is the mean number of tokens per target forward."""
+
+    prompt_tokens: int
+    generated: int = 0
+    target_forwards: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    drafted_at: list[int] = field(default_factory=list)  # position j reached with a draft to test
+    accepted_at: list[int] = field(default_factory=list)  # ... and that draft was accepted
+    finish_reason: str | None = None
+
+    @property
+    def tau(self) -> float:
+        return self.generated / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """Tokens emitted in one step: request ``requests[i]`` produced ``tokens[i]`` (a tuple).
+
+    ``finished`` maps each request that ended this step to why: 'eos' (its EOS token is the
+    last of its tokens), 'length' (reached max_new_tokens) or 'invalid' (its target logits had
+    no valid token: NaN / all -inf; nothing emitted for it this step).
+    """
+
+    requests: tuple[int, ...]
+    tokens: tuple[tuple[int, ...], ...]
+    finished: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    tokens: list[list[int]]
+    stats: list[RequestStats]
+    text: list[str] | None = None

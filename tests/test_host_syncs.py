@@ -1,0 +1,108 @@
+"""A step synchronises the host once: its read-back. Counted on the CPU (``sync_counter``), checked on a GPU.
+
+Every strategy runs a whole generation (prefill, every step, requests finishing at different
+steps) while ``SyncCounter`` records every operation that would make the host wait for a GPU;
+each step must record exactly one, the read-back in ``specdec._transfer.read_back``. Greedy
+batches run the PyTorch bodies (the CPU's own path); sampled batches run the Triton path through
+Triton's interpreter, the code a GPU runs (the PyTorch bodies of the general sampling ops are
+readable vectorised references that read sizes back, which is free on the CPU they serve).
+"""
+
+import warnings
+
+import pytest
+import torch
+from helpers import noisy_copy, random_model, tiny_config
+from sync_counter import SyncCounter
+
+from specdec import use_backend
+from specdec.decoding import DraftModelStrategy, NgramStrategy, NoDraft, SpeculativeDecoder
+
+STRATEGIES = {
+    "autoregressive": lambda draft: NoDraft(),
+    "chain": lambda draft: DraftModelStrategy(draft, (1,) * 3),
+    "tree-deterministic": lambda draft: DraftModelStrategy(draft, (2, 2, 1), rule="deterministic"),
+    "tree-stochastic": lambda draft: DraftModelStrategy(draft, (2, 1, 1), rule="stochastic"),
+    "ngram": lambda draft: NgramStrategy(num_draft=3, max_ngram=2),
+}
+READ_BACK = ("Tensor.tolist", "_transfer.py")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = random_model(tiny_config(vocab_size=48), seed=0)
+    return target, noisy_copy(target, 1, 0.3)
+
+
+def count_per_step(decoder, prompts, **sampling) -> list[list[tuple[str, str]]]:
+    """The would-be synchronisations of each ``StepOutput`` the stream yields (prefill first)."""
+    steps, per_step = decoder.stream(prompts, **sampling), []
+    while True:
+        with SyncCounter() as counter:
+            try:
+                next(steps)
+            except StopIteration:
+                return per_step
+        per_step.append(counter.events)
+
+
+def assert_one_read_back_per_step(per_step, min_steps: int) -> None:
+    assert len(per_step) >= min_steps, f"only {len(per_step)} steps ran"
+    for i, events in enumerate(per_step):
+        assert [(what, where.split(":")[0]) for what, where in events] == [READ_BACK], (
+            f"step {i}: {len(events)} would-be synchronisations, expected the read-back alone: {events}"
+        )
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_greedy_generation_syncs_once_per_step(pair, strategy, layout):
+    target, draft = pair
+    decoder = SpeculativeDecoder(target, STRATEGIES[strategy](draft), cache_layout=layout, block_size=4)
+    prompts = [[3, 9, 4, 3, 9, 4, 3], [7, 1], [5, 5, 2, 8]]
+    with use_backend("torch"):
+        per_step = count_per_step(decoder, prompts, max_new_tokens=[12, 5, 9], eos_token_id=None, seed=0)
+    assert_one_read_back_per_step(per_step, min_steps=4)
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_sampled_generation_syncs_once_per_step_on_the_triton_path(pair, strategy):
+    target, draft = pair
+    decoder = SpeculativeDecoder(target, STRATEGIES[strategy](draft))
+    prompts = [[3, 9, 4, 3, 9], [7, 1, 7]]
+    sampling = dict(max_new_tokens=[6, 4], temperature=[1.0, 0.0], top_k=[5, 0], top_p=[0.9, 1.0], seed=3)
+    with use_backend("triton"):
+        per_step = count_per_step(decoder, prompts, eos_token_id=None, **sampling)
+    assert_one_read_back_per_step(per_step, min_steps=2)
+
+
+def test_the_counter_sees_the_reads_a_gpu_would_wait_for():
+    x = torch.arange(6.0)
+    with SyncCounter() as counter:
+        x.nonzero()
+        x[x > 2]  # a bool mask: its size is data
+        torch.repeat_interleave(torch.tensor([1, 2]))
+        torch.repeat_interleave(torch.tensor([1, 2]), output_size=3)  # sized on the host: no sync
+        (x.sum() > 0).item()
+    assert [what for what, _ in counter.events] == ["nonzero", "index", "repeat_interleave", "_local_scalar_dense"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_generation_runs_under_sync_debug_mode_error(pair, strategy):
+    """On a GPU: any synchronising CUDA call but the read-back raises."""
+    target, draft = (m.to("cuda") for m in pair)
+    decoder = SpeculativeDecoder(target, STRATEGIES[strategy](draft))
+    prompts = [[3, 9, 4, 3, 9, 4, 3], [7, 1], [5, 5, 2, 8]]
+    for sampling in (dict(temperature=0.0), dict(temperature=[1.0, 0.0, 0.7], top_k=[5, 0, 0], seed=1)):
+        steps = decoder.stream(prompts, max_new_tokens=[12, 5, 9], eos_token_id=None, **sampling)
+        next(steps)  # the prefill (one-off allocations and uploads)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                count = sum(1 for _ in steps)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert count >= 3
