@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import os
 
-os.environ.pop("TRITON_INTERPRET", None)  # compile the real kernels (set before specdec imports triton)
-os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, said explicitly (no warning)
+if __name__ == "__main__":  # imported (tests/test_tuning.py), the module only lists the cases and their launches
+    os.environ.pop("TRITON_INTERPRET", None)  # compile the real kernels (set before specdec imports triton)
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, said explicitly (no warning)
 
 import argparse  # noqa: E402
 import concurrent.futures  # noqa: E402
@@ -428,6 +429,10 @@ def main() -> int:
     cases = {name: thunk for name, thunk in all_cases().items()
              if args.cases in name and (is_primary(name) or not args.primary)}  # fmt: skip
     jobs = collect_jobs(cases, args.arch, args.defaults_only)
+    missing = sorted(tuning.triton_kernels() - {job.kernel for job in jobs})
+    if missing and not args.cases:  # a new kernel needs a case here (the primary cases launch every kernel)
+        print(f"compile matrix: no case launches {', '.join(missing)}")
+        return 1
     work = [(job, arch) for job in jobs for arch in args.arch if arch in job.archs]
     print(f"Triton {triton.__version__}: {len(cases)} cases -> {len(jobs)} distinct configurations, {len(work)} "
           f"compiles for sm_{', sm_'.join(map(str, args.arch))}, {args.jobs} in parallel", flush=True)  # fmt: skip

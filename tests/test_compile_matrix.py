@@ -7,30 +7,17 @@ the launchers' defaults at the primary shapes (LLaMA-3-8B, bf16); CI runs the wh
 candidates included, with this Triton and with Triton 3.6.
 """
 
-import importlib
 import json
-import pkgutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-import specdec.kernels
+from specdec.kernels import tuning
 from specdec.kernels.compile_target import SHARED_LIMIT, toolchain
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def launched_kernels() -> set[str]:
-    """Every Triton kernel of the package: the jit functions named ``*_kernel`` (helpers are ``*_tl``)."""
-    found = set()
-    for info in pkgutil.iter_modules(specdec.kernels.__path__):
-        module = importlib.import_module(f"specdec.kernels.{info.name}")
-        for name, value in vars(module).items():
-            if name.endswith("_kernel") and hasattr(value, "arg_names") and value.fn.__module__ == module.__name__:
-                found.add(name)
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +34,7 @@ def test_every_kernel_compiles_for_sm90_and_sm80_without_spills(matrix):
     run, summary = matrix
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert summary["failures"] == []
-    assert set(summary["kernels"]) == launched_kernels()  # no kernel left out of the matrix
+    assert set(summary["kernels"]) == tuning.triton_kernels()  # no kernel left out of the matrix
     for kernel, entry in summary["kernels"].items():
         for arch in ("90", "80"):
             worst = entry["worst"][arch]
@@ -58,7 +45,7 @@ def test_every_kernel_compiles_for_sm90_and_sm80_without_spills(matrix):
 
 def test_kernel_discovery_finds_the_known_kernels():
     # the coverage check above is only as good as this list
-    kernels = launched_kernels()
+    kernels = tuning.triton_kernels()
     assert {"tree_attention_kernel", "merge_splits_kernel", "kv_append_kernel", "kv_compact_kernel",
             "_threshold_kernel", "_tree_walk_kernel", "_rms_norm_kernel"} <= kernels  # fmt: skip
     assert len(kernels) == 17

@@ -7,7 +7,9 @@ do not exist in the interpreter; ``bench/compile_matrix.py`` compiles every cand
 sm_80 instead).
 """
 
+import inspect
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -177,7 +179,7 @@ def test_autotuning_is_ignored_by_the_interpreter():
             tuning.clear_chosen()
             rms_norm(x, torch.ones(300), 1e-5)
     finally:
-        tuning.set_autotune(False)
+        tuning.set_autotune(None)
     assert tuning.chosen_configs() == {"_rms_norm_kernel": {"num_warps": 4}}
 
 
@@ -192,6 +194,87 @@ def test_autotuner_wiring():
                               space.restore)  # fmt: skip
     assert isinstance(tuned, triton.runtime.Autotuner)
     assert (tuned.configs[0].kwargs, tuned.configs[0].num_warps) == ({"HEAD_BLOCK": 8}, 4)
-    assert len(tuned.configs) == len(space.configs)  # the default is one of the candidates here
+    assert len(tuned.configs) == 1 + len(space.configs)  # the rotary space leaves its default out
+    candidate = space.configs[0]  # a default that is also a candidate is tried once
+    assert len(tuning._frozen((candidate, *space.configs))) == len(space.configs)
     assert tuned.keys == ["Hq", "Hkv", "HALF"] and tuned.restore_value == ["q_ptr", "k_ptr"]
     assert not mod("kv_compact").KV_COMPACT_SPACE.autotune  # in place and not idempotent: pinned, never trialled
+
+
+# ---------------------------------------------------------------- SPECDEC_AUTOTUNE
+
+
+@pytest.mark.parametrize("value, expected", [("1", True), ("0", False), ("", False), (" 1 ", True)])
+def test_autotune_variable_values(value, expected):
+    assert tuning.parse_autotune(value) is expected
+
+
+@pytest.mark.parametrize("value", ["yes", "true", "off", "2", "-1", "1.0"])
+def test_autotune_variable_refuses_other_values(value):
+    with pytest.raises(ValueError, match=f"SPECDEC_AUTOTUNE must be 1 .* got '{value}'"):
+        tuning.parse_autotune(value)
+
+
+def test_autotune_variable_is_read_at_launch_and_overridden_by_set_autotune(monkeypatch):
+    x = torch.randn(2, 40).to(DEVICE)
+    monkeypatch.setenv("SPECDEC_AUTOTUNE", "on")
+    assert tuning._autotune is None  # no test left an override behind
+    with _backend.use_backend("triton"), pytest.raises(ValueError, match="SPECDEC_AUTOTUNE must be 1"):
+        rms_norm(x, torch.ones(40, device=DEVICE), 1e-5)  # refused at the launch, before anything runs
+    monkeypatch.setenv("SPECDEC_AUTOTUNE", "1")
+    assert tuning.autotune_enabled()
+    tuning.set_autotune(False)
+    try:
+        assert not tuning.autotune_enabled()
+    finally:
+        tuning.set_autotune(None)
+    assert tuning.autotune_enabled()  # None follows the variable again
+    monkeypatch.delenv("SPECDEC_AUTOTUNE")
+    assert not tuning.autotune_enabled()
+
+
+# ---------------------------------------------------------------- every kernel's declared space
+
+
+@pytest.fixture(scope="module")
+def matrix_launches():
+    """{kernel name: [Launch]} recorded from every case of the compile matrix (nothing runs)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import compile_matrix
+
+    launches = {}
+    with _backend.use_backend("triton"):
+        for thunk in compile_matrix.all_cases().values():
+            with tuning.capture_launches() as recorded:
+                thunk()
+            for launch in recorded:
+                launches.setdefault(launch.name, []).append(launch)
+    return launches
+
+
+def test_every_kernel_declares_a_valid_tuning_space(matrix_launches):
+    assert set(matrix_launches) == tuning.triton_kernels()  # every Triton kernel is launched by some case
+    for name, launches in matrix_launches.items():
+        params = inspect.signature(launches[0].kernel.fn).parameters
+        constexprs = {p for p, v in params.items() if "constexpr" in str(v.annotation)}
+        for launch in launches:
+            where = f"{name} {launch.meta}"
+            space, config = launch.space, launch.config
+            assert isinstance(space, tuning.TuningSpace) and space.configs, where
+            # the launch names every argument once: positionally, as a meta-parameter or in the configuration
+            named = list(params)[len(launch.args) :]
+            assert sorted([*launch.meta, *(k for k in config if k not in tuning.PERF_KEYS)]) == sorted(named), where
+            assert set(space.key) <= set(params), f"{where}: key {space.key} names no argument"
+            for arg in space.restore:  # restored between trials: a tensor the kernel writes
+                assert isinstance(launch.args[list(params).index(arg)], torch.Tensor), f"{where}: restore {arg}"
+            if not space.autotune:
+                assert space.restore == (), where
+            assert len({tuple(sorted(c.items())) for c in space.configs}) == len(space.configs), f"{where}: duplicates"
+            for candidate in (config, *space.configs):
+                # a candidate replaces the default whole: the same keys, tiles among the constexprs, sane options
+                assert set(candidate) == set(config), f"{where}: {candidate} vs the default {config}"
+                assert {k for k in candidate if k not in tuning.PERF_KEYS} <= constexprs, where
+                warps = candidate.get("num_warps", 4)
+                assert warps in (1, 2, 4, 8, 16, 32), where
+                assert candidate.get("num_stages", 1) >= 1, where
+                assert 24 <= candidate.get("maxnreg", 255) <= 255, where  # registers per thread

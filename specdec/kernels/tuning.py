@@ -10,7 +10,8 @@ launches through ``launch(kernel, grid, args, meta, config, space)``:
   ``space`` gives the same results as the default, up to the order of floating-point sums.
 * Tuning off (the default): the kernel runs with ``config``, no benchmarking, nothing a
   CUDA-graph capture or a ``torch.compile`` region could trip on.
-* ``SPECDEC_AUTOTUNE=1`` (read at import; ``set_autotune`` changes it) on a GPU: the launch
+* ``SPECDEC_AUTOTUNE=1`` (read at every launch; ``0`` or unset is off, any other value is
+  refused with an error naming the variable; ``set_autotune`` overrides it) on a GPU: the launch
   goes through ``triton.autotune`` over the default and the space's candidates, keyed by the
   space's ``key`` (argument names; the tensors' dtypes are added by Triton). The first call
   for each key value benchmarks every candidate, later calls reuse the winner, so run one
@@ -27,8 +28,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import itertools
 import os
+import pkgutil
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -36,7 +39,7 @@ from specdec import _backend
 
 AUTOTUNE_ENV = "SPECDEC_AUTOTUNE"
 PERF_KEYS = {"num_warps": "w", "num_stages": "s", "maxnreg": "r"}  # launch options (not kernel arguments), short
-_autotune = os.environ.get(AUTOTUNE_ENV, "0") not in ("", "0")
+_autotune: bool | None = None  # set_autotune's choice; None follows the environment variable
 
 
 @dataclass(frozen=True)
@@ -65,19 +68,47 @@ class Launch:
         return self.kernel.__name__
 
 
+def triton_kernels() -> set[str]:
+    """Every Triton kernel of ``specdec.kernels``: the jit functions named ``*_kernel`` defined in its modules
+    (helpers are ``*_tl``). What the compile matrix and first light must each cover."""
+    import specdec.kernels as package
+
+    found = set()
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        for name, value in vars(module).items():
+            if name.endswith("_kernel") and hasattr(value, "arg_names") and value.fn.__module__ == module.__name__:
+                found.add(name)
+    return found
+
+
 def candidates(**axes: Sequence) -> tuple[dict, ...]:
     """Every combination of the axes: ``candidates(BLOCK=(512, 1024), num_warps=(4, 8))``."""
     return tuple(dict(zip(axes, values)) for values in itertools.product(*axes.values()))
 
 
-def set_autotune(enabled: bool) -> None:
-    """Turn autotuning on or off for later launches (the default comes from SPECDEC_AUTOTUNE)."""
+def set_autotune(enabled: bool | None) -> None:
+    """Turn autotuning on or off for later launches; ``None`` follows SPECDEC_AUTOTUNE again."""
     global _autotune
-    _autotune = bool(enabled)
+    _autotune = None if enabled is None else bool(enabled)
 
 
 def autotune_enabled() -> bool:
-    return _autotune
+    """``set_autotune``'s choice, else the environment variable (see ``parse_autotune``)."""
+    if _autotune is not None:
+        return _autotune
+    return parse_autotune(os.environ.get(AUTOTUNE_ENV, ""))
+
+
+def parse_autotune(value: str) -> bool:
+    """A value of SPECDEC_AUTOTUNE: ``1`` on; ``0``, empty or unset off. Anything else is refused rather
+    than guessed at (``false`` or ``off`` must not turn benchmarking on in a CUDA-graph capture)."""
+    value = value.strip()
+    if value in ("", "0"):
+        return False
+    if value == "1":
+        return True
+    raise ValueError(f"{AUTOTUNE_ENV} must be 1 (on) or 0 (off, as when unset), got {value!r}")
 
 
 _pinned: dict[str, dict] = {}
@@ -129,12 +160,13 @@ def launch(kernel, grid, args: tuple, meta: dict, config: dict, space: TuningSpa
     """Run ``kernel`` with ``config`` (or, autotuning, the best of ``space``); ``grid`` is a tuple or a
     function of the configuration (a dict of the meta-parameters, as Triton passes it)."""
     name = kernel.__name__
+    tune = autotune_enabled()  # a bad SPECDEC_AUTOTUNE fails the first launch on every backend, not only on a GPU
     pinned = _pinned.get(name)
     config = config if pinned is None else pinned
     if _captured:
         _captured[-1].append(Launch(kernel, _grid(grid, config), args, meta, config, space))
         return
-    if _autotune and space.autotune and pinned is None and not _backend.interpreter_enabled():
+    if tune and space.autotune and pinned is None and not _backend.interpreter_enabled():
         tuned = _autotuner(kernel, _frozen((config, *space.configs)), space.key, space.restore)
         tuned[grid if callable(grid) else lambda _: grid](*args, **meta)
         best = tuned.best_config
