@@ -37,7 +37,7 @@ import torch
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
-from common import Table, bench_args, clock, cpu_threads  # noqa: E402
+from common import Table, bench_args, clock, cpu_threads, launched_configs  # noqa: E402
 
 from specdec.cli.demo import (  # noqa: E402
     ASSETS,
@@ -162,6 +162,15 @@ def chart(runs: list[Run], baseline: Run, path: Path) -> str:
     return f"chart written to {path}"
 
 
+def kernel_configs(out) -> None:
+    """One row: each kernel's configuration at its last launch in the runs above (the rows interleave their
+    runs, so a column per row could not tell them apart)."""
+    configs = launched_configs()
+    table = Table("Kernel configurations of the runs above (each kernel's last launch)", ["kernel configs"])
+    table.add(configs)
+    table.write(out, "e2e_kernel_configs")
+
+
 def main() -> None:
     args = bench_args(
         __doc__.splitlines()[0],
@@ -244,7 +253,11 @@ def main() -> None:
             "-" if r.acceptance is None else f"{r.acceptance:.2f}",
         )  # fmt: skip
     t1.write(args.out, "e2e_temperature1")
-    step_counts(target, draft, prompts, args.quick).write(args.out, "e2e_step_counts")
+    if device.startswith("cuda") or args.dry_run:  # counted on the CPU's path, through the interpreter: minutes
+        print("\nHost syncs and launches per step: counted by a CPU run (bench/count_launches.py), not here")
+    else:
+        step_counts(target, draft, prompts, args.quick).write(args.out, "e2e_step_counts")
+    kernel_configs(args.out)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ the peers get the context already gathered into dense [B, Hkv, L, D] tensors (th
 gather is not timed, which favours them) and a dense boolean mask.
 
     python bench/bench_tree_attention.py --quick      # CPU smoke run, < 1 minute
-    python bench/bench_tree_attention.py --dry-run    # the GPU check's rehearsal: one tiny batch, no Flex
+    python bench/bench_tree_attention.py --dry-run    # the GPU check's rehearsal: 4/2 heads of 32, batch 1, no Flex
     python bench/bench_tree_attention.py --out DIR    # GPU: full grid, < 120 s
 
 "specdec" times the public op (argument checks, plan, run); "planned" times one
@@ -175,8 +175,10 @@ def main() -> None:
     device = args.device
     on_gpu = device.startswith("cuda")
     dtype = torch.float16 if on_gpu else torch.float32
-    if args.dry_run:
-        batches, contexts = [2], [40]
+    if args.dry_run:  # small heads too: the interpreter runs each program of the grid in Python
+        global HQ, HKV, D
+        HQ, HKV, D = 4, 2, 32
+        batches, contexts = [1], [40]
     elif args.quick:
         batches, contexts = [1, 4], [512, 2048]
     else:

@@ -116,7 +116,8 @@ class Table:
         self.configs = configs
         columns = columns + ["kernel configs"] if configs else columns
         self.title, self.columns, self.rows = title, columns, []
-        tuning.clear_chosen()
+        if configs:  # the first row's configurations start here
+            tuning.clear_chosen()
         print(f"\n## {title}\n")
         print("| " + " | ".join(columns) + " |")
         print("|" + "---|" * len(columns))
