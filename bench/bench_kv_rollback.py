@@ -14,6 +14,7 @@ same rows. On the CPU specdec runs its PyTorch body (what dispatch picks there),
 on one thread.
 
     python bench/bench_kv_rollback.py --quick          # CPU smoke run, small shapes
+    python bench/bench_kv_rollback.py --dry-run        # the GPU check's rehearsal: 2 layers, batch 1 and 4
     python bench/bench_kv_rollback.py --out OUT        # GPU: batch 1/8/64, 32 layers, 8 KV heads, dim 128
 """
 
@@ -125,7 +126,9 @@ def main():
     args = bench_args(__doc__.splitlines()[0])
     device = args.device
     cpu_threads(device)
-    if args.quick:
+    if args.dry_run:
+        shape, batches = (2, 2, 32, 16, 8, torch.float32), (1, 4)
+    elif args.quick:
         shape, batches = (4, 2, 64, 16, 8, torch.float32), (1, 8)
     else:
         shape, batches = (32, 8, 128, 64, 8, torch.float16), (1, 8, 64)
@@ -147,6 +150,7 @@ def main():
             "specdec GB/s",
             "x floor",
         ],
+        configs=True,
     )
     for layout in ("contiguous", "paged"):
         for batch in batches:

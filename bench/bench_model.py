@@ -9,6 +9,7 @@ The last column is the fraction of requests whose N greedy tokens are identical 
 (all of them in float32; bf16 on a GPU may legitimately drift after a near-tie).
 
     python bench/bench_model.py --quick        # CPU: 4 layers, hidden 256, fp32, N = 32, one thread
+    python bench/bench_model.py --dry-run      # the GPU check's rehearsal: N = 8, batch 1 and 2
     python bench/bench_model.py --out OUT      # GPU: 8 layers of TinyLlama-1.1B's shape, bf16, N = 64
 """
 
@@ -58,14 +59,17 @@ def main() -> None:
     quick = args.quick or not device.startswith("cuda")
     shape, dtype, new_tokens, prompt_len = (QUICK, torch.float32, 32, 16) if quick else (FULL, torch.bfloat16, 64, 64)
     cpu_threads(device)
+    if args.dry_run:
+        new_tokens, prompt_len = 8, 8
     hf, ours = build_models(shape, dtype, device)
     layers, hidden = shape["num_hidden_layers"], shape["hidden_size"]
     table = Table(
         f"Decode throughput, {layers} layers x hidden {hidden}, {str(dtype).replace('torch.', '')}, "
         f"prompt {prompt_len}, {new_tokens} new tokens, greedy ({device})",
         ["batch", "specdec tok/s", "transformers tok/s", "speedup", "specdec ms/step", "hf ms/step", "same tokens"],
+        configs=True,
     )
-    for batch in (1, 8):
+    for batch in (1, 2) if args.dry_run else (1, 8):
         gen = torch.Generator().manual_seed(batch)
         prompts = torch.randint(0, shape["vocab_size"], (batch, prompt_len), generator=gen)
         ids = prompts.to(device)

@@ -10,6 +10,7 @@ once and every output written once; GB/s is that over the body's time, next to t
 device-to-device copy bandwidth measured in the same run.
 
     python bench/bench_model_ops.py --quick        # CPU smoke run: embedded-target shapes, fp32, one thread
+    python bench/bench_model_ops.py --dry-run      # the GPU check's rehearsal: tiny shapes
     python bench/bench_model_ops.py --out OUT      # GPU: LLaMA-3-8B shapes (hidden 4096, 32/8 heads of 128,
                                                    # intermediate 14336), bf16, decode T=1, 8 and prefill T=512
 
@@ -132,7 +133,9 @@ def main():
     args = bench_args(__doc__.splitlines()[0])
     device = args.device
     cpu_threads(device)
-    if args.quick:
+    if args.dry_run:
+        shape, dtype, tokens = (96, 4, 2, 32, 160), torch.float32, (1, 5)
+    elif args.quick:
         shape, dtype, tokens = (256, 8, 4, 32, 768), torch.float32, (1, 8, 64)
     else:
         shape, dtype, tokens = (4096, 32, 8, 128, 14336), torch.bfloat16, (1, 8, 512)
@@ -153,6 +156,7 @@ def main():
             "body GB/s",
             "x copy time",
         ],
+        configs=True,
     )
     for T in tokens:
         for name, (public, body, eager, nbytes, first_run) in cases(T, shape, dtype, device, backend).items():

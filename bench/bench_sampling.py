@@ -14,6 +14,7 @@ for "kv append" the K/V rows read and written once.
 
     python bench/bench_sampling.py --quick          # CPU smoke run (small shapes, one thread)
     python bench/bench_sampling.py --out OUT_DIR    # GPU: batch {1, 8, 64}, vocab {32000, 128256}
+    python bench/bench_sampling.py --dry-run        # tiny shapes, checks the script (bench/gpu_check.py)
 
 On the CPU specdec runs its PyTorch bodies (what dispatch picks there): the ratio measures those
 bodies against the eager recipe, not the Triton kernels.
@@ -120,17 +121,18 @@ def main() -> None:
     table = Table(
         f"Sampling and K/V append ({args.device}; floor bandwidth {floor_gbs:.0f} GB/s)",
         ["op", "batch", "vocab / heads x dim", "dtype", "specdec µs", "p20-p80", "eager µs", "speedup", "x floor"],
+        configs=True,
     )
     quick = args.quick or not args.device.startswith("cuda")
-    batches = (1, 8) if quick else (1, 8, 64)
-    vocabs = (32000,) if quick else (32000, 128256)
+    batches = (2,) if args.dry_run else (1, 8) if quick else (1, 8, 64)
+    vocabs = (300,) if args.dry_run else (32000,) if quick else (32000, 128256)
     dtypes = (torch.float32,) if quick else (torch.float32, torch.bfloat16)
     for dtype in dtypes:
         for vocab in vocabs:
             for batch in batches:
                 sampling_rows(table, batch, vocab, dtype, args.device, floor_gbs)
         for batch in batches:
-            kv_append_row(table, batch, 8, 128, dtype, args.device, floor_gbs)
+            kv_append_row(table, batch, *((2, 32) if args.dry_run else (8, 128)), dtype, args.device, floor_gbs)
     table.write(args.out, "sampling")
 
 

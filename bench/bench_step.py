@@ -10,6 +10,7 @@ a decode step at batch 1 with graphs on.
 
     python bench/bench_step.py --out OUT        # GPU: the 8B shape, bf16
     python bench/bench_step.py --quick          # CPU smoke run: 2 small layers, fp32, graphs off only
+    python bench/bench_step.py --dry-run        # the GPU check's rehearsal: as --quick, one timed run each
 """
 
 from __future__ import annotations
@@ -132,6 +133,7 @@ def main() -> None:
         f"Verification step time, {shape['num_layers']} layers x hidden {shape['hidden_size']}, "
         f"{str(dtype).replace('torch.', '')}, context {CONTEXT}, greedy ({device})",
         ["batch", "step", "rows", "graphs", "ms/step", "vs decode (same batch, graphs)"],
+        configs=True,
     )
     with torch.inference_mode():
         for batch in (1, 8):

@@ -7,6 +7,7 @@ the peers get the context already gathered into dense [B, Hkv, L, D] tensors (th
 gather is not timed, which favours them) and a dense boolean mask.
 
     python bench/bench_tree_attention.py --quick      # CPU smoke run, < 1 minute
+    python bench/bench_tree_attention.py --dry-run    # the GPU check's rehearsal: 4/2 heads of 32, batch 1, no Flex
     python bench/bench_tree_attention.py --out DIR    # GPU: full grid, < 120 s
 
 "specdec" times the public op (argument checks, plan, run); "planned" times one
@@ -174,7 +175,11 @@ def main() -> None:
     device = args.device
     on_gpu = device.startswith("cuda")
     dtype = torch.float16 if on_gpu else torch.float32
-    if args.quick:
+    if args.dry_run:  # small heads too: the interpreter runs each program of the grid in Python
+        global HQ, HKV, D
+        HQ, HKV, D = 4, 2, 32
+        batches, contexts = [1], [40]
+    elif args.quick:
         batches, contexts = [1, 4], [512, 2048]
     else:
         batches, contexts = [1, 8, 32], [1024, 4096, 16384]
@@ -191,6 +196,7 @@ def main() -> None:
             "batch", "context", "queries", "specdec us", "planned us (p20-p80)", "GB/s", "% copy", "vs decode",
             "SDPA+mask us", "Flex us", "eager us", "x SDPA", "x Flex", "x eager", "max err vs SDPA",
         ],
+        configs=True,
     )  # fmt: skip
     started = time.perf_counter()
     flex_notes = set()
@@ -202,6 +208,7 @@ def main() -> None:
             for shape in shapes:
                 # Flex compiles per shape: measure it on tree shapes (the target), on one shape in a quick run
                 want_flex = shape == "tree 64" and (not args.quick or (batch, context) == (batches[0], contexts[0]))
+                want_flex = want_flex and not args.dry_run
                 if want_flex and time.perf_counter() - started > FLEX_BUDGET_S:
                     flex_notes.add(f"skipped after the first {FLEX_BUDGET_S:.0f} s of the run (compile time)")
                     want_flex = False

@@ -6,6 +6,7 @@ rejection per request (stochastic drafts) and the outputs; the floor is those by
 device-to-device copy bandwidth measured in the same run.
 
     python bench/bench_verify.py --quick            # CPU smoke run (small shapes)
+    python bench/bench_verify.py --dry-run          # the GPU check's rehearsal: vocab 300, batch 2
     python bench/bench_verify.py --out OUT_DIR      # GPU: batch {1, 8, 64} x K {4, 8}, 64-node trees,
                                                     # vocab {32000, 128256}, fp32 and bf16 logits
 
@@ -95,7 +96,9 @@ def main():
     where = f"{torch.cuda.get_device_name()}" if device.startswith("cuda") else "CPU"
     print(f"device: {where}; copy bandwidth {bandwidth:.0f} GB/s (read + write)")
     cases = []  # (kind, batch, K or tree nodes, vocab, dtype, top_p)
-    for vocab in [4096] if quick else [32000, 128256]:
+    if args.dry_run:
+        cases = [(kind, 2, n, 300, torch.float32, 1.0) for kind, n in (("chain", 4), ("greedy chain", 4), ("tree", 16))]
+    for vocab in [] if args.dry_run else [4096] if quick else [32000, 128256]:
         for dtype in [torch.float32] if quick else [torch.float32, torch.bfloat16]:
             for batch in [1, 8] if quick else [1, 8, 64]:
                 cases += [("chain", batch, k, vocab, dtype, 1.0) for k in ([4] if quick else [4, 8])]
@@ -106,6 +109,7 @@ def main():
     table = Table(
         f"verify on {where}: specdec vs eager PyTorch (median µs, p20-p80)",
         ["case", "vocab", "logits", "specdec µs", "p20-p80", "eager µs", "speedup", "GB/s", "floor µs", "x floor"],
+        configs=True,
     )
     for kind, batch, size, vocab, dtype, top_p in cases:
         ours, peer, nbytes = run_case(kind, batch, size, vocab, dtype, device, top_p)

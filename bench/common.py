@@ -7,6 +7,9 @@ and are timed with ``time.thread_time``, the calling thread's CPU time: on a sha
 other processes' load hits every method alike and sleeping or descheduled time is not counted,
 so the ratios between methods stay meaningful even when the absolute times drift. Benchmarks
 set one intra-op thread on the CPU (``cpu_threads``) so the thread's time is the work's time.
+``--dry-run`` (the GPU check's CPU rehearsal) means tiny shapes and one timed run. A table made
+with ``configs=True`` ends each row with the kernel configurations the row launched
+(``specdec.kernels.tuning``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ from pathlib import Path
 
 import torch
 
+from specdec.kernels import tuning
+
+DRY_RUN = False  # set by bench_args(--dry-run): one timed run per measurement
+
 
 def bench_args(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
     """The flags every benchmark script takes (``extra`` adds a script's own)."""
@@ -27,9 +34,14 @@ def bench_args(description: str, extra: Callable[[argparse.ArgumentParser], None
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="small shapes only (CPU smoke run)")
     parser.add_argument("--out", type=Path, default=None, help="folder for the markdown table")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes, one timed run (tests the script)")
     if extra is not None:
         extra(parser)
-    return parser.parse_args()
+    args = parser.parse_args()
+    global DRY_RUN
+    DRY_RUN = args.dry_run
+    args.quick = args.quick or args.dry_run
+    return args
 
 
 def cpu_threads(device: str) -> None:
@@ -60,10 +72,13 @@ def measure_many_us(
     fns: Sequence[Callable[[], object]], device: str, min_runs: int = 5, budget_s: float = 1.0
 ) -> list[tuple[float, ...]]:
     """(median, p20, p80) microseconds of each function; on the CPU interleaved, one call of each in turn."""
+    if DRY_RUN:
+        min_runs, budget_s = 1, 0.0
     if device.startswith("cuda"):
         from triton.testing import do_bench
 
-        return [tuple(1e3 * t for t in do_bench(fn, quantiles=[0.5, 0.2, 0.8], warmup=25, rep=100)) for fn in fns]
+        warmup, rep = (1, 1) if DRY_RUN else (25, 100)
+        return [tuple(1e3 * t for t in do_bench(fn, quantiles=[0.5, 0.2, 0.8], warmup=warmup, rep=rep)) for fn in fns]
     now = clock(device)
     for fn in fns:  # warm-up
         fn()
@@ -94,10 +109,15 @@ def copy_bandwidth_gbs(device: str, nbytes: int = 1 << 30) -> float:
 
 
 class Table:
-    """A markdown table printed as rows arrive and optionally written to a file."""
+    """A markdown table printed as rows arrive and optionally written to a file; with ``configs``, each
+    row ends with the kernel configurations launched since the previous row."""
 
-    def __init__(self, title: str, columns: list[str]):
+    def __init__(self, title: str, columns: list[str], configs: bool = False):
+        self.configs = configs
+        columns = columns + ["kernel configs"] if configs else columns
         self.title, self.columns, self.rows = title, columns, []
+        if configs:  # the first row's configurations start here
+            tuning.clear_chosen()
         print(f"\n## {title}\n")
         print("| " + " | ".join(columns) + " |")
         print("|" + "---|" * len(columns))
@@ -105,6 +125,8 @@ class Table:
 
     def add(self, *values) -> None:
         cells = [f"{v:.1f}" if isinstance(v, float) else str(v) for v in values]
+        if self.configs:
+            cells.append(launched_configs())
         self.rows.append(cells)
         print("| " + " | ".join(cells) + " |")
         sys.stdout.flush()
@@ -116,3 +138,17 @@ class Table:
         lines = [f"## {self.title}", "", "| " + " | ".join(self.columns) + " |", "|" + "---|" * len(self.columns)]
         lines += ["| " + " | ".join(r) + " |" for r in self.rows]
         (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+
+
+def launched_configs() -> str:
+    """The configuration of every specdec kernel launched since the last call ('-' for none), then forget them."""
+    chosen = tuning.chosen_configs()
+    tuning.clear_chosen()
+    if not chosen:
+        return "-"
+    return "; ".join(f"{short_name(name)}: {tuning.describe(c)}" for name, c in sorted(chosen.items()))
+
+
+def short_name(kernel: str) -> str:
+    """``_tree_walk_kernel`` -> ``tree_walk``."""
+    return kernel.strip("_").removesuffix("_kernel")

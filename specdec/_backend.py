@@ -9,6 +9,10 @@ Rules:
 ``SPECDEC_BACKEND=triton|torch`` (or the ``use_backend`` context manager, which
 wins over the variable) forces one path; ``auto`` or unset applies the rules.
 Nothing here compiles code or touches a GPU at import time.
+
+Triton older than ``MIN_TRITON`` counts as missing: its kernels are refused (forcing
+them raises an error naming the installed and the required version) and every op runs
+its PyTorch path. Versions from 3.6 to 3.9 are tested; newer ones are used as they come.
 """
 
 from __future__ import annotations
@@ -17,12 +21,15 @@ import contextlib
 import functools
 import importlib
 import os
+import re
 import threading
 
 import torch
 
 BACKEND_ENV = "SPECDEC_BACKEND"
 BACKENDS = ("auto", "triton", "torch")
+MIN_TRITON = (3, 6)  # the oldest Triton the kernels support (torch 2.10 and 2.11 wheels pin 3.6)
+TESTED_TRITON = "3.6 to 3.9"
 
 _forced = threading.local()
 
@@ -34,12 +41,25 @@ def interpreter_enabled() -> bool:
 
 @functools.cache
 def triton_status() -> tuple[bool, str]:
-    """(importable, version or the reason it is not)."""
+    """(usable, version or the reason it is not): importable and not older than MIN_TRITON."""
     try:
         triton = importlib.import_module("triton")
     except Exception as exc:  # ImportError, or a broken install raising anything
         return False, f"triton does not import: {exc}"
-    return True, triton.__version__
+    version = getattr(triton, "__version__", "unknown")
+    if version_tuple(version) < MIN_TRITON:
+        required = ".".join(map(str, MIN_TRITON))
+        return False, (
+            f"triton {version} is installed but specdec's kernels need triton >= {required} (tested: "
+            f"{TESTED_TRITON}); the PyTorch paths are used instead (pip install 'triton>={required}')"
+        )
+    return True, version
+
+
+def version_tuple(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as '3.6.0' or '3.9.0+git1234'; (0, 0) if unreadable."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
 
 
 @functools.cache

@@ -8,17 +8,12 @@ QKV buffer).
 """
 
 import importlib
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import assert_close
-from test_tree_attention import _cuobjdump, sm90_resources
 from triton_bounds import check_bounds
 
 from specdec import use_backend
@@ -410,75 +405,3 @@ def test_bf16(backend):
     assert_close(k, expected_k, *TOL[dtype], "k bf16")
     gate_up = (4 * torch.randn(33, 2 * 14336)).to(dtype).to(device)
     assert_close(silu_mul(gate_up), silu_mul_reference(gate_up), *TOL[dtype], "silu_mul bf16")
-
-
-# ---------------------------------------------------------------- compiled for sm_90 without a GPU
-
-
-def sm90_cases() -> dict:
-    """{case: (module, kernel name, Triton body, body args)} at LLaMA-3-8B shapes and the hidden-size cap."""
-    bf16 = dict(dtype=torch.bfloat16)
-    cases = {}
-    for h in (4096, 5120, MAX_HIDDEN):  # 5120 (LLaMA-13B) fills no power-of-two tile: clamped lanes
-        x, residual, out = (torch.empty(8, h, **bf16) for _ in range(3))
-        weight = torch.empty(h, **bf16)
-        cases[f"rms_norm-{h}"] = (rms_norm_module, "_rms_norm_kernel", rms_norm_op.triton, (x, weight, EPS, out))
-        cases[f"add_rms_norm-{h}"] = (rms_norm_module, "_rms_norm_kernel", add_rms_norm_op.triton,
-                                      (x, residual, weight, EPS, out))  # fmt: skip
-    qkv = torch.empty(8, 48, 128, **bf16)  # 32 query heads, 8 KV heads of 128
-    rope_args = (qkv[:, :32], qkv[:, 32:40], torch.zeros(8, dtype=torch.int64), inv_freq(128))
-    cases["rotary"] = (rotary_module, "_rotary_kernel", apply_rotary_op.triton, rope_args)
-    q, k = torch.empty(8, 16, 64), torch.empty(8, 16, 64)  # fp32, multi-head, head dim 64: a wider head tile
-    rope_args = (q, k, torch.zeros(8, dtype=torch.int32), inv_freq(64))
-    cases["rotary-fp32-d64"] = (rotary_module, "_rotary_kernel", apply_rotary_op.triton, rope_args)
-    silu_args = (torch.empty(8, 2 * 14336, **bf16), torch.empty(8, 14336, **bf16))
-    cases["silu_mul"] = (silu_mul_module, "_silu_mul_kernel", silu_mul_op.triton, silu_args)
-    return cases
-
-
-class LaunchRecorder:
-    """Stands in for a Triton kernel: ``kernel[grid](*args, **meta)`` records (args, meta) instead of running."""
-
-    def __init__(self):
-        self.launches = []
-
-    def __getitem__(self, grid):
-        return lambda *args, **meta: self.launches.append((args, meta))
-
-
-def sm90_report() -> dict:
-    """{case: (kernel, registers, spill bytes, shared bytes)} of the launch each Triton body plans."""
-    report = {}
-    for case, (module, name, body, args) in sm90_cases().items():
-        kernel, recorder = getattr(module, name), LaunchRecorder()
-        setattr(module, name, recorder)
-        try:
-            body(*args)
-        finally:
-            setattr(module, name, kernel)
-        ((launch_args, meta),) = recorder.launches
-        report[case] = (name, *sm90_resources(kernel, launch_args, meta))
-    return report
-
-
-@pytest.fixture(scope="module")
-def sm90():
-    # compiled in a fresh process without TRITON_INTERPRET (the kernels here were decorated for the interpreter)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = str(Path(__file__).resolve().parents[1])  # this checkout's specdec, not an installed one
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    code = "import json, test_model_ops as t; print(json.dumps(t.sm90_report()))"
-    run = subprocess.run(
-        [sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
-
-
-@pytest.mark.skipif(_cuobjdump() is None, reason="triton's NVIDIA toolchain is not installed")
-def test_kernels_fit_an_h200(sm90):
-    # the launchers' tile choices at LLaMA-8B shapes compile for sm_90 without register spills
-    assert len(sm90) == 9
-    for case, (kernel, _regs, stack, shared) in sm90.items():
-        assert stack == 0, f"{case} ({kernel}): {stack} bytes of register spills"
-        assert shared <= 227 * 1024, f"{case} ({kernel}): {shared} bytes of shared memory"

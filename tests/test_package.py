@@ -109,3 +109,46 @@ def test_package_works_without_triton():
     )
     result = run_python(code, TRITON_INTERPRET="1")
     assert result.returncode == 0, result.stderr
+
+
+def test_an_old_triton_is_refused_with_both_versions_named():
+    # triton reporting 3.5.1: the kernels are refused at import, with a warning naming the installed and the
+    # required version; forcing them raises that message; the ops run their PyTorch paths
+    code = textwrap.dedent(
+        """
+        import warnings
+        import triton
+        triton.__version__ = "3.5.1"
+        import torch
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            from specdec import _backend, use_backend
+            from specdec.kernels import SamplingParams, rms_norm, sample
+        messages = [str(w.message) for w in caught]
+        assert any("triton 3.5.1 is installed" in m and "triton >= 3.6" in m for m in messages), messages
+        assert _backend.select_backend(torch.zeros(1)) == "torch"
+        try:
+            with use_backend("triton"):
+                _backend.select_backend(torch.zeros(1))
+        except RuntimeError as exc:
+            assert "triton 3.5.1 is installed" in str(exc) and ">= 3.6" in str(exc), exc
+        else:
+            raise AssertionError("forcing an old triton was accepted")
+        tokens, invalid = sample(torch.tensor([[0.0, 3.0, 1.0]]), SamplingParams.make(1))
+        assert tokens.tolist() == [1] and invalid.tolist() == [False]
+        x = torch.randn(2, 8)
+        assert torch.allclose(rms_norm(x, torch.ones(8), 1e-6), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+        from specdec.cli import main
+        main(["info"])
+        """
+    )
+    result = run_python(code, TRITON_INTERPRET="1")
+    assert result.returncode == 0, result.stderr
+    assert "triton 3.5.1 is installed but specdec's kernels need triton >= 3.6" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "version, expected", [("3.6.0", (3, 6)), ("3.9.0+git1a2b", (3, 9)), ("3.10.1", (3, 10)), ("dev", (0, 0))]
+)
+def test_triton_version_parsing(version, expected):
+    assert _backend.version_tuple(version) == expected

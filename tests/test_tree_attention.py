@@ -5,14 +5,7 @@ runs a plain softmax over the prefix keys plus the path keys: it never looks at 
 bit mask or a causal flag, so it checks the op's mask handling independently.
 """
 
-import json
 import math
-import os
-import re
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +14,7 @@ from helpers import assert_close
 from specdec import _backend
 from specdec.kernels import build_tree_metadata, plan_attention, run_attention, tree_attention
 from specdec.kernels import tree_attention_torch as torch_path
-from specdec.kernels.tree_attention_kernels import tile_config, triton_launches
+from specdec.kernels.tree_attention_kernels import attention_space, tile_config, triton_launches
 from specdec.kernels.tree_attention_torch import tree_attention_reference
 
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (3e-3, 3e-3), torch.bfloat16: (2e-2, 2e-2)}
@@ -422,119 +415,45 @@ def test_registered_op_passes_opcheck(backend, device, paged):
     assert_close(lse, ref_lse, 1e-4, 1e-4, "op lse")
 
 
-# ---------------------------------------------------------------- compiled for sm_90 without a GPU
+# ---------------------------------------------------------------- launches (bench/compile_matrix.py compiles them)
 
 
-def _cuobjdump() -> Path | None:
-    try:
-        import triton
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-    except ImportError:
-        return None
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    return tool if tool.exists() else None
+@pytest.mark.skipif(not _backend.triton_status()[0], reason="triton is not installed")
+@pytest.mark.parametrize("splits", [1, 3])
+def test_launches_follow_the_plan(splits):
+    # what the launcher plans (captured, nothing runs): the main kernel with the plan's tile, then the merge
+    # of the split contexts; the grid covers every query tile of every request
+    q = torch.empty(64 * 3, 32, 128, dtype=torch.float16)
+    cache = torch.empty(64, 16, 8, 128, dtype=torch.float16)
+    offsets = torch.arange(0, 64 * 3 + 1, 64, dtype=torch.int32)
+    prefix = torch.zeros(3, dtype=torch.int32)
+    tile = tile_config(64 * 3, 3, 4, 128, splits)
+    part_out = torch.empty(splits, 64 * 3, 32, 128) if splits > 1 else None
+    part_lse = torch.empty(splits, 64 * 3, 32) if splits > 1 else None
+    planned = triton_launches(q, cache, cache, offsets, prefix, prefix, torch.zeros(64 * 3, 1, dtype=torch.int64),
+                              torch.zeros(3, 8, dtype=torch.int32), part_out, part_lse, 0.1, tile, torch.empty_like(q),
+                              torch.empty(64 * 3, 32) if splits > 1 else None)  # fmt: skip
+    assert [p[0].__name__ for p in planned] == ["tree_attention_kernel"] + ["merge_splits_kernel"] * (splits > 1)
+    kernel, grid, _args, meta, config, space = planned[0]
+    assert (tile.block_m, tile.block_q, tile.block_n) == (256, 64, 16)  # a whole 64-node tree x 4 heads per tile
+    assert grid == (3 * 64 // tile.block_q + 3, 8, splits)
+    assert meta["BLOCK_M"] == 256 and meta["TREE"] and meta["PAGED"]
+    assert config == {"BLOCK_N": 16, "num_warps": 8, "num_stages": 3}
+    assert config in space.configs  # the default is one of the tuning candidates
 
 
-def sm90_resources(kernel, args, meta) -> tuple[int, int, int]:
-    """(registers, spill stack bytes, shared memory bytes) of one launch compiled for sm_90 as the JIT would."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-
-    fn = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)  # undo the interpreter's wrapper
-    meta = dict(meta)
-    num_warps = meta.pop("num_warps", 4)
-    types = {
-        torch.float16: "fp16",
-        torch.bfloat16: "bf16",
-        torch.float32: "fp32",
-        torch.int32: "i32",
-        torch.int64: "i64",
-    }
-    sig, consts, attrs = {}, {}, {}
-    values = list(args) + [meta[name] for name in fn.arg_names[len(args) :]]
-    for i, (name, value) in enumerate(zip(fn.arg_names, values)):
-        if name in meta or (type(value) is int and value == 1):  # the JIT folds ints equal to 1 too
-            sig[name], consts[name] = "constexpr", value
-            continue
-        if isinstance(value, torch.Tensor):
-            sig[name], divisible = "*" + types[value.dtype], True  # fresh allocations are 16-byte aligned
-        elif isinstance(value, int):
-            sig[name], divisible = ("i32" if abs(value) < 2**31 else "i64"), value % 16 == 0
-        else:
-            sig[name], divisible = "fp32", False
-        if divisible:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    compiled = triton.compile(
-        ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps)
-    )
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "kernel.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        usage = subprocess.run([str(_cuobjdump()), "--dump-resource-usage", str(cubin)], capture_output=True, text=True)
-    regs, stack = (int(re.search(rf"{key}:(\d+)", usage.stdout).group(1)) for key in ("REG", "STACK"))
-    return regs, stack, compiled.metadata.shared
-
-
-SM90_CASES = {
-    # id: (queries per request, requests, Hq, Hkv, D, dtype, paged, tree, splits)
-    "decode": (1, 8, 32, 8, 128, torch.float16, True, False, 1),
-    "decode-split": (1, 1, 32, 8, 128, torch.float16, True, False, 8),  # batch-1 decode: split context + merge
-    "tree64-bf16": (64, 4, 32, 8, 128, torch.bfloat16, False, True, 1),  # 256 rows: a whole tree x 4 heads
-    "tree64-fp16-split": (64, 2, 32, 8, 128, torch.float16, True, True, 2),
-    "tree32-gqa8": (32, 8, 32, 4, 128, torch.float16, True, True, 1),
-    "prefill4k": (4096, 1, 32, 8, 128, torch.float16, True, False, 1),
-    "d80-tree-split": (32, 2, 16, 4, 80, torch.float16, True, True, 3),  # padded head dim, lse
-    "d12-tree": (8, 4, 8, 2, 12, torch.float16, True, True, 1),  # a head dim below one 16-wide tile
-}
-
-
-def sm90_report() -> dict:
-    """{case: [(kernel, registers, spill bytes, shared bytes)]} of the launches the launcher plans."""
-    report = {}
-    for name, (n, batch, hq, hkv, d, dtype, paged, tree, splits) in SM90_CASES.items():
-        tokens = n * batch
-        q = torch.empty(tokens, hq, d, dtype=dtype)
-        cache = torch.empty(64, 16, hkv, d, dtype=dtype) if paged else torch.empty(batch, 1024, hkv, d, dtype=dtype)
-        offsets = torch.arange(0, tokens + 1, n, dtype=torch.int32)
-        prefix = torch.zeros(batch, dtype=torch.int32)
-        mask = torch.zeros(tokens, -(-n // 64), dtype=torch.int64) if tree else None
-        table = torch.zeros(batch, 16, dtype=torch.int32) if paged else None
-        lse = torch.empty(tokens, hq) if splits > 1 else None
-        tile = tile_config(tokens, batch, hq // hkv, d, splits)
-        part_out = torch.empty(splits, tokens, hq, d) if splits > 1 else None
-        part_lse = torch.empty(splits, tokens, hq) if splits > 1 else None
-        launches = triton_launches(q, cache, cache, offsets, prefix, prefix, mask, table, part_out, part_lse, 0.1, tile,
-                                   torch.empty_like(q), lse)  # fmt: skip
-        report[name] = [(kernel.__name__, *sm90_resources(kernel, args, meta)) for kernel, _, args, meta in launches]
-    return report
-
-
-@pytest.fixture(scope="module")
-def sm90():
-    # Triton's own @jit helpers (tl.cdiv, tl.max) are interpreted in this process, so compile in a fresh one.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = str(Path(__file__).resolve().parent.parent)  # this checkout's specdec, not an installed one
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    code = "import json, test_tree_attention as t; print(json.dumps(t.sm90_report()))"
-    run = subprocess.run(
-        [sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
-
-
-@pytest.mark.skipif(_cuobjdump() is None, reason="triton's NVIDIA toolchain is not installed")
-@pytest.mark.parametrize("case", list(SM90_CASES))
-def test_kernels_fit_an_h200(sm90, case):
-    # Compiled (not run) for sm_90 with the launcher's own tile choice: no register spills, and shared
-    # memory within one H100/H200 block's 227 KB, so a launch on the GPU cannot fail for resources.
-    launches = sm90[case]
-    assert len(launches) == (2 if SM90_CASES[case][-1] > 1 else 1)
-    for kernel, _regs, stack, shared in launches:
-        assert stack == 0, f"{kernel}: {stack} bytes of register spills"
-        assert shared <= 227 * 1024, f"{kernel}: {shared} bytes of shared memory"
+def test_tile_choice_by_architecture_and_dtype():
+    # 256-row tiles (a 64-node tree x 4 heads) only on Hopper: every 256-row configuration spills on sm_80;
+    # fp32 tiles hold one query token's group (16 rows), as wider fp32 tiles spill; the default is always
+    # the first candidate of its tuning space
+    assert tile_config(64 * 3, 3, 4, 128, 1).block_m == 256
+    assert tile_config(64 * 3, 3, 4, 128, 1, hopper=False)[:4] == (128, 32, 32, 128)
+    assert tile_config(64 * 3, 3, 4, 128, 1, fp32=True)[:5] == (16, 4, 16, 128, 8)
+    for tokens, batch, group, d, fp32, hopper in [(8, 8, 4, 128, False, True), (4096, 1, 8, 128, False, False),
+                                                  (64, 1, 8, 256, False, True), (1, 1, 4, 64, True, True)]:  # fmt: skip
+        tile = tile_config(tokens, batch, group, d, 1, fp32=fp32, hopper=hopper)
+        space = attention_space(tile.block_m, tile.block_d, fp32)
+        assert space.configs[0] == {"BLOCK_N": tile.block_n, "num_warps": tile.num_warps, "num_stages": tile.num_stages}
 
 
 # ---------------------------------------------------------------- GPU only (compiled Triton, bf16, big caches)

@@ -16,6 +16,7 @@ import torch
 
 from specdec import __version__, _backend
 from specdec.cli.errors import USAGE, CliError, debug_requested, report
+from specdec.kernels import tuning
 from specdec.validation import INT32_MAX, INT64_MAX, INT64_MIN, as_device, as_float, as_int, as_temperature
 
 
@@ -79,6 +80,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     ok, detail = _backend.triton_status()
     print(f"triton  {detail if ok else 'not installed'}")
     print(f"forced backend ({_backend.BACKEND_ENV}): {_backend.forced_backend()}")
+    print(f"autotune ({tuning.AUTOTUNE_ENV}): {'on' if tuning.autotune_enabled() else 'off'}")
     print()
     width = max(len(name) for name, _, _ in _backend.backend_report())
     for name, available, why in _backend.backend_report():

@@ -1,14 +1,23 @@
-"""Triton when it is installed; stand-ins otherwise, so the kernel modules still import.
+"""Triton when a supported version is installed; stand-ins otherwise, so the kernel modules still import.
 
-Without Triton ``select_backend`` always picks the PyTorch references, so the kernels
-defined with ``jit`` are never launched; the stand-in ``tl`` only has to let their
-signatures (``BLOCK: tl.constexpr``) be evaluated.
+Without a usable Triton (missing, or older than ``specdec._backend.MIN_TRITON``) ``select_backend``
+always picks the PyTorch paths, so the kernels defined with ``jit`` are never launched; the
+stand-in ``tl`` only has to let their signatures (``BLOCK: tl.constexpr``) be evaluated. An old
+Triton is refused here, at the import of the kernel modules, with a warning that names the
+installed and the required versions.
 """
 
-try:
+import warnings
+
+from specdec import _backend
+
+_usable, _detail = _backend.triton_status()
+if _usable:
     import triton
     import triton.language as tl
-except ImportError:
+else:
+    if not _detail.startswith("triton does not import"):
+        warnings.warn(f"specdec: {_detail}", RuntimeWarning, stacklevel=2)
     triton = None
 
     class tl:  # noqa: N801  (stands in for triton.language)
@@ -19,6 +28,13 @@ except ImportError:
 INT32_MAX = tl.constexpr(2147483647) if triton is not None else 2147483647
 
 
-def jit(fn):
-    """``triton.jit`` (compiled, or interpreted under TRITON_INTERPRET=1), or the plain function."""
-    return triton.jit(fn) if triton is not None else fn
+def jit(fn=None, *, do_not_specialize=()):
+    """``triton.jit`` (compiled, or interpreted under TRITON_INTERPRET=1), or the plain function.
+
+    ``do_not_specialize``: integer arguments the JIT must not turn into constants when they equal 1
+    (code folded around such a constant can break a Triton version's compiler)."""
+    if fn is None:
+        return lambda f: jit(f, do_not_specialize=do_not_specialize)
+    if triton is None:
+        return fn
+    return triton.jit(fn, do_not_specialize=list(do_not_specialize)) if do_not_specialize else triton.jit(fn)

@@ -254,7 +254,9 @@ def build_attention_plan(
     if backend == "triton":
         if head_dim > MAX_HEAD_DIM:
             raise ValueError(f"head dim {head_dim} is above the Triton path's limit of {MAX_HEAD_DIM}")
-        tile = tile_config(max(num_tokens, 1), batch, num_heads // kv_heads, head_dim, 1)
+        hopper = device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
+        tile = tile_config(max(num_tokens, 1), batch, num_heads // kv_heads, head_dim, 1,
+                           fp32=dtype == torch.float32, hopper=hopper)  # fmt: skip
         splits = num_splits or default_splits(device, num_tokens, batch, kv_heads, tile, max_context)
         tile = tile._replace(num_splits=splits)
         if splits > 1:

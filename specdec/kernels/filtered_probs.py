@@ -33,6 +33,7 @@ from specdec.kernels.top_k_top_p import (
     scaled_logits,
     vocab_block,
 )
+from specdec.kernels.tuning import TuningSpace, candidates, launch
 
 
 class FilteredProbs(NamedTuple):
@@ -80,6 +81,9 @@ def _probs_kernel(
         tl.store(invalid_ptr + row, bad)
 
 
+PROBS_SPACE = TuningSpace(candidates(num_warps=(2, 4, 8)), key=("V",))  # the statistics' tile: warps only
+
+
 def _filtered_probs_triton(logits, temperature, top_k, top_p, probs, invalid) -> None:
     rows, vocab = logits.shape
     if rows == 0:
@@ -90,10 +94,10 @@ def _filtered_probs_triton(logits, temperature, top_k, top_p, probs, invalid) ->
     n_tiles = triton.cdiv(vocab, block)
     thr, inv_row = filter_thresholds_triton(logits, temperature, top_k, top_p, block)
     stats = row_stats_triton(logits, inv_row, thr, block)
-    _probs_kernel[(rows, n_tiles)](
-        logits, inv_row, thr, *stats, temperature, probs, invalid, vocab, n_tiles, logits.stride(0), probs.stride(0),
-        BLOCK=block, T_PAD=triton.next_power_of_2(n_tiles),
-    )  # fmt: skip
+    args = (logits, inv_row, thr, *stats, temperature, probs, invalid, vocab, n_tiles, logits.stride(0),
+            probs.stride(0))  # fmt: skip
+    meta = dict(BLOCK=block, T_PAD=triton.next_power_of_2(n_tiles))
+    launch(_probs_kernel, (rows, n_tiles), args, meta, dict(num_warps=4), PROBS_SPACE)
 
 
 def _filtered_probs_torch(logits, temperature, top_k, top_p, probs, invalid) -> None:

@@ -27,6 +27,7 @@ from specdec.kernels.tree_walk import (
     RESIDUAL_EPS,
     residual_tile_tl,
 )
+from specdec.kernels.tuning import TuningSpace, candidates, launch
 from specdec.kernels.uniforms import counter_uniform_tl
 
 
@@ -127,6 +128,11 @@ def _final_sample_kernel(
         tl.store(out_tok_ptr + b.to(tl.int64) * stride_tok + tl.load(num_acc_ptr + b), token)
 
 
+# The vocabulary tile is the statistics' own (shared by every stage): warps only.
+FINAL_MASS_SPACE = TuningSpace(candidates(num_warps=(8, 2)), key=("V", "RULE", "CHAIN"))  # 4 spills (sm_80, 3.6)
+FINAL_SAMPLE_SPACE = TuningSpace(candidates(num_warps=(2, 4, 8)), key=("V", "RULE", "CHAIN"))
+
+
 def final_sample_triton(logits, tokens, parents, q, thr, inv_row, stats, params, fin_i, fin_f, out_tok, num_acc, *,
                         rule: str, chain: bool, block: int) -> None:  # fmt: skip
     """Draw every request's final token after ``tree_walk_triton`` (the walk's hand-off ``fin_i`` /
@@ -138,10 +144,9 @@ def final_sample_triton(logits, tokens, parents, q, thr, inv_row, stats, params,
     common = (logits, tokens, parents, q, thr, inv_row, *stats, fin_i, fin_f)
     meta = dict(RULE=rule, CHAIN=chain, BLOCK=block, T_PAD=triton.next_power_of_2(n_tiles))
     vocab = logits.shape[1]
-    _final_mass_kernel[(batch, n_tiles)](
-        *common, w_mass, p_mass, vocab, n_tiles, logits.stride(0), q.stride(0), **meta
-    )  # fmt: skip
-    _final_sample_kernel[(batch,)](
-        *common, w_mass, p_mass, seed, offset, out_tok, num_acc,
-        vocab, n_tiles, logits.stride(0), q.stride(0), out_tok.stride(0), EPS=RESIDUAL_EPS, **meta,
-    )  # fmt: skip
+    mass_args = (*common, w_mass, p_mass, vocab, n_tiles, logits.stride(0), q.stride(0))
+    launch(_final_mass_kernel, (batch, n_tiles), mass_args, meta, dict(num_warps=8), FINAL_MASS_SPACE)
+    sample_args = (*common, w_mass, p_mass, seed, offset, out_tok, num_acc, vocab, n_tiles, logits.stride(0),
+                   q.stride(0), out_tok.stride(0))  # fmt: skip
+    sample_meta = dict(meta, EPS=RESIDUAL_EPS)
+    launch(_final_sample_kernel, (batch,), sample_args, sample_meta, dict(num_warps=4), FINAL_SAMPLE_SPACE)

@@ -28,6 +28,7 @@ from specdec.kernels.kv_layout import (
     check_lengths,
     slots,
 )
+from specdec.kernels.tuning import TuningSpace, candidates, launch
 
 # --------------------------------------------------------------------------------------------
 # Triton kernel
@@ -103,6 +104,11 @@ def kv_append_kernel(
 # --------------------------------------------------------------------------------------------
 
 
+# The row block is fixed by the layout (it sets the grid and the lane folding); only the warps are
+# tuned. Rewriting the same rows is harmless, so trials need no restore.
+KV_APPEND_SPACE = TuningSpace(candidates(num_warps=(2, 4, 8)), key=("ROW", "PAGED"))
+
+
 def kv_append_triton(data, layer, k, v, seq_lens, q_offsets, block_tables) -> None:
     tokens, kv_heads, head_dim = k.shape
     if tokens == 0:
@@ -113,15 +119,18 @@ def kv_append_triton(data, layer, k, v, seq_lens, q_offsets, block_tables) -> No
     chunks = triton.cdiv(row, row_block)
     paged = block_tables is not None
     batch = seq_lens.shape[0]
-    kv_append_kernel[(tokens, chunks)](
+    args = (
         k.view(bits), v.view(bits), data[layer].view(bits), seq_lens, q_offsets,
         block_tables if paged else seq_lens,
         batch, row, head_dim, chunks * row_block, capacity(data, block_tables), data.shape[2],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), data.stride(1), data.stride(2), data.stride(3),
         block_tables.stride(0) if paged else 0,
+    )  # fmt: skip
+    meta = dict(
         PAGED=paged, PAGE=data.shape[3] if paged else 1, B_BLOCK=triton.next_power_of_2(max(batch, 2)),
         ROW_BLOCK=row_block, ALIGN=lane_alignment(row, chunks * row_block),
     )  # fmt: skip
+    launch(kv_append_kernel, (tokens, chunks), args, meta, dict(num_warps=4), KV_APPEND_SPACE)
 
 
 def kv_append_torch(data, layer, k, v, seq_lens, q_offsets, block_tables) -> None:

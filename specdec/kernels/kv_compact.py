@@ -32,6 +32,7 @@ from specdec.kernels.kv_layout import (
     check_lengths,
     slots,
 )
+from specdec.kernels.tuning import TuningSpace, candidates, launch
 
 # --------------------------------------------------------------------------------------------
 # Triton kernel
@@ -115,6 +116,12 @@ def kv_compact_kernel(
 # --------------------------------------------------------------------------------------------
 
 
+# Only the warps are tuned (the row block is fixed by the layout). Never benchmarked by
+# triton.autotune: a trial moves rows again and advances the lengths, and restoring the whole
+# cache inside every timed trial would time the copy; pin a candidate with ``tuning.use_config``.
+KV_COMPACT_SPACE = TuningSpace(candidates(num_warps=(2, 4, 8)), key=("ROW", "PAGED"), autotune=False)
+
+
 def kv_compact_triton(data, seq_lens, accepted_path, block_tables, tickets) -> None:
     layers, _, _, _, kv_heads, head_dim = data.shape
     batch, width = accepted_path.shape
@@ -125,14 +132,17 @@ def kv_compact_triton(data, seq_lens, accepted_path, block_tables, tickets) -> N
     row_block = min(triton.next_power_of_2(row), MAX_ROW_BLOCK)
     chunks = triton.cdiv(row, row_block)
     paged = block_tables is not None
-    kv_compact_kernel[(batch, layers * 2, chunks)](
+    args = (
         data.view(bits), seq_lens, accepted_path, block_tables if paged else seq_lens, tickets,
         width, row, chunks * row_block, capacity(data, block_tables), data.shape[2], layers * 2 * chunks,
         data.stride(1), data.stride(2), data.stride(3), accepted_path.stride(0),
         block_tables.stride(0) if paged else 0,
+    )  # fmt: skip
+    meta = dict(
         PAGED=paged, PAGE=data.shape[3] if paged else 1, P_BLOCK=triton.next_power_of_2(max(width, 2)),
         ROW_BLOCK=row_block, ALIGN=lane_alignment(row, chunks * row_block),
     )  # fmt: skip
+    launch(kv_compact_kernel, (batch, layers * 2, chunks), args, meta, dict(num_warps=4), KV_COMPACT_SPACE)
 
 
 def kv_compact_torch(data, seq_lens, accepted_path, block_tables, tickets) -> None:

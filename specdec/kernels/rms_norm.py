@@ -20,6 +20,7 @@ import torch
 from specdec.kernels._checks import FLOAT_DTYPES, check_rows, check_tensor
 from specdec.kernels._op import register_op
 from specdec.kernels._triton import jit, tl, triton
+from specdec.kernels.tuning import TuningSpace, candidates, launch
 
 MAX_HIDDEN = 16384  # a whole row lives in one program's registers
 
@@ -74,9 +75,13 @@ def _rms_norm_kernel(
 # --------------------------------------------------------------------------------------------
 
 
-def _tile(hidden: int) -> dict:
-    block = triton.next_power_of_2(hidden)
-    return dict(BLOCK=block, EVEN=block == hidden, num_warps=min(max(block // 512, 4), 16))
+# The whole row is one tile (BLOCK); only the warps are tuned. In place on the residual: restored
+# between autotuning trials.
+RMS_NORM_SPACE = TuningSpace(candidates(num_warps=(4, 8, 16)), key=("H", "ADD_RESIDUAL"), restore=("residual_ptr",))
+
+
+def _default_warps(block: int) -> dict:
+    return dict(num_warps=min(max(block // 512, 4), 16))
 
 
 def _launch(x, residual, weight, eps, out) -> None:
@@ -84,19 +89,11 @@ def _launch(x, residual, weight, eps, out) -> None:
     if T == 0:
         return
     add = residual is not None
-    _rms_norm_kernel[(T,)](
-        x,
-        residual if add else x,
-        weight,
-        out,
-        H,
-        eps,
-        x.stride(0),
-        residual.stride(0) if add else 0,
-        out.stride(0),
-        ADD_RESIDUAL=add,
-        **_tile(H),
-    )
+    block = triton.next_power_of_2(H)
+    args = (x, residual if add else x, weight, out, H, eps, x.stride(0), residual.stride(0) if add else 0,
+            out.stride(0))  # fmt: skip
+    launch(_rms_norm_kernel, (T,), args, dict(ADD_RESIDUAL=add, BLOCK=block, EVEN=block == H), _default_warps(block),
+           RMS_NORM_SPACE)  # fmt: skip
 
 
 def _rms_norm_triton(x, weight, eps, out) -> None:

@@ -21,6 +21,7 @@ import torch
 from specdec.kernels._checks import FLOAT_DTYPES, check_rows, check_tensor
 from specdec.kernels._op import register_op
 from specdec.kernels._triton import jit, tl, triton
+from specdec.kernels.tuning import TuningSpace, candidates, launch
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 _MAX_TILE = 256  # heads x pairs per program
@@ -98,10 +99,18 @@ def _rotary_kernel(
 # --------------------------------------------------------------------------------------------
 
 
-def _tile(heads: int, half: int) -> dict:
-    half_block = triton.next_power_of_2(half)
+# Heads per program and warps are tuned; the pair dimension is one tile (HALF_BLOCK). In place on
+# q and k: restored between autotuning trials.
+ROTARY_SPACE = TuningSpace(
+    tuple(c for c in candidates(HEAD_BLOCK=(2, 4, 8), num_warps=(2, 4)) if c != dict(HEAD_BLOCK=8, num_warps=4)),
+    key=("Hq", "Hkv", "HALF"),
+    restore=("q_ptr", "k_ptr"),
+)  # 8 heads x 64 pairs on 4 warps spills a few bytes on sm_90
+
+
+def _default_heads(heads: int, half_block: int) -> dict:
     head_block = min(triton.next_power_of_2(heads), max(_MAX_TILE // half_block, 1))
-    return dict(HEAD_BLOCK=head_block, HALF_BLOCK=half_block, EVEN_PAIRS=half_block == half, num_warps=4)
+    return dict(HEAD_BLOCK=head_block, num_warps=4)
 
 
 def _apply_rotary_triton(q, k, positions, inv_freq) -> None:
@@ -109,11 +118,11 @@ def _apply_rotary_triton(q, k, positions, inv_freq) -> None:
     Hkv = k.shape[1]
     if T == 0:
         return
-    tile = _tile(max(Hq, Hkv), D // 2)
-    grid = (T, triton.cdiv(max(Hq, Hkv), tile["HEAD_BLOCK"]))
-    _rotary_kernel[grid](
-        q, k, positions, inv_freq, Hq, Hkv, D // 2, q.stride(0), q.stride(1), k.stride(0), k.stride(1), **tile
-    )
+    heads, half_block = max(Hq, Hkv), triton.next_power_of_2(D // 2)
+    args = (q, k, positions, inv_freq, Hq, Hkv, D // 2, q.stride(0), q.stride(1), k.stride(0), k.stride(1))
+    grid = lambda c: (T, triton.cdiv(heads, c["HEAD_BLOCK"]))
+    meta = dict(HALF_BLOCK=half_block, EVEN_PAIRS=half_block == D // 2)
+    launch(_rotary_kernel, grid, args, meta, _default_heads(heads, half_block), ROTARY_SPACE)
 
 
 def _apply_rotary_torch(q, k, positions, inv_freq) -> None:

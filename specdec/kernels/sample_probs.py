@@ -21,6 +21,7 @@ from specdec.kernels._op import register_op
 from specdec.kernels._triton import INT32_MAX, jit, tl, triton
 from specdec.kernels.sampling_params import SamplingParams, check_params
 from specdec.kernels.top_k_top_p import FLOAT_DTYPES, vocab_block
+from specdec.kernels.tuning import TuningSpace, candidates, launch
 from specdec.kernels.uniforms import counter_uniform_reference, counter_uniform_tl
 
 # ----------------------------------------------------------------------------- Triton
@@ -94,6 +95,11 @@ def _pick_token_kernel(
     tl.store(out_ptr + row, pick_in_tile_tl(w, cols, before, target))
 
 
+# The two kernels share the tile (one writes per-tile mass, the other reads it): warps only.
+TILE_MASS_SPACE = TuningSpace(candidates(num_warps=(2, 4, 8)), key=("V",))
+PICK_TOKEN_SPACE = TuningSpace(candidates(num_warps=(2, 4, 8)), key=("V",))
+
+
 def _sample_probs_triton(probs, seed, offset, counter, out) -> None:
     rows, vocab = probs.shape
     if rows == 0:
@@ -103,11 +109,11 @@ def _sample_probs_triton(probs, seed, offset, counter, out) -> None:
     block = vocab_block(vocab)
     n_tiles = triton.cdiv(vocab, block)
     mass = torch.empty(rows, n_tiles, dtype=torch.float32, device=probs.device)
-    _tile_mass_kernel[(rows, n_tiles)](probs, mass, vocab, n_tiles, probs.stride(0), BLOCK=block)
-    _pick_token_kernel[(rows,)](
-        probs, mass, seed, offset, counter, out, vocab, n_tiles, probs.stride(0),
-        BLOCK=block, T_PAD=triton.next_power_of_2(n_tiles),
-    )  # fmt: skip
+    mass_args = (probs, mass, vocab, n_tiles, probs.stride(0))
+    launch(_tile_mass_kernel, (rows, n_tiles), mass_args, dict(BLOCK=block), dict(num_warps=4), TILE_MASS_SPACE)
+    pick_args = (probs, mass, seed, offset, counter, out, vocab, n_tiles, probs.stride(0))
+    pick_meta = dict(BLOCK=block, T_PAD=triton.next_power_of_2(n_tiles))
+    launch(_pick_token_kernel, (rows,), pick_args, pick_meta, dict(num_warps=4), PICK_TOKEN_SPACE)
 
 
 def _sample_probs_torch(probs, seed, offset, counter, out) -> None:

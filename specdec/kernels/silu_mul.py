@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from specdec.kernels._checks import FLOAT_DTYPES, check_rows, check_tensor
 from specdec.kernels._op import register_op
 from specdec.kernels._triton import jit, tl, triton
+from specdec.kernels.tuning import TuningSpace, candidates, launch
 
 _MAX_BLOCK = 1024
 
@@ -55,15 +56,19 @@ def _silu_mul_kernel(
 # --------------------------------------------------------------------------------------------
 
 
+# The tile (BLOCK) follows the row (EVEN: the tiles cover it exactly, no clamped lanes); only the warps are tuned.
+SILU_MUL_SPACE = TuningSpace(candidates(num_warps=(4, 8)), key=("I",))
+
+
 def _silu_mul_triton(gate_up, out) -> None:
     T, I = out.shape
     if T == 0:
         return
     block = min(triton.next_power_of_2(I), _MAX_BLOCK)
+    meta = dict(BLOCK=block, EVEN=I % block == 0)
     grid = (T, triton.cdiv(I, block))
-    _silu_mul_kernel[grid](
-        gate_up, out, I, gate_up.stride(0), out.stride(0), BLOCK=block, EVEN=I % block == 0, num_warps=4
-    )
+    launch(_silu_mul_kernel, grid, (gate_up, out, I, gate_up.stride(0), out.stride(0)), meta, dict(num_warps=4),
+           SILU_MUL_SPACE)  # fmt: skip
 
 
 def _silu_mul_torch(gate_up, out) -> None:

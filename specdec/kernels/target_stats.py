@@ -25,6 +25,7 @@ import torch
 
 from specdec.kernels._triton import INT32_MAX, jit, tl, triton
 from specdec.kernels.top_k_top_p import bad_rows, scaled_tile_tl
+from specdec.kernels.tuning import TuningSpace, candidates, launch
 
 # ----------------------------------------------------------------------------- Triton
 
@@ -113,6 +114,10 @@ def target_prob_tl(row_ptr, col, inv_t, thr, m, z):
 # ----------------------------------------------------------------------------- launcher
 
 
+# The vocabulary tile is shared with every later stage (they read per-tile results): warps only.
+ROW_STATS_SPACE = TuningSpace(candidates(num_warps=(4, 8)), key=("V", "ARGMAX_ONLY"))  # 2 spills (sm_90, 3.6)
+
+
 class TileStats(NamedTuple):
     """Per-tile statistics of every row, each ``[R, n_tiles]``: max fp32, sum fp32, arg int32, bad int32."""
 
@@ -136,10 +141,10 @@ def row_stats_triton(logits, inv_row, thr, block: int, argmax_only: bool = False
     )
     if rows:
         unread = stats.max  # any fp32 tensor stands in for inv_row / thr when they are not read
-        _row_stats_kernel[(rows, n_tiles)](
-            logits, unread if argmax_only else inv_row, unread if argmax_only else thr, *stats,
-            vocab, n_tiles, logits.stride(0), ARGMAX_ONLY=argmax_only, BLOCK=block,
-        )  # fmt: skip
+        args = (logits, unread if argmax_only else inv_row, unread if argmax_only else thr, *stats, vocab, n_tiles,
+                logits.stride(0))  # fmt: skip
+        meta = dict(ARGMAX_ONLY=argmax_only, BLOCK=block)
+        launch(_row_stats_kernel, (rows, n_tiles), args, meta, dict(num_warps=4), ROW_STATS_SPACE)
     return stats
 
 

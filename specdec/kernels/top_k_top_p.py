@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from specdec.kernels._triton import jit, tl, triton
+from specdec.kernels.tuning import TuningSpace, launch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # of logits and probabilities
 # How the filter kernel finds the request (and so the parameters) of a row:
@@ -169,6 +170,13 @@ def _threshold_kernel(
 
 # ----------------------------------------------------------------------------- launcher
 
+# The streaming tile is private to this kernel (no other stage reads per-tile results), so it is tuned
+# with the warps. A pass holds a [BLOCK, 16] fp32 accumulator: 1024 x 16 needs 8 warps (4 spill);
+# (256, 4) and (512, 8) spill a few bytes on sm_80 with Triton 3.6.
+THRESHOLD_SPACE = TuningSpace(
+    (dict(BLOCK=1024, num_warps=8), dict(BLOCK=512, num_warps=4), dict(BLOCK=256, num_warps=8)), key=("V", "ROWS")
+)
+
 
 def filter_thresholds_triton(
     logits: torch.Tensor,
@@ -182,17 +190,16 @@ def filter_thresholds_triton(
     """Per-row threshold ``thr [R]`` fp32 and scale ``1/T [R]`` fp32 (1 for greedy rows) of ``logits
     [R, V]`` (unit column stride) for per-request parameters ``[B]``; ``rows`` says which request a
     row belongs to (one of ``ROWS_*``, with int32 ``offsets [B+1]`` unless rows are requests).
-    Triton launcher, no checks."""
+    ``block`` is the default tile width. Triton launcher, no checks."""
     n_rows, vocab = logits.shape
     thr = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     inv_row = torch.empty_like(thr)
     if offsets is None:  # ROWS_ARE_REQUESTS: never read
         offsets = top_k
     if n_rows:
-        _threshold_kernel[(n_rows,)](
-            logits, offsets, temperature, top_k, top_p, thr, inv_row, temperature.numel(), vocab, logits.stride(0),
-            ROWS=rows, BLOCK=block,
-        )  # fmt: skip
+        args = (logits, offsets, temperature, top_k, top_p, thr, inv_row, temperature.numel(), vocab, logits.stride(0))
+        config = dict(BLOCK=block, num_warps=8 if block >= 1024 else 4)
+        launch(_threshold_kernel, (n_rows,), args, dict(ROWS=rows), config, THRESHOLD_SPACE)
     return thr, inv_row
 
 

@@ -21,6 +21,7 @@ batch-1 split decode), so they must lie in the pool (``check_bounds`` checks the
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -28,6 +29,7 @@ import torch
 
 from specdec.kernels._lanes import lane_alignment, row_lanes
 from specdec.kernels._triton import jit, tl
+from specdec.kernels.tuning import TuningSpace, candidates, launch
 
 LN2 = math.log(2.0)
 MAX_HEAD_DIM = 256  # widest head the Triton tiles hold (BLOCK_D); the PyTorch path has no limit
@@ -287,26 +289,70 @@ class TileConfig(NamedTuple):
     block_d: int
     num_warps: int
     num_splits: int
+    num_stages: int = 3
 
 
 def next_pow2(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
 
 
-def tile_config(tokens: int, batch: int, group: int, head_dim: int, num_splits: int) -> TileConfig:
-    """Tile sizes and warps of the main kernel, from host sizes only."""
+# (KV positions per step BLOCK_N, warps, pipeline stages) by tile rows BLOCK_M: the tuning candidates, the
+# default first. Every one compiles for sm_80 and sm_90 with Triton 3.6 and 3.9 without register spills
+# at the shapes of bench/compile_matrix.py; what was left out spilled somewhere (ptxas allocates
+# registers differently per version and architecture).
+_CHOICES_16BIT = {
+    16: ((64, 4, 3), (64, 4, 2), (32, 4, 3)),  # (64, 8) spills on sm_90 with Triton 3.6
+    32: ((64, 4, 3), (64, 4, 2), (32, 4, 3), (32, 8, 3)),
+    64: ((64, 8, 3), (64, 8, 2), (32, 8, 3), (32, 4, 3)),  # (64, 4) spills on sm_80
+    128: ((32, 8, 3), (32, 8, 2)),  # (64, 8) spills on sm_80
+    256: ((16, 8, 3), (16, 8, 2)),  # Hopper only (everything spills on sm_80); (32, 8) spills with Triton 3.6
+}
+# head dims above 128 (at most 64 rows): (32, 8, 3) spills on sm_80 with Triton 3.6, (16, 8, 3) on sm_90 with 3.9
+_CHOICES_WIDE_HEAD = ((32, 8, 2),)
+# fp32 dots run on FMA units with twice the registers: 16 rows (one query token of a group of up to 16)
+# and one choice (wider tiles spill on sm_90 once the kernel also writes lse, 32 rows spill on sm_80)
+_CHOICES_FP32 = {16: ((16, 8, 3),)}
+
+
+def tile_choices(block_m: int, block_d: int, fp32: bool) -> tuple[tuple[int, int, int], ...]:
+    """The (BLOCK_N, num_warps, num_stages) candidates of a tile, the default first."""
+    if fp32:
+        return _CHOICES_FP32.get(block_m, ((16, 8, 3),))  # (groups above 16 in fp32: not in the matrix)
+    if block_d > 128:
+        return _CHOICES_WIDE_HEAD
+    return _CHOICES_16BIT.get(block_m, ((32, 8, 3),))
+
+
+def tile_config(
+    tokens: int, batch: int, group: int, head_dim: int, num_splits: int, *, fp32: bool = False, hopper: bool = True
+) -> TileConfig:
+    """Tile sizes, warps and stages of the main kernel, from host sizes only (``hopper``: compute
+    capability >= 9)."""
     block_d = max(16, next_pow2(head_dim))  # tl.dot needs 16; lanes past head_dim are masked
     # Rows are (query token, head of the group) pairs; size the tile to the mean request, so
     # decode and trees up to BLOCK_Q nodes read each KV tile once per (request, KV head).
     rows = next_pow2(-(-tokens // batch) * group)
-    if block_d <= 128 and 128 < rows <= 256:
-        # e.g. a 64-node tree x 4 heads: 256 rows in one tile with 32-wide KV steps (255 registers,
-        # no spills on sm_90) rather than two 128-row tiles that would each read the context
-        block_m, block_n = 256, 32
+    if fp32:
+        block_m = max(16, next_pow2(group))
+    elif hopper and block_d <= 128 and 128 < rows <= 256:
+        # e.g. a 64-node tree x 4 heads: 256 rows in one tile with 16-wide KV steps (about 240
+        # registers, no spills on sm_90) rather than two 128-row tiles that would each read the context
+        block_m = 256
     else:
         block_m = max(16, min(128 if block_d <= 128 else 64, rows), next_pow2(group))
-        block_n = 64 if block_d <= 128 else 32
-    return TileConfig(block_m, block_m // group, block_n, block_d, 8 if block_m >= 128 else 4, num_splits)
+    block_n, num_warps, num_stages = tile_choices(block_m, block_d, fp32)[0]
+    return TileConfig(block_m, block_m // group, block_n, block_d, num_warps, num_splits, num_stages)
+
+
+@functools.cache
+def attention_space(block_m: int, block_d: int, fp32: bool) -> TuningSpace:
+    """Candidates at the plan's rows per tile (BLOCK_M, set by the requests' shape) and head tile: KV
+    positions per step, warps and pipeline stages (``tile_choices``)."""
+    configs = tuple(dict(BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in tile_choices(block_m, block_d, fp32))
+    return TuningSpace(configs, key=("BLOCK_M", "BLOCK_D", "GROUP", "PAGED", "TREE", "NUM_SPLITS"))
+
+
+MERGE_SPACE = TuningSpace(candidates(num_warps=(2, 4)), key=("NUM_SPLITS", "BLOCK_D"))
 
 
 def default_splits(device: torch.device, tokens: int, batch: int, kv_heads: int, block: TileConfig, context: int):
@@ -320,7 +366,8 @@ def default_splits(device: torch.device, tokens: int, batch: int, kv_heads: int,
 
 def triton_launches(q, k_cache, v_cache, q_offsets, prefix_lens, tree_start, tree_mask, block_table,
                     part_out, part_lse, softmax_scale, tile, out, lse) -> list:  # fmt: skip
-    """[(kernel, grid, args, meta)] of one call: the main kernel, then the merge when the context is split.
+    """[(kernel, grid, args, meta, config, space)] of one call (``tuning.launch``'s arguments): the main
+    kernel, then the merge when the context is split.
 
     ``tile`` is a ``TileConfig`` (or its list); ``part_out [S, T, Hq, D]`` / ``part_lse [S, T, Hq]``
     float32 scratch are needed when ``tile.num_splits = S > 1``. Index tensors must have unit
@@ -350,11 +397,14 @@ def triton_launches(q, k_cache, v_cache, q_offsets, prefix_lens, tree_start, tre
     )  # fmt: skip
     pad_d = lane_alignment(head_dim, tile.block_d)
     main_meta = dict(
-        BLOCK_M=tile.block_m, BLOCK_Q=tile.block_q, BLOCK_N=tile.block_n, BLOCK_D=tile.block_d, PAD_D=pad_d,
-        num_warps=tile.num_warps, SEARCH_STEPS=max(1, batch.bit_length()), PAGED=paged, TREE=tree,
-        WRITE_LSE=dest_lse is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_M=tile.block_m, BLOCK_Q=tile.block_q, BLOCK_D=tile.block_d, PAD_D=pad_d,
+        SEARCH_STEPS=max(1, batch.bit_length()), PAGED=paged, TREE=tree, WRITE_LSE=dest_lse is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
-    launches = [(tree_attention_kernel, (tokens // tile.block_q + batch, kv_heads, splits), main_args, main_meta)]
+    config = dict(BLOCK_N=tile.block_n, num_warps=tile.num_warps, num_stages=tile.num_stages)
+    grid = (tokens // tile.block_q + batch, kv_heads, splits)
+    space = attention_space(tile.block_m, tile.block_d, q.dtype == torch.float32)
+    launches = [(tree_attention_kernel, grid, main_args, main_meta, config, space)]
     if splits > 1:
         merge_args = (
             part_out, part_lse, out, lse if lse is not None else dummy, splits, head_dim,
@@ -363,7 +413,7 @@ def triton_launches(q, k_cache, v_cache, q_offsets, prefix_lens, tree_start, tre
             out.stride(0), out.stride(1), *((lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)),
         )  # fmt: skip
         merge_meta = dict(BLOCK_S=next_pow2(splits), BLOCK_D=tile.block_d, PAD_D=pad_d, WRITE_LSE=lse is not None)
-        launches.append((merge_splits_kernel, (tokens, heads), merge_args, merge_meta))
+        launches.append((merge_splits_kernel, (tokens, heads), merge_args, merge_meta, dict(num_warps=4), MERGE_SPACE))
     return launches
 
 
@@ -376,8 +426,8 @@ def tree_attention_triton(q, k_cache, v_cache, q_offsets, prefix_lens, tree_star
     """
     if q.shape[0] == 0:
         return
-    for kernel, grid, args, meta in triton_launches(
+    for planned in triton_launches(
         q, k_cache, v_cache, q_offsets, prefix_lens, tree_start, tree_mask, block_table, part_out, part_lse,
         softmax_scale, tile, out, lse,
     ):  # fmt: skip
-        kernel[grid](*args, **meta)
+        launch(*planned)

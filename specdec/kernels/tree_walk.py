@@ -61,6 +61,7 @@ from specdec.kernels.target_stats import (
     target_tile_tl,
 )
 from specdec.kernels.top_k_top_p import inverse_temperature_tl
+from specdec.kernels.tuning import TuningSpace, launch
 from specdec.kernels.uniforms import counter_uniform_tl
 
 RESIDUAL_EPS = 1e-5  # a residual with less mass is rounding noise: sample from p instead
@@ -134,7 +135,7 @@ def _greedy_test(tok, valid, argmax):
     return valid & (tok == argmax)
 
 
-@jit
+@jit(do_not_specialize=["W"])  # W = 1 (sample's one-token rows) as a constant breaks Triton 3.6's compiler
 def _tree_walk_kernel(
     logits_ptr,  # [R, V] target logits, one row per node (unit column stride)
     tokens_ptr,  # [R] int32 node tokens (roots' ignored); CHAIN: [T] draft tokens
@@ -263,6 +264,14 @@ def _tree_walk_kernel(
     tl.store(invalid_ptr + b, invalid)
 
 
+# One program walks one request, mostly scalar work: warps only. ptxas caps registers for occupancy
+# (64 at 8 warps) and then spills a few bytes; a walk has few programs, so it may use more (maxnreg).
+TREE_WALK_SPACE = TuningSpace(
+    (dict(num_warps=4, maxnreg=128), dict(num_warps=8, maxnreg=128), dict(num_warps=2, maxnreg=160)),
+    key=("V", "RULE", "CHAIN"),
+)
+
+
 def tree_walk_triton(logits, tokens, parents, offsets, q, thr, stats, params, out, fin_i, fin_f, *,
                      rule: str, chain: bool, block: int, width: int) -> None:  # fmt: skip
     """Launch the walk, one program per request: writes ``out`` (output_tokens, num_accepted,
@@ -272,10 +281,11 @@ def tree_walk_triton(logits, tokens, parents, offsets, q, thr, stats, params, ou
     temperature, _top_k, _top_p, seed, offset = params
     batch = offsets.numel() - 1
     n_tiles = stats.max.shape[1]
-    _tree_walk_kernel[(batch,)](
+    args = (
         logits, tokens, parents, offsets, q, thr, *stats, temperature, seed, offset,
         out_tok, out_path, num_acc, invalid, fin_i, fin_f,
         logits.shape[1], n_tiles, width, logits.stride(0), q.stride(0), out_tok.stride(0), out_path.stride(0),
-        RULE=rule, CHAIN=chain, BLOCK=block, T_PAD=triton.next_power_of_2(n_tiles),
-        W_PAD=triton.next_power_of_2(width), EPS=RESIDUAL_EPS,
     )  # fmt: skip
+    meta = dict(RULE=rule, CHAIN=chain, BLOCK=block, T_PAD=triton.next_power_of_2(n_tiles),
+                W_PAD=triton.next_power_of_2(width), EPS=RESIDUAL_EPS)  # fmt: skip
+    launch(_tree_walk_kernel, (batch,), args, meta, TREE_WALK_SPACE.configs[0], TREE_WALK_SPACE)

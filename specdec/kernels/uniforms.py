@@ -22,6 +22,7 @@ import torch
 from specdec.kernels._checks import check_tensor
 from specdec.kernels._op import register_op
 from specdec.kernels._triton import jit, tl, triton
+from specdec.kernels.tuning import TuningSpace, candidates, launch
 
 _HASH_START = 0x243F6A88
 _MUL1 = 0x7FEB352D  # odd multipliers below 2**31: (x < 2**32) * m stays below 2**63
@@ -80,10 +81,16 @@ def _counter_uniform_kernel(
     tl.store(out_ptr + i, u, mask=live)
 
 
+# No key: one tuned configuration for every length.
+COUNTER_UNIFORM_SPACE = TuningSpace(candidates(BLOCK=(128, 256, 1024), num_warps=(2, 4, 8)), key=())
+
+
 def _counter_uniform_triton(seed, offset, counter, out) -> None:
     n = out.numel()
     if n:
-        _counter_uniform_kernel[(triton.cdiv(n, _BLOCK),)](seed, offset, counter, out, n, BLOCK=_BLOCK)
+        grid = lambda c: (triton.cdiv(n, c["BLOCK"]),)
+        args = (seed, offset, counter, out, n)
+        launch(_counter_uniform_kernel, grid, args, {}, dict(BLOCK=_BLOCK, num_warps=4), COUNTER_UNIFORM_SPACE)
 
 
 def _counter_uniform_torch(seed, offset, counter, out) -> None:

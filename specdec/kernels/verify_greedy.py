@@ -24,6 +24,7 @@ from specdec.kernels.sampling_params import SamplingParams
 from specdec.kernels.target_stats import any_row_bad_tl, row_argmax_tl, row_stats_triton
 from specdec.kernels.top_k_top_p import bad_rows, vocab_block
 from specdec.kernels.tree_walk import request_nodes_tl
+from specdec.kernels.tuning import TuningSpace, candidates, launch
 from specdec.kernels.verification import result_buffers
 from specdec.kernels.verify_chain import ChainVerifyResult, check_chain
 from specdec.kernels.verify_tree import TreeVerifyResult, check_tree
@@ -31,7 +32,7 @@ from specdec.kernels.verify_tree import TreeVerifyResult, check_tree
 # ----------------------------------------------------------------------------- Triton
 
 
-@jit
+@jit(do_not_specialize=["W"])  # as the tree walk: W = 1 as a constant breaks Triton 3.6's compiler
 def _greedy_walk_kernel(
     tokens_ptr,  # [R] int32 node tokens; CHAIN: [T] draft tokens
     parents_ptr,  # [R] int32 local parents; unread with CHAIN
@@ -82,6 +83,9 @@ def _greedy_walk_kernel(
     tl.store(invalid_ptr + b, invalid)
 
 
+GREEDY_WALK_SPACE = TuningSpace(candidates(num_warps=(2, 4, 8)), key=("n_tiles", "CHAIN"))
+
+
 def _greedy_triton(logits, tokens, parents, offsets, out, chain: bool) -> None:
     """Argmax statistics, then the walk; ``out`` in ``TreeVerifyResult`` order. Triton launcher, no checks."""
     batch = offsets.numel() - 1
@@ -91,11 +95,10 @@ def _greedy_triton(logits, tokens, parents, offsets, out, chain: bool) -> None:
         logits = logits.contiguous()
     stats = row_stats_triton(logits, None, None, vocab_block(logits.shape[1]), argmax_only=True)
     n_tiles, width = stats.max.shape[1], out[0].shape[1]
-    _greedy_walk_kernel[(batch,)](
-        tokens, parents, offsets, stats.max, stats.arg, stats.bad, *out, n_tiles, width,
-        out[0].stride(0), out[2].stride(0),
-        CHAIN=chain, T_PAD=triton.next_power_of_2(n_tiles), W_PAD=triton.next_power_of_2(width),
-    )  # fmt: skip
+    args = (tokens, parents, offsets, stats.max, stats.arg, stats.bad, *out, n_tiles, width, out[0].stride(0),
+            out[2].stride(0))  # fmt: skip
+    meta = dict(CHAIN=chain, T_PAD=triton.next_power_of_2(n_tiles), W_PAD=triton.next_power_of_2(width))
+    launch(_greedy_walk_kernel, (batch,), args, meta, dict(num_warps=4), GREEDY_WALK_SPACE)
 
 
 def _chain_greedy_triton(logits, tokens, offsets, output_tokens, num_accepted, invalid) -> None:

@@ -1,0 +1,465 @@
+"""Compile matrix: every configuration the Triton launchers can choose, compiled for sm_90 and sm_80.
+
+Each case runs a kernel's own launcher on CPU tensors of a shape that matters (LLaMA-3-8B,
+70B with GQA 8, TinyLlama's head dim 64, a padded head dim 80, the widest head 256, the
+embedded pair's 32; vocab 32000 and 128256; fp16, bf16 and fp32) under
+``tuning.capture_launches()``, which records what the launcher would launch on a GPU:
+its default configuration and its tuning space. Every distinct launch is then compiled
+with the installed Triton for each architecture (``specdec.kernels.compile_target``):
+with its default configuration at every case, and with every candidate of its tuning
+space at the primary cases (LLaMA-3-8B and vocab 128256, bf16). A compile that fails,
+spills registers or needs more shared memory than a block may have fails the run (exit 1).
+
+    python bench/compile_matrix.py --out OUT                 # everything (CI, per Triton version)
+    python bench/compile_matrix.py --primary --defaults-only # the test suite's check
+
+Writes ``compile_matrix_triton<version>.md`` (a summary per kernel, then one row per compiled
+configuration) and ``.json`` to ``--out``; prints the summary.
+"""
+
+from __future__ import annotations
+
+import os
+
+if __name__ == "__main__":  # imported (tests/test_tuning.py), the module only lists the cases and their launches
+    os.environ.pop("TRITON_INTERPRET", None)  # compile the real kernels (set before specdec imports triton)
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, said explicitly (no warning)
+
+import argparse  # noqa: E402
+import concurrent.futures  # noqa: E402
+import json  # noqa: E402
+import multiprocessing  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's specdec
+
+import specdec.kernels  # noqa: E402, F401  (registers every kernel module)
+from specdec.kernels import tuning  # noqa: E402
+from specdec.kernels.compile_target import SHARED_LIMIT, compile_launch, toolchain  # noqa: E402
+
+mod = lambda name: sys.modules[f"specdec.kernels.{name}"]  # noqa: E731  (names shadowed by the public functions)
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+# (query heads, KV heads, head dim)
+MODELS = {
+    "llama3-8b": (32, 8, 128),
+    "llama3-70b": (64, 8, 128),
+    "tinyllama": (32, 4, 64),
+    "d80": (16, 4, 80),
+    "d256": (8, 1, 256),
+    "embedded": (8, 4, 32),
+}
+# (queries per request, requests, tree mask, context splits)
+ATTENTION_SHAPES = {
+    "decode-b8": (1, 8, False, 1),
+    "decode-b1-split8": (1, 1, False, 8),
+    "chain8-b4": (8, 4, False, 1),
+    "tree16-b8": (16, 8, True, 1),
+    "tree64-b4": (64, 4, True, 1),
+    "tree64-b2-split2": (64, 2, True, 2),
+    "prefill4k": (4096, 1, False, 1),
+}
+LLAMA = "llama3-8b"
+ARCH = [90]  # the architecture the launchers plan for while the cases run (the attention tile depends on it)
+VOCABS = (32000, 128256)
+# (hidden, MLP inner size); LLaMA-2-13B's fill no power-of-two tile: the kernels' clamped-lane paths
+HIDDEN = {"llama3-8b": (4096, 14336), "llama3-70b": (8192, 28672), "tinyllama": (2048, 5632),
+          "llama2-13b": (5120, 13824), "max": (16384, 16384)}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- cases
+
+
+def attention_cases():
+    """{case: thunk}: the tree attention body at every LLaMA-3-8B shape in bf16 and fp32 (paged), the
+    other models' decode, split decode, 64-node trees and prefill (bf16, paged), and fp16 and a contiguous
+    cache at LLaMA-3-8B's decode and trees."""
+    from specdec.kernels.tree_attention_kernels import tile_config, tree_attention_triton
+
+    def run(model, shape, dtype, paged):
+        hq, hkv, d = MODELS[model]
+        n, batch, tree, splits = ATTENTION_SHAPES[shape]
+        tokens = n * batch
+        q = torch.empty(tokens, hq, d, dtype=dtype)
+        cache = torch.empty(64, 16, hkv, d, dtype=dtype) if paged else torch.empty(batch, 4096 + n, hkv, d, dtype=dtype)
+        offsets = torch.arange(0, tokens + 1, n, dtype=torch.int32)
+        prefix = torch.zeros(batch, dtype=torch.int32)
+        mask = torch.zeros(tokens, -(-n // 64), dtype=torch.int64) if tree else None
+        table = torch.zeros(batch, 300, dtype=torch.int32) if paged else None
+        fp32, hopper = dtype == torch.float32, ARCH[0] >= 90
+        tile = list(tile_config(tokens, batch, hq // hkv, d, splits, fp32=fp32, hopper=hopper))
+        part_out = torch.empty(splits, tokens, hq, d) if splits > 1 else None
+        part_lse = torch.empty(splits, tokens, hq) if splits > 1 else None
+        lse = torch.empty(tokens, hq) if splits > 1 else None
+        tree_attention_triton(q, cache, cache, offsets, prefix, prefix, mask, table, None, None, None, None,
+                              part_out, part_lse, 0.1, tile, torch.empty_like(q), lse)  # fmt: skip
+
+    cases = {}
+    for model in MODELS:
+        shapes = ATTENTION_SHAPES if model == LLAMA else ("decode-b8", "decode-b1-split8", "tree64-b4", "prefill4k")
+        for shape in shapes:
+            cases[f"attention {model} {shape} bf16 paged"] = lambda m=model, s=shape: run(m, s, torch.bfloat16, True)
+    for shape in ATTENTION_SHAPES:
+        cases[f"attention llama3-8b {shape} fp32 paged"] = lambda s=shape: run(LLAMA, s, torch.float32, True)
+    for shape in ("decode-b8", "tree64-b4"):
+        cases[f"attention llama3-8b {shape} fp16 paged"] = lambda s=shape: run(LLAMA, s, torch.float16, True)
+        cases[f"attention llama3-8b {shape} bf16 contiguous"] = lambda s=shape: run(LLAMA, s, torch.bfloat16, False)
+    return cases
+
+
+def kv_cases():
+    """kv_append and kv_compact at each distinct row (Hkv x D: 1024, 256, 320, 128 elements), paged and
+    contiguous, 16- and 32-bit elements (the kernels copy bits: fp16 compiles as bf16 does)."""
+
+    def run(model, dtype, paged):
+        _, hkv, d = MODELS[model]
+        layers, batch, tokens = 4, 8, 64
+        data = torch.empty(layers, 2, 64 if paged else batch, 16 if paged else 512, hkv, d, dtype=dtype)
+        tables = torch.zeros(batch, 32, dtype=torch.int32) if paged else None
+        seq_lens = torch.zeros(batch, dtype=torch.int32)
+        k = torch.empty(tokens, hkv, d, dtype=dtype)
+        offsets = torch.arange(0, tokens + 1, tokens // batch, dtype=torch.int32)
+        mod("kv_append").kv_append_triton(data, 1, k, k, seq_lens, offsets, tables)
+        path = torch.zeros(batch, 9, dtype=torch.int32)
+        mod("kv_compact").kv_compact_triton(data, seq_lens, path, tables, torch.zeros(batch, dtype=torch.int32))
+
+    return {
+        f"kv {model} {name} {'paged' if paged else 'contiguous'}": lambda m=model, t=dtype, p=paged: run(m, t, p)
+        for model in (LLAMA, "tinyllama", "d80", "embedded")
+        for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))
+        for paged in (True, False)
+    }
+
+
+def sampling_cases():
+    """The verification pipeline (chains and trees, both rules), greedy fast paths, sample, filtered_probs,
+    sample_probs and counter_uniform: vocab 32000 and 128256 in bf16, 128256 in fp32 and fp16 too, 8
+    requests."""
+    verification, greedy = mod("verification"), mod("verify_greedy")
+    batch, k, nodes = 8, 4, 16
+
+    def params(rows):
+        f32, i32, i64 = (dict(dtype=t) for t in (torch.float32, torch.int32, torch.int64))
+        return (torch.empty(rows, **f32), torch.empty(rows, **i32), torch.empty(rows, **f32),
+                torch.empty(rows, **i64), torch.empty(rows, **i64))  # fmt: skip
+
+    def outputs(width):
+        i32 = dict(dtype=torch.int32)
+        return (torch.empty(batch, width, **i32), torch.empty(batch, **i32), torch.empty(batch, width, **i32),
+                torch.empty(batch, dtype=torch.bool))  # fmt: skip
+
+    def verify(vocab, dtype, rule, chain):
+        rows = batch * (k + 1) if chain else batch * nodes
+        logits = torch.empty(rows, vocab, dtype=dtype)
+        tokens = torch.empty(batch * k if chain else rows, dtype=torch.int32)
+        offsets = torch.arange(0, batch + 1, dtype=torch.int32) * (k if chain else nodes)
+        q = torch.empty(rows, vocab) if rule == "stochastic" else None
+        width = k + 1 if chain else nodes
+        verification.verify_triton(logits, tokens, tokens, offsets, q, params(batch), outputs(width), rule=rule,
+                                   chain=chain)  # fmt: skip
+
+    def greedy_path(vocab, dtype, chain, k=k):
+        rows = batch * (k + 1) if chain else batch * nodes
+        tokens = torch.empty(rows, dtype=torch.int32)
+        offsets = torch.arange(0, batch + 1, dtype=torch.int32) * (k if chain else nodes)
+        greedy._greedy_triton(torch.empty(rows, vocab, dtype=dtype), tokens, tokens, offsets,
+                              outputs(k + 1 if chain else nodes), chain=chain)  # fmt: skip
+
+    def others(vocab, dtype):
+        logits = torch.empty(batch, vocab, dtype=dtype)
+        mod("sampling")._sample_triton(logits, *params(batch), torch.empty(batch, dtype=torch.int32),
+                                       torch.empty(batch, dtype=torch.bool))  # fmt: skip
+        probs = torch.empty(batch, vocab)
+        mod("filtered_probs")._filtered_probs_triton(logits, *params(batch)[:3], probs,
+                                                     torch.empty(batch, dtype=torch.bool))  # fmt: skip
+        i64 = torch.empty(batch, dtype=torch.int64)
+        mod("sample_probs")._sample_probs_triton(probs.to(dtype), i64, i64, i64, torch.empty(batch, dtype=torch.int32))
+        mod("uniforms")._counter_uniform_triton(i64, i64, i64, torch.empty(batch))
+
+    cases = {}
+    for vocab in VOCABS:
+        for name, dtype in DTYPES.items():
+            if vocab == 32000 and name != "bf16":  # the logits' dtype changes loads only: one vocabulary is enough
+                continue
+            for rule in ("stochastic", "deterministic"):
+                for chain in (True, False):
+                    cases[f"verify {'chain' if chain else 'tree'} {rule} V={vocab} {name}"] = (
+                        lambda v=vocab, t=dtype, r=rule, c=chain: verify(v, t, r, c)
+                    )
+            for chain in (True, False):
+                cases[f"greedy {'chain' if chain else 'tree'} V={vocab} {name}"] = (
+                    lambda v=vocab, t=dtype, c=chain: greedy_path(v, t, c)
+                )
+            cases[f"sample / filtered_probs / sample_probs V={vocab} {name}"] = lambda v=vocab, t=dtype: others(v, t)
+            cases[f"greedy chain K=0 V={vocab} {name}"] = lambda v=vocab, t=dtype: greedy_path(v, t, True, k=0)
+    return cases
+
+
+def model_op_cases():
+    """rms_norm (alone and fused with the add), rotary and silu_mul at each model's sizes, bf16 and fp32 (fp16
+    at LLaMA-3-8B's)."""
+    rms, rotary, silu = mod("rms_norm"), mod("rotary"), mod("silu_mul")
+
+    def norms(hidden, dtype):
+        x, residual, out = (torch.empty(8, hidden, dtype=dtype) for _ in range(3))
+        weight = torch.empty(hidden, dtype=dtype)
+        rms.rms_norm_op.triton(x, weight, 1e-5, out)
+        rms.add_rms_norm_op.triton(x, residual, weight, 1e-5, out)
+
+    def rope(model, dtype, positions):
+        hq, hkv, d = MODELS[model]
+        qkv = torch.empty(8, hq + 2 * hkv, d, dtype=dtype)  # strided views of one fused projection
+        rotary.apply_rotary_op.triton(qkv[:, :hq], qkv[:, hq : hq + hkv], torch.zeros(8, dtype=positions),
+                                      torch.empty(d // 2))  # fmt: skip
+
+    def mlp(inner, dtype):
+        silu.silu_mul_op.triton(torch.empty(8, 2 * inner, dtype=dtype), torch.empty(8, inner, dtype=dtype))
+
+    cases = {}
+    for name, dtype in DTYPES.items():
+        for size, (hidden, inner) in HIDDEN.items():
+            if name != "fp16" or size == LLAMA:  # fp16 registers as bf16 does: one size is enough
+                cases[f"rms_norm {size} {name}"] = lambda h=hidden, t=dtype: norms(h, t)
+                cases[f"silu_mul {size} {name}"] = lambda i=inner, t=dtype: mlp(i, t)
+        for model in MODELS:
+            if name != "fp16" or model == LLAMA:
+                cases[f"rotary {model} {name}"] = lambda m=model, t=dtype: rope(m, t, torch.int64)
+    cases["rotary llama3-8b bf16 int32 positions"] = lambda: rope("llama3-8b", torch.bfloat16, torch.int32)
+    return cases
+
+
+def all_cases() -> dict:
+    return {**attention_cases(), **kv_cases(), **sampling_cases(), **model_op_cases()}
+
+
+def is_primary(case: str) -> bool:
+    """The shapes that matter most: LLaMA-3-8B in bf16 (attention in fp32 too), vocab 128256 in bf16. Tuning
+    candidates are compiled there (a candidate's registers depend on its tile, dtype and layout switches;
+    fp16 uses registers as bf16 does)."""
+    llama = "llama3-8b" in case and ("bf16" in case or ("attention" in case and "fp32" in case))
+    return llama or "V=128256 bf16" in case
+
+
+# ---------------------------------------------------------------------------------------------- jobs
+
+
+class ArgSpec:
+    """What the JIT reads of a tensor argument to specialise a kernel: its dtype and address."""
+
+    def __init__(self, t: torch.Tensor):
+        self.dtype, self._ptr = t.dtype, t.data_ptr()
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+
+@dataclass
+class Job:
+    module: str
+    kernel: str
+    args: tuple
+    meta: dict  # meta-parameters and the configuration
+    config: dict
+    default: bool  # the launcher's own choice (else a tuning candidate)
+    cases: list
+    archs: list  # the architectures whose launchers choose it
+
+
+def specialization(kernel, args, meta) -> tuple:
+    """The JIT's cache key for this launch (types, alignment, constexprs), target-independent parts."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    binder = create_function_from_signature(kernel.signature, kernel.params, make_backend(GPUTarget("cuda", 90, 32)))
+    return tuple(binder(*args, **meta)[1])
+
+
+def collect_jobs(cases: dict, archs: list[int], defaults_only: bool) -> list[Job]:
+    """Distinct launches (by the JIT's specialisation and meta-parameters) that each architecture's launchers
+    choose: every case's defaults, and at the primary cases every candidate of the launch's tuning space."""
+    jobs: dict[tuple, Job] = {}
+    for arch in archs:
+        ARCH[0] = arch
+        for case, thunk in cases.items():
+            with tuning.capture_launches() as launches:
+                thunk()
+            if not launches:
+                raise RuntimeError(f"case {case!r} launched nothing")
+            for launch in launches:
+                args = tuple(ArgSpec(a) if isinstance(a, torch.Tensor) else a for a in launch.args)
+                candidates = [] if defaults_only or not is_primary(case) else list(launch.space.configs)
+                for i, config in enumerate([launch.config] + candidates):
+                    meta = {**launch.meta, **config}
+                    key = (launch.name, specialization(launch.kernel, args, meta), tuple(sorted(meta.items())))
+                    job = jobs.get(key)
+                    if job is None:
+                        module = launch.kernel.fn.__module__
+                        job = jobs[key] = Job(module, launch.name, args, meta, config, i == 0, [], [])
+                    job.default |= i == 0
+                    if case not in job.cases:
+                        job.cases.append(case)
+                    if arch not in job.archs:
+                        job.archs.append(arch)
+    return list(jobs.values())
+
+
+def compile_job(job: Job, arch: int) -> dict:
+    kernel = getattr(sys.modules[job.module], job.kernel)
+    try:
+        r = compile_launch(kernel, job.args, job.meta, arch)
+    except Exception as exc:  # reported per row; the run fails at the end
+        return dict(error=f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200] if str(exc) else ''}")
+    return dict(registers=r.registers, spill=r.spill_bytes, stack=r.stack_bytes, shared=r.shared_bytes,
+                seconds=r.compile_s, problems=r.problems(arch))  # fmt: skip
+
+
+def _worker(payload):
+    job, arch = payload
+    return compile_job(job, arch)
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+USAGE = "regs / spill / stack / shared KB"
+
+
+def usage(r: dict) -> str:
+    return f"{r['registers']} / {r['spill']} / {r['stack']} / {r['shared'] / 1024:.1f}"
+
+
+def short_spec(job: Job) -> str:
+    """The launch's meta-parameters that are not the configuration, and its pointer dtypes."""
+    fixed = {k: v for k, v in job.meta.items() if k not in job.config}
+    dtypes = sorted({str(a.dtype).replace("torch.", "") for a in job.args if isinstance(a, ArgSpec)})
+    return " ".join([f"{k}={v}" for k, v in fixed.items()] + ["/".join(dtypes)])
+
+
+def report(jobs: list[Job], results: dict, archs: list[int], version: str, elapsed: float) -> tuple[str, dict, int]:
+    failures = []
+    kernels: dict[str, dict] = {}
+    rows = []
+    for j, job in enumerate(jobs):
+        summary = kernels.setdefault(job.kernel, dict(configs=0, defaults=0, cases=set(), arch={}, seconds=0.0))
+        summary["configs"] += 1
+        summary["defaults"] += job.default
+        summary["cases"].update(job.cases)
+        cells = []
+        for arch in archs:
+            worst = summary["arch"].setdefault(arch, dict(registers=0, spill=0, stack=0, shared=0, failed=0))
+            if (j, arch) not in results:  # this architecture's launchers never choose it
+                cells.append("-")
+                continue
+            r = results[j, arch]
+            if "error" in r or r["problems"]:
+                why = r.get("error") or "; ".join(r["problems"])
+                failures.append(f"{job.kernel} [{tuning.describe(job.config)}] sm_{arch}: {why} ({job.cases[0]})")
+                worst["failed"] += 1
+            if "error" in r:
+                cells.append("FAILED")
+                continue
+            for field in ("registers", "spill", "stack", "shared"):
+                worst[field] = max(worst[field], r[field])
+            summary["seconds"] += r["seconds"]
+            cells.append(usage(r))
+        origin = "default" if job.default else "candidate"
+        more = f" (+{len(job.cases) - 1})" if len(job.cases) > 1 else ""
+        rows.append(f"| {job.kernel} | {tuning.describe(job.config)} | {origin} | {short_spec(job)} | "
+                    f"{job.cases[0]}{more} | " + " | ".join(cells) + " |")  # fmt: skip
+    lines = [
+        f"## Compile matrix, Triton {version}: {len(jobs)} configurations, {len(results)} compiles for "
+        f"sm_{', sm_'.join(map(str, archs))} ({elapsed:.0f} s)",
+        "",
+        "Per kernel: configurations compiled (the launchers' defaults among them), cases, and the worst "
+        "registers per thread / spill-store bytes / stack-frame bytes / shared KB over them, per architecture "
+        "(from ptxas -v).",
+        "",
+        "| kernel | configs (defaults) | cases | " + " | ".join(f"sm_{a} {USAGE}" for a in archs)
+        + " | failed | compile s |",
+        "|---|---|---|" + "---|" * len(archs) + "---|---|",
+    ]
+    for name, s in sorted(kernels.items()):
+        worst = [s["arch"][a] for a in archs]
+        cells = [usage(w) for w in worst]
+        lines.append(f"| {name} | {s['configs']} ({s['defaults']}) | {len(s['cases'])} | " + " | ".join(cells)
+                     + f" | {sum(w['failed'] for w in worst)} | {s['seconds']:.0f} |")  # fmt: skip
+    lines += ["", "Limits: no spill stores; shared memory per block <= "
+              + ", ".join(f"{SHARED_LIMIT[a] // 1024} KB (sm_{a})" for a in archs) + ".", ""]  # fmt: skip
+    if failures:
+        lines += ["Failures:", ""] + [f"- {f}" for f in failures] + [""]
+    lines += [
+        "| kernel | config | origin | fixed meta-parameters, dtypes | case | "
+        + " | ".join(f"sm_{a} {USAGE}" for a in archs) + " |",
+        "|---|---|---|---|---|" + "---|" * len(archs),
+        *rows,
+    ]
+    summary = {
+        "triton": version,
+        "archs": archs,
+        "configurations": len(jobs),
+        "failures": failures,
+        "kernels": {k: {"configs": s["configs"], "defaults": s["defaults"], "cases": len(s["cases"]),
+                        "compile_s": round(s["seconds"], 1), "worst": {str(a): s["arch"][a] for a in archs}}
+                    for k, s in kernels.items()},  # fmt: skip
+    }
+    return "\n".join(lines) + "\n", summary, len(failures)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, nargs="+", default=[90, 80], choices=sorted(SHARED_LIMIT))
+    parser.add_argument("--defaults-only", action="store_true", help="the launchers' own choices, no candidates")
+    parser.add_argument("--cases", default="", help="only cases whose name contains this text")
+    parser.add_argument("--primary", action="store_true", help="only the primary cases (LLaMA-3-8B, bf16)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles")
+    parser.add_argument("--out", type=Path, default=None, help="folder for the .md table and the .json summary")
+    parser.add_argument("--verbose", action="store_true", help="print every compile as it finishes")
+    args = parser.parse_args()
+    ok, why = toolchain()
+    if not ok:
+        print(f"compile matrix: cannot compile for NVIDIA targets here: {why}")
+        return 2
+    import triton
+
+    started = time.perf_counter()
+    cases = {name: thunk for name, thunk in all_cases().items()
+             if args.cases in name and (is_primary(name) or not args.primary)}  # fmt: skip
+    jobs = collect_jobs(cases, args.arch, args.defaults_only)
+    missing = sorted(tuning.triton_kernels() - {job.kernel for job in jobs})
+    if missing and not args.cases:  # a new kernel needs a case here (the primary cases launch every kernel)
+        print(f"compile matrix: no case launches {', '.join(missing)}")
+        return 1
+    work = [(job, arch) for job in jobs for arch in args.arch if arch in job.archs]
+    print(f"Triton {triton.__version__}: {len(cases)} cases -> {len(jobs)} distinct configurations, {len(work)} "
+          f"compiles for sm_{', sm_'.join(map(str, args.arch))}, {args.jobs} in parallel", flush=True)  # fmt: skip
+    outcome = []
+    with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+        for (job, arch), r in zip(work, pool.map(_worker, work)):  # results in order, as they come
+            outcome.append(r)
+            bad = r.get("error") or "; ".join(r.get("problems", []))
+            if args.verbose or bad:
+                used = "" if "error" in r else f"{USAGE} {usage(r)}"
+                print(f"  sm_{arch} {job.kernel} [{tuning.describe(job.config)}] {used} {bad} ({job.cases[0]})",
+                      flush=True)  # fmt: skip
+            if len(outcome) % max(1, len(work) // 10) == 0:
+                print(f"  {len(outcome)}/{len(work)} compiled, {time.perf_counter() - started:.0f} s", flush=True)
+    index = {id(job): j for j, job in enumerate(jobs)}
+    results = {(index[id(job)], arch): r for (job, arch), r in zip(work, outcome)}
+    text, summary, failed = report(jobs, results, args.arch, triton.__version__, time.perf_counter() - started)
+    print(text.split("\n| kernel | config |")[0])
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem = f"compile_matrix_triton{triton.__version__}"
+        (args.out / f"{stem}.md").write_text(text)
+        (args.out / f"{stem}.json").write_text(json.dumps(summary, indent=1, default=sorted))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

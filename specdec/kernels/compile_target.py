@@ -1,0 +1,98 @@
+"""Compile a planned Triton launch for an NVIDIA GPU that is not here, and read its resources.
+
+The interpreter accepts code the compiler rejects, and only a compile says how many
+registers a tile needs. Triton compiles for any target without a device: the launch's
+arguments are specialised exactly as the JIT specialises them on that GPU (Triton's own
+binder and ``_pack_args``: pointer and integer types, 16-byte divisibility, integers equal
+to 1 folded), and ``triton.compile`` lowers the kernel for ``GPUTarget("cuda", arch, 32)``
+with the ptxas bundled in Triton's wheel, whose ``-v`` report (registers, stack frame,
+spill stores) Triton prints on request; shared memory comes from the compiled metadata.
+Checked with Triton 3.6 and 3.9 (the binder is Triton's, not a public API, so
+``bench/compile_matrix.py`` runs under both in CI).
+
+Run it in a process without TRITON_INTERPRET: Triton's own jit helpers imported with the
+interpreter on stay interpreted. ``tuning.capture_launches`` records what to compile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import time
+from dataclasses import dataclass
+
+# Largest shared memory one block may use (opt-in), bytes: H100/H200 (sm_90), A100 (sm_80).
+SHARED_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What one compiled launch needs, as ptxas reports it."""
+
+    registers: int  # per thread
+    spill_bytes: int  # per thread: spill stores (0 means no register spills)
+    stack_bytes: int  # per thread stack frame (spills, local arrays, call frames)
+    shared_bytes: int  # per block
+    compile_s: float
+
+    def problems(self, arch: int) -> list[str]:
+        """Why this launch could fail or run slowly on ``arch`` (empty: it fits)."""
+        found = []
+        if self.spill_bytes:
+            found.append(f"{self.spill_bytes} bytes of register spill stores")
+        if self.shared_bytes > SHARED_LIMIT[arch]:
+            found.append(f"{self.shared_bytes} bytes of shared memory > the {SHARED_LIMIT[arch]} a block may use")
+        return found
+
+
+def toolchain() -> tuple[bool, str]:
+    """(whether Triton can compile for NVIDIA targets here, why not)."""
+    try:
+        from triton.backends import backends
+        from triton.backends.nvidia.compiler import get_ptxas
+    except ImportError as exc:
+        return False, f"triton's NVIDIA backend does not import: {exc}"
+    if "nvidia" not in backends:
+        return False, "triton was installed without its NVIDIA backend"
+    try:
+        get_ptxas(90)
+    except Exception as exc:  # the bundled ptxas is missing
+        return False, f"no ptxas: {exc}"
+    return True, ""
+
+
+def compile_launch(kernel, args: tuple, meta: dict, arch: int) -> Resources:
+    """Compile ``kernel`` for ``args`` and meta-parameters ``meta`` (launch options ``num_warps`` /
+    ``num_stages`` included) for sm_``arch``; raises whatever the compiler raises."""
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    fn = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)  # undo the interpreter's wrapper
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*args, **meta)
+    options, signature, constexprs, attrs = fn._pack_args(backend, meta, bound, specialization, options)
+    # compile even when Triton's cache holds the kernel, and keep the log of Triton's own ptxas -v run
+    saved = knobs.compilation.always_compile, knobs.nvidia.dump_ptxas_log
+    knobs.compilation.always_compile, knobs.nvidia.dump_ptxas_log = True, True
+    log = io.StringIO()
+    start = time.perf_counter()
+    try:
+        with contextlib.redirect_stdout(log):
+            compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                                      options=options.__dict__)  # fmt: skip
+    finally:
+        knobs.compilation.always_compile, knobs.nvidia.dump_ptxas_log = saved
+    seconds = time.perf_counter() - start
+    text = log.getvalue()
+    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    regs = re.search(r"Used (\d+) registers", text)
+    if frame is None or regs is None:
+        raise RuntimeError(f"no ptxas report in the compile log: {text[-500:]!r}")
+    stack, spills, _ = map(int, frame.groups())
+    return Resources(int(regs.group(1)), spills, stack, compiled.metadata.shared, seconds)
