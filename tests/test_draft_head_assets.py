@@ -41,9 +41,13 @@ def greedy_text(target):
 
 
 def test_asset_files_sizes_and_reports():
-    for directory, weights in ((EAGLE_DIR, "model.safetensors"), (MEDUSA_DIR, "medusa_lm_head.safetensors")):
+    # The Medusa heads also ship the search that chose their default tree (specdec.decoding.medusa.presets).
+    for directory, files in (
+        (EAGLE_DIR, {"model.safetensors"}),
+        (MEDUSA_DIR, {"medusa_lm_head.safetensors", "tree_search.json"}),
+    ):
         names = {f.name for f in directory.iterdir()}
-        assert names == {"config.json", weights, "training_report.json"}, directory
+        assert names == {"config.json", "training_report.json", *files}, directory
         assert sum(f.stat().st_size for f in directory.iterdir()) <= 10 * 2**20
     eagle = json.loads((EAGLE_DIR / "training_report.json").read_text())
     depth = eagle["agreement_by_depth"]["depth"]
