@@ -73,7 +73,7 @@ def run_generate(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(args.target)
         target = LlamaModel.from_pretrained(args.target, dtype=dtype, device=args.device)
     strategy = build_strategy(args, target, dtype, tokenizer)
-    decoder = SpeculativeDecoder(target, strategy, compile=args.compile)
+    decoder = SpeculativeDecoder(target, strategy, compile=args.compile, adaptive=not args.no_adaptive)
     prompts = [tokenizer.encode(p).ids for p in args.prompt]
     sampling = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -108,9 +108,11 @@ def run_generate(args: argparse.Namespace) -> int:
     forwards = sum(s.target_forwards for s in stats)
     drafted, accepted = sum(s.drafted for s in stats), sum(s.accepted for s in stats)
     rate = f"{accepted / drafted:.2f}" if drafted else "n/a"
+    chosen = [d for s in stats for d in s.chosen_depths]
+    depth = f", mean draft depth {sum(chosen) / len(chosen):.2f}" if chosen and decoder.adaptive is not None else ""
     print(
         f"\n[{strategy.name}] {generated} tokens in {elapsed:.2f} s ({generated / elapsed:.1f} tok/s), "
-        f"{forwards} target forwards, tau {generated / max(forwards, 1):.2f}, acceptance {rate}"
+        f"{forwards} target forwards, tau {generated / max(forwards, 1):.2f}, acceptance {rate}{depth}"
     )
     failed = {i: why for i, why in sorted(finished.items()) if why not in ("eos", "length")}
     for i, why in failed.items():

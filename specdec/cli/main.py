@@ -124,6 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
     threads = "CPU intra-op threads (default: torch's; 1 suits small models)"
     gen.add_argument("--threads", type=_checked(as_int, int, low=1), help=threads)
     gen.add_argument("--compile", action="store_true", help="torch.compile the model forwards (slow first steps)")
+    gen.add_argument(
+        "--no-adaptive", action="store_true",
+        help="always draft the strategy's full size (default: each request's draft depth is chosen every step "
+        "from measured costs and acceptance, -k / --tree being the most)",
+    )  # fmt: skip
     gen.add_argument("--debug", **debug)
     gen.set_defaults(func=cmd_generate)
     return parser

@@ -3,9 +3,11 @@
 ``SpeculativeDecoder(target, strategy)`` runs batched generation with any ``Strategy``
 (``specdec.decoding.strategy``: the contract and how to add a drafter): ``NoDraft`` (plain
 autoregressive decoding; also what ``strategy=None`` means), ``DraftModelStrategy`` (a draft
-model's chain or token tree) or ``NgramStrategy`` (prompt lookup).
+model's chain or token tree) or ``NgramStrategy`` (prompt lookup). By default the decoder adapts
+each request's draft depth every step (``AdaptiveSpeculation``, ``specdec.decoding.adaptive``).
 """
 
+from specdec.decoding.adaptive import AdaptiveSpeculation
 from specdec.decoding.draft_model import DraftModelStrategy
 from specdec.decoding.engine import SpeculativeDecoder
 from specdec.decoding.ngram import NgramStrategy, propose_ngram
@@ -22,6 +24,7 @@ from specdec.decoding.strategy import (
 )
 
 __all__ = [
+    "AdaptiveSpeculation",
     "FINISH_REASONS",
     "DraftModelStrategy",
     "GenerationResult",
