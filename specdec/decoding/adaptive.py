@@ -12,7 +12,10 @@ controller measures both as it goes and re-decides every step:
   L draft levels (drafter forwards) and C = sum over requests of rows x context / 1024
   (attention). ``theta`` is a ridge
   regression on the measured steps (older steps fading), pulled towards a prior scaled from the
-  first measured step, so directions the data has not explored stay sensible.
+  first measured step, so directions the data has not explored stay sensible. Costs are not linear
+  in rows (one CPU thread: GEMV against GEMM shapes; a GPU: tiles), so each level count L also
+  keeps a running residual (measured minus predicted) added to the predictions at that L: levels
+  the controller has tried are priced as they were measured.
 * **Acceptance** (``AcceptanceModel``): per request and draft position i, the chance that node i is
   accepted given that i - 1 were, a running estimate (recent steps count more) seeded with the
   pooled estimate of every request so far, whose own prior is ``prior_acceptance`` at position 1
@@ -47,6 +50,7 @@ PRIOR_SHARES = (0.2, 0.2, 0.1, 0.1, 0.25, 0.15, 0.0)  # how the first measured s
 # Steps' worth of the prior per parameter. Context grows with every extra row and every step, so the data
 # hardly tells it from the row and step terms; its prior (no context cost) yields only to strong evidence.
 PRIOR_WEIGHTS = (0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 20.0)
+RESIDUAL_DECAY = 0.7  # weight of a level count's earlier residuals when it is measured again
 
 
 class StepCostModel:
@@ -56,7 +60,7 @@ class StepCostModel:
     say how many steps' worth the prior counts in each parameter's own direction.
     """
 
-    def __init__(self, decay: float = 0.95):
+    def __init__(self, decay: float = 0.97):
         self.decay = decay
         n = len(FEATURES)
         self.gram = [[0.0] * n for _ in range(n)]  # sum of decayed x x^T
@@ -64,6 +68,7 @@ class StepCostModel:
         self.prior_mean: list[float] | None = None
         self.prior_precision: list[float] = [0.0] * n
         self.theta: list[float] | None = None  # None until a step was measured
+        self.residual: dict[int, float] = {}  # per draft-level count: running (measured - predicted)
         self.steps = 0
 
     @staticmethod
@@ -77,6 +82,10 @@ class StepCostModel:
             scale = [max(v, 1.0) for v in x]
             self.prior_mean = [share * seconds / s for share, s in zip(PRIOR_SHARES, scale)]
             self.prior_precision = [w * s * s for w, s in zip(PRIOR_WEIGHTS, scale)]
+        levels = int(x[FEATURES.index("draft levels")])
+        if self.theta is not None:  # the out-of-sample error of the linear part, at this level count
+            error = seconds - sum(t * v for t, v in zip(self.theta, x))
+            self.residual[levels] = RESIDUAL_DECAY * self.residual.get(levels, error) + (1 - RESIDUAL_DECAY) * error
         n = len(x)
         for i in range(n):
             self.moment[i] = self.decay * self.moment[i] + x[i] * seconds
@@ -86,7 +95,8 @@ class StepCostModel:
         self.theta = self._solve()
 
     def predict(self, x: Sequence[float]) -> float:
-        return sum(t * v for t, v in zip(self.theta, x))
+        linear = sum(t * v for t, v in zip(self.theta, x))
+        return linear + self.residual.get(int(x[FEATURES.index("draft levels")]), 0.0)
 
     def _solve(self) -> list[float]:
         """(gram + diag(precision)) theta = moment + precision * prior_mean, by Gaussian elimination."""
@@ -122,8 +132,8 @@ class AcceptanceModel:
     """
 
     def __init__(
-        self, prior_acceptance: float = 0.6, *, request_decay: float = 0.85, pooled_decay: float = 0.995,
-        request_weight: float = 2.0, pooled_weight: float = 4.0,
+        self, prior_acceptance: float = 0.6, *, request_decay: float = 0.9, pooled_decay: float = 0.995,
+        request_weight: float = 3.0, pooled_weight: float = 4.0,
     ):  # fmt: skip
         self.prior = prior_acceptance
         self.request_decay, self.pooled_decay = request_decay, pooled_decay
@@ -299,8 +309,9 @@ class AdaptiveSpeculation:
         return best
 
     def _explore(self, choice: list[int], caps: list[int]) -> list[int]:
-        """In turn: one level fewer, one level more (for every other request, the first always among them, so
-        extra rows vary apart from draft levels) and plain decoding for all (what drafting at all costs).
+        """In turn: one level fewer for all, one more for every other request (the first always among them, so
+        extra rows vary apart from draft levels), plain decoding (what drafting at all costs), one fewer
+        for every other request, one more for all.
         A variant that would not change the choice is skipped. The interval doubles while the choice holds
         and restarts when it moved."""
         changed = max(choice, default=0) != self._last_choice
@@ -308,9 +319,11 @@ class AdaptiveSpeculation:
         self._interval = self.explore_every if changed else min(2 * self._interval, 8 * self.explore_every)
         self._until_explore = self._interval
         variants = (
-            [max(d - 1, 0) if r % 2 == 0 else d for r, d in enumerate(choice)],
+            [max(d - 1, 0) for d in choice],
             [min(d + 1, cap) if r % 2 == 0 else d for r, (d, cap) in enumerate(zip(choice, caps))],
             [0] * len(choice),
+            [max(d - 1, 0) if r % 2 == 0 else d for r, d in enumerate(choice)],
+            [min(d + 1, cap) for d, cap in zip(choice, caps)],
         )
         for _ in variants:
             variant = variants[self._explore_turn]

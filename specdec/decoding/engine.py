@@ -6,7 +6,9 @@ autoregressive decoding (verification then just samples the next token).
 
 Each step:
   1. ``strategy.propose`` -> token trees (root = the last emitted token), checked against the
-     per-request limits;
+     per-request limits -- by default chosen per request by the adaptive controller
+     (``specdec.decoding.adaptive``: 0 = plain decoding), which reads the host clock here and after
+     the read-back;
   2. one target forward over every node of every running request, the tree mask built from
      the host-known tree shapes and copied without waiting;
   3. ``verify``: accepted path, emitted tokens, invalid rows -- the argmax-only greedy path
@@ -26,7 +28,9 @@ The prefill is the same with the whole prompts as causal rows, and each request'
 token as a one-node tree whose verification samples the first token.
 
 Random numbers: verification uses ``(seed, offset = tokens generated so far)``; a
-request's tokens therefore depend on its own seed only, not on the batch.
+request's tokens therefore depend on its own seed only, not on the batch -- with fixed sizes
+(``adaptive=False``). The adaptive controller's depths depend on measured times, and sampled
+tokens on the depths: still exactly distributed, no longer reproducible token for token.
 """
 
 from __future__ import annotations
