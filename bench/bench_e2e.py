@@ -25,6 +25,12 @@ tokens/s goes to ``--out`` when matplotlib is importable. Then the engine peers 
 environment (``make install-vllm`` builds .venv-vllm, or point ``SPECDEC_VLLM_PYTHON`` at a Python
 with vLLM); skipped with the reason when there is none (``--vllm-only`` runs just that table).
 
+Last, the batch sweep of adaptive speculation (``batch_sweep``): batch 1, 2, 4, 8, 16, 32, greedy,
+plain decoding, fixed draft chains K = 1..5 and the adaptive chain (K <= 8), plus n-gram K=5
+(adaptive and fixed) against plain decoding at temperature 1; thread time, interleaved, each
+(method, batch) the fastest of the repeats; a PNG line chart (``png_chart``: the venv has no
+matplotlib) of the ratios to plain decoding goes to ``--out``. ``--sweep-only`` runs just that.
+
     python bench/bench_e2e.py --quick            # CPU smoke run: 2 prompts, 32 tokens
     python bench/bench_e2e.py --dry-run          # the GPU check's rehearsal: 1 prompt, 8 tokens
     python bench/bench_e2e.py --out OUT          # 6 prompts, 96 tokens, 3 repeats (CPU: one thread)
@@ -45,6 +51,7 @@ import torch
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 from common import Table, bench_args, clock, cpu_threads, launched_configs  # noqa: E402
+from png_chart import line_chart  # noqa: E402
 
 from specdec.cli.demo import (  # noqa: E402
     ASSETS,
@@ -346,11 +353,96 @@ def kernel_configs(out) -> None:
     table.write(out, "e2e_kernel_configs")
 
 
+SWEEP_BATCHES = (1, 2, 4, 8, 16, 32)
+SWEEP_FIXED = (1, 2, 3, 4, 5)
+SWEEP_ADAPTIVE_MAX = 8
+
+
+def batch_sweep(target, draft, pool: list[list[int]], device: str, quick: bool, repeats: int, out: Path | None):
+    """Adaptive speculation against plain decoding and fixed chains at every batch size (issue 16).
+
+    Per batch size B the work is the same for every method: ``max(1, 6 // B)`` batches of B held-out prompts
+    (the pool cycled), N new tokens each, EOS ignored. Decoders are built and warmed once per B, so the
+    adaptive one starts each timed run with what it measured before (as a server would).
+    """
+    import time
+
+    from specdec.decoding import AdaptiveSpeculation, DraftModelStrategy, NgramStrategy, SpeculativeDecoder
+
+    # The controller's clock: the thread's CPU time on the CPU (the same as the benchmark's), wall time on
+    # CUDA (the step's read-back has synchronised already; common.clock would add a sync).
+    step_clock = time.perf_counter if device.startswith("cuda") else time.thread_time
+    batches, new_tokens = ((1, 4), 16) if quick else (SWEEP_BATCHES, 48)
+    fixed = SWEEP_FIXED[::2] if quick else SWEEP_FIXED
+    now = clock(device)
+
+    def methods():
+        chain = [(f"K={k}", DraftModelStrategy(draft, (1,) * k), False, 0.0) for k in fixed]
+        adaptive = AdaptiveSpeculation(clock=step_clock)
+        return [
+            ("plain", None, False, 0.0), *chain,
+            (f"adaptive K<={SWEEP_ADAPTIVE_MAX}", DraftModelStrategy(draft, (1,) * SWEEP_ADAPTIVE_MAX), adaptive, 0.0),
+            ("plain T=1", None, False, 1.0),
+            ("n-gram T=1 adaptive", NgramStrategy(5), AdaptiveSpeculation(clock=step_clock), 1.0),
+            ("n-gram T=1 fixed", NgramStrategy(5), False, 1.0),
+        ]  # fmt: skip
+
+    results = {}
+    for batch in batches:
+        groups = [[pool[(g * batch + i) % len(pool)] for i in range(batch)] for g in range(max(1, 6 // batch))]
+        plan = [(label, SpeculativeDecoder(target, s, adaptive=a), t) for label, s, a, t in methods()]
+        for _, decoder, t in plan:  # warm-up
+            decoder.generate(groups[0], max_new_tokens=new_tokens, temperature=t, seed=0, eos_token_id=None)
+        best = {(label, g): float("inf") for label, _, _ in plan for g in range(len(groups))}
+        depth = {}
+        for _ in range(repeats):
+            for g, prompts in enumerate(groups):
+                for label, decoder, t in plan:
+                    start = now()
+                    result = decoder.generate(prompts, max_new_tokens=new_tokens, temperature=t, seed=g,
+                                              eos_token_id=None)  # fmt: skip
+                    best[label, g] = min(best[label, g], now() - start)
+                    chosen = [d for st in result.stats for d in st.chosen_depths]
+                    depth[label] = depth.get(label, []) + chosen
+        tokens = len(groups) * batch * new_tokens
+        results[batch] = {
+            label: (tokens / sum(best[label, g] for g in range(len(groups))), sum(d) / len(d))
+            for label, d in depth.items()
+        }
+    labels = list(results[batches[0]])
+    fixed_labels = [f"K={k}" for k in fixed]
+    adaptive_label = labels[len(fixed) + 1]
+    table = Table(
+        f"Batch sweep, embedded pair, {device}, greedy unless T=1, {new_tokens} tokens per request, fastest of "
+        f"{repeats}: tokens/s and ratios (chains vs plain; n-gram T=1 vs plain T=1)",
+        ["batch", "plain tok/s", *fixed_labels, "adaptive", "adaptive mean depth", "adaptive / best of plain+fixed",
+         "plain T=1 tok/s", "n-gram T=1 adaptive", "n-gram T=1 fixed"],
+    )  # fmt: skip
+    series = {name: [] for name in [*fixed_labels, "adaptive", "n-gram T=1 adaptive", "n-gram T=1 fixed"]}
+    for batch, r in results.items():
+        plain, plain_t1 = r["plain"][0], r["plain T=1"][0]
+        ratios = [r[f][0] / plain for f in fixed_labels]
+        adaptive = r[adaptive_label][0] / plain
+        ngram = [r["n-gram T=1 adaptive"][0] / plain_t1, r["n-gram T=1 fixed"][0] / plain_t1]
+        table.add(
+            batch, plain, *[f"{x:.2f}x" for x in ratios], f"{adaptive:.2f}x", f"{r[adaptive_label][1]:.2f}",
+            f"{adaptive / max(1.0, *ratios):.2f}x", plain_t1, *[f"{x:.2f}x" for x in ngram],
+        )  # fmt: skip
+        for name, v in zip(series, [*ratios, adaptive, *ngram]):
+            series[name].append(v)
+    table.write(out, "e2e_batch_sweep")
+    if out is not None:
+        line_chart(out / "e2e_batch_sweep.png", "TOKENS/S VS PLAIN DECODING, EMBEDDED PAIR, CPU 1 THREAD",
+                   [str(b) for b in batches], series, "X PLAIN")  # fmt: skip
+        print(f"chart written to {out / 'e2e_batch_sweep.png'}")
+
+
 def main() -> None:
     def extra(parser):
         parser.add_argument("--repeats", type=int, default=None, help="runs per (method, prompt); fastest kept")
         parser.add_argument("--eagle-only", action="store_true", help="only the EAGLE table")
         parser.add_argument("--vllm-only", action="store_true", help="only the engine-peer table (vLLM rows)")
+        parser.add_argument("--sweep-only", action="store_true", help="only the adaptive batch sweep")
 
     args = bench_args(__doc__.splitlines()[0], extra)
     device = args.device
@@ -366,6 +458,10 @@ def main() -> None:
         table = vllm_peer_rows(target, draft, prompts, new_tokens, repeats, device)
         if table is not None:
             table.write(args.out, "e2e_vllm")
+        return
+    if args.sweep_only:
+        pool = [tokenizer.encode(p["text"]).ids for p in heldout_prompts(ASSETS)]
+        batch_sweep(target, draft, pool, device, args.quick, repeats, args.out)
         return
     target_dir, draft_dir = ASSETS / "target", ASSETS / "draft"
     hf_target, hf_draft = load_hf(target_dir, device), load_hf(draft_dir, device)
@@ -451,6 +547,11 @@ def main() -> None:
         if peers is not None:
             peers.write(args.out, "e2e_vllm")
     kernel_configs(args.out)
+    if args.dry_run:  # the sweep decodes every batch size with eight decoders: a run of its own
+        print("\nAdaptive batch sweep: not in a dry run (bench/bench_e2e.py --sweep-only)")
+    else:
+        pool = [tokenizer.encode(p["text"]).ids for p in heldout_prompts(ASSETS)]
+        batch_sweep(target, draft, pool, device, args.quick, repeats, args.out)
 
 
 if __name__ == "__main__":

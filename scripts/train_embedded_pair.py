@@ -229,7 +229,7 @@ def acceptance(target_dir: Path, draft_dir: Path, prompts: list[list[int]], new_
 
     target = LlamaModel.from_pretrained(target_dir, dtype=torch.float32, device="cpu")
     draft = LlamaModel.from_pretrained(draft_dir, dtype=torch.float32, device="cpu")
-    result = SpeculativeDecoder(target, DraftModelStrategy(draft, (1,) * k)).generate(
+    result = SpeculativeDecoder(target, DraftModelStrategy(draft, (1,) * k), adaptive=False).generate(
         prompts, max_new_tokens=new_tokens, temperature=0.0
     )
     generated = sum(s.generated for s in result.stats)

@@ -4,8 +4,6 @@ import math
 
 import torch
 
-from specdec.kernels.target_stats import target_probs_reference
-from specdec.kernels.top_k_top_p import filter_thresholds_reference, scaled_logits
 from specdec.model import AttentionMetadata, LlamaModel, MedusaHeads, ModelConfig, causal_positions
 
 # ---- assertions -------------------------------------------------------------------------------------
@@ -104,24 +102,6 @@ def forward_prompts(model: LlamaModel, prompts: list[list[int]], max_len: int | 
     logits, hidden = model(tokens, positions, AttentionMetadata(q_offsets), cache, logits_rows=q_offsets[1:].long() - 1)
     cache.advance(counts)
     return logits, hidden, cache
-
-
-def target_joint(target: LlamaModel, prompt: list[int], steps: int, temperature: float, top_k: int, top_p: float):
-    """The target's filtered joint distribution of the next ``steps`` tokens after ``prompt``, by enumeration
-    (float64 ``[V ** steps]``, index ``sum(token_i * V ** (steps - 1 - i))``)."""
-    vocab = target.config.vocab_size
-    contexts, probs = [[]], torch.ones(1)
-    for _ in range(steps):
-        texts = [prompt + c for c in contexts]
-        logits, _, _ = forward_prompts(target, texts)
-        rows = len(texts)
-        t = torch.full((rows,), temperature)
-        s = scaled_logits(logits, t)
-        thr = filter_thresholds_reference(s, t, torch.full((rows,), top_k), torch.full((rows,), top_p))
-        p, _, _ = target_probs_reference(s, thr)
-        probs = (probs[:, None] * p.double()).flatten()
-        contexts = [c + [v] for c in contexts for v in range(vocab)]
-    return probs
 
 
 # ---- checkpoints saved by transformers --------------------------------------------------------------

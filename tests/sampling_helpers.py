@@ -61,3 +61,39 @@ def assert_joint_is_exact(samples, seed, temp, top_k, top_p) -> None:
     bound = tv_bound(exact_joint(l0, lc, temp, top_k, top_p), samples.numel())
     assert tv_distance(samples, exact_joint(l0, lc, temp, top_k, top_p)) < bound
     assert tv_distance(samples, exact_joint(l0, lc, temp * 1.1, top_k, top_p)) > bound
+
+
+def model_joint(target, prompt: list[int], steps: int, temperature: float, top_k: int, top_p: float):
+    """The model's filtered joint distribution of the next ``steps`` tokens after ``prompt``, by enumeration
+    (index = sum(token_i * vocab^(steps-1-i)))."""
+    from helpers import forward_prompts
+
+    from specdec.kernels.target_stats import target_probs_reference
+    from specdec.kernels.top_k_top_p import filter_thresholds_reference, scaled_logits
+
+    vocab = target.config.vocab_size
+    contexts, probs = [[]], torch.ones(1)
+    for _ in range(steps):
+        texts = [prompt + c for c in contexts]
+        logits, _, _ = forward_prompts(target, texts)
+        rows = len(texts)
+        t = torch.full((rows,), temperature)
+        s = scaled_logits(logits, t)
+        thr = filter_thresholds_reference(s, t, torch.full((rows,), top_k), torch.full((rows,), top_p))
+        p, _, _ = target_probs_reference(s, thr)
+        probs = (probs[:, None] * p.double()).flatten()
+        contexts = [c + [v] for c in contexts for v in range(vocab)]
+    return probs
+
+
+def assert_sequences_follow(tokens: list[list[int]], exact: torch.Tensor, vocab: int) -> None:
+    """Generated sequences (one per draw, all of one length) follow the exact joint ``exact``: total variation
+    within 2.5x its expected noise, and nothing outside its support."""
+    steps, draws = len(tokens[0]), len(tokens)
+    index = torch.tensor([sum(t * vocab ** (steps - 1 - i) for i, t in enumerate(toks)) for toks in tokens])
+    empirical = torch.bincount(index, minlength=vocab**steps).double() / draws
+    support = int((exact > 0).sum())
+    expected_tvd = 0.5 * math.sqrt(2 * (support - 1) / (math.pi * draws))
+    tvd = 0.5 * (empirical - exact).abs().sum().item()
+    assert tvd < 2.5 * expected_tvd, f"TVD {tvd:.4f} vs expected noise {expected_tvd:.4f}"
+    assert (empirical[exact == 0] == 0).all(), "a filtered-out sequence was emitted"

@@ -11,7 +11,8 @@ import math
 
 import pytest
 import torch
-from helpers import random_model, target_joint, tiny_config
+from helpers import random_model, tiny_config
+from sampling_helpers import model_joint
 from sync_counter import SyncCounter
 
 from specdec import use_backend
@@ -114,7 +115,7 @@ def test_per_request_limits_an_adaptive_caller_sets_are_kept(tiny, kind):
 
 
 @pytest.mark.parametrize("kind", ["eagle2", "eagle1"])
-def test_first_tokens_follow_the_exact_target_joint(kind):
+def test_first_tokens_follow_the_exact_model_joint(kind):
     # The first token comes from the prefill; the next two from one drafted tree of depth 2.
     vocab, steps, draws, temperature, top_p = 4, 3, 20000, 1.0, 0.9
     target = random_model(tiny_config(vocab_size=vocab, num_layers=1), seed=5, scale=1.5)
@@ -129,13 +130,13 @@ def test_first_tokens_follow_the_exact_target_joint(kind):
     )
     index = torch.tensor([sum(t * vocab ** (steps - 1 - i) for i, t in enumerate(toks)) for toks in result.tokens])
     empirical = torch.bincount(index, minlength=vocab**steps).double() / draws
-    exact = target_joint(target, prompt, steps, temperature, 0, top_p)
+    exact = model_joint(target, prompt, steps, temperature, 0, top_p)
     support = int((exact > 0).sum())
     expected_tvd = 0.5 * math.sqrt(2 * (support - 1) / (math.pi * draws))
     tvd = 0.5 * (empirical - exact).abs().sum().item()
     assert tvd < 2.5 * expected_tvd, f"TVD {tvd:.4f} vs expected noise {expected_tvd:.4f}"
     assert (empirical[exact == 0] == 0).all(), "a filtered-out sequence was emitted"
-    hotter = target_joint(target, prompt, steps, temperature * 1.3, 0, top_p)
+    hotter = model_joint(target, prompt, steps, temperature * 1.3, 0, top_p)
     assert 0.5 * (empirical - hotter).abs().sum().item() > 2.5 * expected_tvd, "the test cannot tell T=1 from T=1.3"
     assert sum(s.accepted for s in result.stats) > 0 and sum(s.drafted for s in result.stats) > draws
 

@@ -16,7 +16,14 @@ from helpers import noisy_copy, random_heads, random_model, tiny_config
 from sync_counter import SyncCounter
 
 from specdec import use_backend
-from specdec.decoding import DraftModelStrategy, MedusaStrategy, NgramStrategy, NoDraft, SpeculativeDecoder
+from specdec.decoding import (
+    AdaptiveSpeculation,
+    DraftModelStrategy,
+    MedusaStrategy,
+    NgramStrategy,
+    NoDraft,
+    SpeculativeDecoder,
+)
 
 STRATEGIES = {
     "autoregressive": lambda draft: NoDraft(),
@@ -89,6 +96,20 @@ def test_sampled_generation_syncs_once_per_step_on_the_triton_path(pair, strateg
     with use_backend("triton"):
         per_step = count_per_step(decoder, prompts, eos_token_id=None, **sampling)
     assert_one_read_back_per_step(per_step, min_steps=2)
+
+
+@pytest.mark.parametrize("strategy", ["chain", "tree-deterministic", "ngram"])
+def test_adaptive_choices_add_no_sync(pair, strategy):
+    """The adaptive controller (the default, here exploring every other step: ragged depths, plain steps)
+    times steps with the host clock only."""
+    target, draft = pair
+    decoder = SpeculativeDecoder(target, STRATEGIES[strategy](draft), adaptive=AdaptiveSpeculation(explore_every=2))
+    prompts = [[3, 9, 4, 3, 9, 4, 3], [7, 1], [5, 5, 2, 8]]
+    with use_backend("torch"):
+        per_step = count_per_step(decoder, prompts, max_new_tokens=[16, 9, 12], eos_token_id=None, seed=0)
+    assert_one_read_back_per_step(per_step, min_steps=5)
+    chosen = {d for s in decoder.stats for d in s.chosen_depths}
+    assert 0 in chosen and max(chosen) > 0, chosen
 
 
 def test_the_counter_sees_the_reads_a_gpu_would_wait_for():

@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-from helpers import forward_prompts, random_heads, random_model, random_prompts, target_joint, tiny_config
-from sampling_helpers import tv_bound, tv_distance
+from helpers import forward_prompts, random_heads, random_model, random_prompts, tiny_config
+from sampling_helpers import model_joint, tv_bound, tv_distance
 
 from specdec.cli import demo
 from specdec.decoding import Prefill, SpeculativeDecoder, StepContext, StepResult
@@ -114,7 +114,7 @@ def test_first_tokens_follow_the_exact_target_joint_at_temperature_1_top_k_20():
     vocab, draws, top_k = 24, 16_000, 20
     target = random_model(tiny_config(vocab_size=vocab, num_layers=1), seed=5, scale=2.0)
     prompt = [1, 2, 3]
-    joint = target_joint(target, prompt, 3, 1.0, top_k, 1.0).view(vocab, vocab, vocab)
+    joint = model_joint(target, prompt, 3, 1.0, top_k, 1.0).view(vocab, vocab, vocab)
     tree = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [0, 3], [1, 0], [1, 1], [1, 2], [1, 3]]
     strategy = MedusaStrategy(heads_guessing_marginals(target, prompt, joint), tree)
     result = SpeculativeDecoder(target, strategy).generate(
@@ -126,7 +126,7 @@ def test_first_tokens_follow_the_exact_target_joint_at_temperature_1_top_k_20():
     for j in range(2):  # both depths accepted and rejected often
         assert 0.1 < accepted_at[j] / drafted_at[j] < 0.9, (drafted_at, accepted_at)
     for temperature in (1.0, 1.1):
-        exact = joint if temperature == 1.0 else target_joint(target, prompt, 3, temperature, top_k, 1.0)
+        exact = joint if temperature == 1.0 else model_joint(target, prompt, 3, temperature, top_k, 1.0)
         exact = exact.view(vocab, vocab, vocab)
         for name, samples, expected in (
             ("first two", tokens[:, 0] * vocab + tokens[:, 1], exact.sum(2).flatten()),

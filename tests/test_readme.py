@@ -32,8 +32,15 @@ def test_engine_tour_runs():
         assert [len(t) for t in result.tokens] == [32, 32]
         plain = scope["SpeculativeDecoder"](scope["target"], scope["NoDraft"]())
         greedy = plain.generate([[1, 15, 27]], max_new_tokens=32, seed=0)
+        # The tour's decoder adapts its draft lengths to measured times; with the full chain every step:
+        strategy = scope["DraftModelStrategy"](scope["draft"], branching=(1,) * 5)
+        fixed = scope["SpeculativeDecoder"](scope["target"], strategy, adaptive=False)
+        fixed_result = fixed.generate([[1, 15, 27]], max_new_tokens=32, seed=0)
     assert result.tokens[0] == greedy.tokens[0], "the greedy request must equal plain greedy decoding"
-    assert result.stats[0].tau > 1, "the embedded draft gets tokens accepted"
+    assert fixed_result.tokens[0] == greedy.tokens[0]
+    assert fixed_result.stats[0].tau > 1, "the embedded draft gets tokens accepted"
+    assert result.stats[0].drafted > 0, "the adaptive decoder's first step drafts the strategy's own size"
+    assert len(result.stats[0].chosen_depths) == result.stats[0].target_forwards - 1
 
 
 def test_eagle_tour_runs():

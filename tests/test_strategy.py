@@ -89,7 +89,7 @@ def test_a_drafter_written_against_the_protocol_alone_gives_target_greedy(target
     expected = autoregressive_generate(target, prompts, max_new_tokens=limits, eos_token_id=None)
     strategy = RandomTrees(seed=batch)
     assert isinstance(strategy, Strategy)
-    decoder = SpeculativeDecoder(target, strategy)
+    decoder = SpeculativeDecoder(target, strategy, adaptive=False)  # random drafts: adaptive would stop drafting
     assert strategy.attached is target
     result = decoder.generate(prompts, max_new_tokens=limits, eos_token_id=None)
     assert result.tokens == expected
@@ -227,7 +227,8 @@ def test_a_draft_model_keeps_its_context_across_steps_that_draft_nothing(target,
     """Draft = target, greedy: every drafted position is accepted, however the steps in between went."""
     strategy = EveryOtherStepPlain(DraftModelStrategy(target, branching, rule=rule))
     prompts = [[1, 2, 3], [4, 5], [6]]
-    result = SpeculativeDecoder(target, strategy).generate(prompts, max_new_tokens=20, eos_token_id=None)
+    decoder = SpeculativeDecoder(target, strategy, adaptive=False)
+    result = decoder.generate(prompts, max_new_tokens=20, eos_token_id=None)
     assert result.tokens == autoregressive_generate(target, prompts, max_new_tokens=20, eos_token_id=None)
     for b, stats in enumerate(result.stats):
         assert stats.drafted > 0 and stats.acceptance_by_position() == [1.0] * len(branching), f"request {b}"

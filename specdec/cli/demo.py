@@ -24,6 +24,7 @@ ASSETS = Path(__file__).resolve().parents[1] / "assets" / "pair"
 MEDUSA = ASSETS.parent / "medusa"  # 4 heads trained for the embedded target
 CHAIN = 5
 TREE = (3, 2, 1, 1, 1)  # depth 5 like the chain; 28 nodes keep the CPU verify forward cheap
+ADAPTIVE_CHAIN = 8  # the longest chain the adaptive row may draft (it picks each step's length)
 
 
 def pair_dirs(assets: str | Path = ASSETS) -> tuple[Path, Path]:
@@ -145,11 +146,16 @@ class Progress:
             self.stream.flush()
 
 
-def decode_all(target, strategy, label, prompts, max_new_tokens, progress=None, temperature=0.0) -> Run:
-    """Decode each prompt on its own (batch 1, the latency case speculation is for); prompt i uses seed i."""
+def decode_all(
+    target, strategy, label, prompts, max_new_tokens, progress=None, temperature=0.0, adaptive=False
+) -> Run:
+    """Decode each prompt on its own (batch 1, the latency case speculation is for); prompt i uses seed i.
+
+    ``adaptive``: as ``SpeculativeDecoder`` takes it; off by default here, so a row labelled with a size drafts
+    that size every step."""
     from specdec.decoding import SpeculativeDecoder
 
-    decoder = SpeculativeDecoder(target, strategy)
+    decoder = SpeculativeDecoder(target, strategy, adaptive=adaptive)
     cuda = next(target.parameters()).is_cuda
     tokens, seconds, totals = [], 0.0, [0, 0, 0, 0]
     for i, ids in enumerate(prompts):
@@ -244,12 +250,19 @@ def _demo(device, num_prompts, max_new_tokens, show, assets, out) -> int:
         "every output is checked against the target's own greedy decoding\n",
         file=out,
     )
-    plan = [*strategies(draft), medusa_row(target), eagle_row(target, assets)]
+    from specdec.decoding import DraftModelStrategy
+
+    # Every row drafts its labelled size but the last, which adapts each step's chain length (0 = plain).
+    plan = [(label, s, False) for label, s in [*strategies(draft), medusa_row(target), eagle_row(target, assets)]]
+    plan.append((f"draft chain adaptive (K<={ADAPTIVE_CHAIN})", DraftModelStrategy(draft, (1,) * ADAPTIVE_CHAIN), True))
     # Warm-up: first calls pay one-off costs (allocations, kernel selection) that are not decoding speed.
-    for _, strategy in plan:
-        decode_all(target, strategy, "", ids[:1], 8)
+    for _, strategy, adaptive in plan:
+        decode_all(target, strategy, "", ids[:1], 8, adaptive=adaptive)
     progress = Progress(len(plan) * len(ids))
-    runs = [decode_all(target, strategy, label, ids, max_new_tokens, progress) for label, strategy in plan]
+    runs = [
+        decode_all(target, strategy, label, ids, max_new_tokens, progress, adaptive=adaptive)
+        for label, strategy, adaptive in plan
+    ]
     progress.close()
     baseline = runs[0]
     identical = {}

@@ -124,7 +124,7 @@ def run_generate(args: argparse.Namespace) -> int:
     pool = {}
     if args.num_blocks is not None:
         pool = dict(cache_layout="paged", block_size=args.block_size, num_blocks=args.num_blocks)
-    decoder = SpeculativeDecoder(target, strategy, compile=args.compile, **pool)
+    decoder = SpeculativeDecoder(target, strategy, compile=args.compile, adaptive=not args.no_adaptive, **pool)
     prompts = [tokenizer.encode(p).ids for p in args.prompt]
     sampling = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -159,9 +159,11 @@ def run_generate(args: argparse.Namespace) -> int:
     forwards = sum(s.target_forwards for s in stats)
     drafted, accepted = sum(s.drafted for s in stats), sum(s.accepted for s in stats)
     rate = f"{accepted / drafted:.2f}" if drafted else "n/a"
+    chosen = [d for s in stats for d in s.chosen_depths]
+    depth = f", mean draft depth {sum(chosen) / len(chosen):.2f}" if chosen and decoder.adaptive is not None else ""
     print(
         f"\n[{strategy.name}] {generated} tokens in {elapsed:.2f} s ({generated / elapsed:.1f} tok/s), "
-        f"{forwards} target forwards, tau {generated / max(forwards, 1):.2f}, acceptance {rate}"
+        f"{forwards} target forwards, tau {generated / max(forwards, 1):.2f}, acceptance {rate}{depth}"
     )
     failed = {i: why for i, why in sorted(finished.items()) if why not in ("eos", "length")}
     for i, why in failed.items():

@@ -166,6 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="bound the target's KV cache to N paged blocks shared on demand (requests pause and resume)",
     )  # fmt: skip
     gen.add_argument("--block-size", type=_checked(as_int, int, low=1), default=16, help="tokens per paged block")
+    gen.add_argument(
+        "--no-adaptive", action="store_true",
+        help="always draft the strategy's full size (default: each request's draft depth is chosen every step "
+        "from measured costs and acceptance, -k / --tree being the most)",
+    )  # fmt: skip
     gen.add_argument("--debug", **debug)
     gen.set_defaults(func=cmd_generate)
     return parser

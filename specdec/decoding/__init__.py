@@ -5,9 +5,11 @@
 autoregressive decoding; also what ``strategy=None`` means), ``DraftModelStrategy`` (a draft
 model's chain or token tree), ``MedusaStrategy`` (Medusa heads on the target, a static tree),
 ``EagleStrategy`` (an EAGLE head's static or dynamic tree) or ``NgramStrategy`` (prompt lookup).
-``StaticTree`` turns top-k index paths into a tree.
+``StaticTree`` turns top-k index paths into a tree. By default the decoder adapts each request's
+draft depth every step (``AdaptiveSpeculation``, ``specdec.decoding.adaptive``).
 """
 
+from specdec.decoding.adaptive import AdaptiveSpeculation
 from specdec.decoding.draft_model import DraftModelStrategy
 from specdec.decoding.eagle import EagleStrategy
 from specdec.decoding.engine import SpeculativeDecoder
@@ -27,6 +29,7 @@ from specdec.decoding.strategy import (
 )
 
 __all__ = [
+    "AdaptiveSpeculation",
     "FINISH_REASONS",
     "DeviceTrees",
     "DraftModelStrategy",

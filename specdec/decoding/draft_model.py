@@ -82,6 +82,11 @@ class DraftModelStrategy:
     def max_depth(self) -> int:
         return max(self.depth)
 
+    def draft_nodes(self, depth: int) -> int:
+        """Nodes (root included) of the tree proposed when ``depth`` levels are allowed (the adaptive
+        controller's optional hook, ``specdec.decoding.adaptive``)."""
+        return _nodes_within(self.depth, depth)
+
     # ---- engine hooks (the Strategy protocol) -----------------------------------------------------
 
     def attach(self, target) -> None:

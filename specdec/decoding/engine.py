@@ -6,7 +6,9 @@ autoregressive decoding (verification then just samples the next token).
 
 Each step:
   1. ``strategy.propose`` -> token trees (root = the last emitted token), checked against the
-     per-request limits;
+     per-request limits -- by default chosen per request by the adaptive controller
+     (``specdec.decoding.adaptive``: 0 = plain decoding), which reads the host clock here and after
+     the read-back;
   2. one target forward over every node of every running request, the tree mask built from
      the host-known tree shapes and copied without waiting;
   3. ``verify``: accepted path, emitted tokens, invalid rows -- the argmax-only greedy path
@@ -29,7 +31,9 @@ The prefill is the same with the whole prompts as causal rows, and each request'
 token as a one-node tree whose verification samples the first token.
 
 Random numbers: verification uses ``(seed, offset = tokens generated so far)``; a
-request's tokens therefore depend on its own seed only, not on the batch.
+request's tokens therefore depend on its own seed only, not on the batch -- with fixed sizes
+(``adaptive=False``). The adaptive controller's depths depend on measured times, and sampled
+tokens on the depths: still exactly distributed, no longer reproducible token for token.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from specdec._transfer import offsets_to_device, read_back, to_device
+from specdec.decoding.adaptive import AdaptiveSpeculation
 from specdec.decoding.proposal import Proposal, check_proposal, device_tree_metadata, tree_metadata_on
 from specdec.decoding.requests import DEFAULT_EOS, Requests, encode_prompts, make_requests
 from specdec.decoding.results import GenerationResult, RequestStats, StepOutput
@@ -66,6 +71,10 @@ class SpeculativeDecoder:
     compile : run the target's (and a ``DraftModelStrategy``'s draft's) planned forwards through
         ``torch.compile(fullgraph=True)`` (``LlamaModel.compile_run``; the models are changed in place).
         Opt-in: the first steps pay the compilation.
+    adaptive : True (the default): choose each request's draft depth every step (0 = plain decoding) from
+        measured step times and acceptance (``specdec.decoding.adaptive``); an ``AdaptiveSpeculation`` to
+        set its options; False: always the strategy's own sizes (within the tokens left).
+        ``RequestStats.chosen_depths`` shows the depths allowed per step either way.
     graphs : replay the target's (and a draft's) CUDA forwards of up to 512 rows from CUDA graphs
         (``LlamaModel.use_cuda_graphs``; models changed in place): one replay per forward, captured on
         first use per row bucket. CUDA only. Opt-in: each stream captures its buckets again (a new
@@ -95,6 +104,7 @@ class SpeculativeDecoder:
         num_blocks: int | None = None,
         compile: bool = False,
         graphs: bool = False,
+        adaptive: bool | AdaptiveSpeculation = True,
     ):
         strategy = NoDraft() if strategy is None else strategy
         if not isinstance(strategy, Strategy):
@@ -104,8 +114,16 @@ class SpeculativeDecoder:
             )
         if not isinstance(strategy.max_nodes, int) or strategy.max_nodes < 1:
             raise ValueError(f"strategy.max_nodes must be an int >= 1, got {strategy.max_nodes!r}")
+        if not isinstance(adaptive, (bool, AdaptiveSpeculation)):
+            raise TypeError(f"adaptive must be a bool or an AdaptiveSpeculation, got {type(adaptive).__name__}")
         strategy.attach(target)
         self.target, self.strategy = target, strategy
+        # A strategy that never drafts has nothing to adapt.
+        if adaptive is True:
+            adaptive = AdaptiveSpeculation()
+        self.adaptive = adaptive if adaptive and strategy.max_depth > 0 else None
+        if self.adaptive is not None:
+            self.adaptive.bind(strategy.max_depth, strategy.max_nodes, getattr(strategy, "draft_nodes", None))
         models = [m for m in (target, getattr(strategy, "draft", None)) if m is not None]
         if compile:
             for model in models:
@@ -225,6 +243,10 @@ class _Run:
         self._rows: tuple[list[int], torch.Tensor, SamplingParams] | None = None  # see _running
         self.texts = [list(p) for p in req.prompts]
         self.generated = [0] * req.batch_size
+        self.adaptive = decoder.adaptive
+        self._contexts: list[int] = []  # the adaptive controller's: cached tokens per running request this step
+        if self.adaptive is not None:
+            self.adaptive.start()
 
     def prefill(self) -> StepOutput:
         """One ragged causal forward over the prompts; verify each last prompt token as a one-node tree."""
@@ -314,6 +336,9 @@ class _Run:
                 node_offsets=node_offsets,
             )
         )
+        if commit is not None and self.adaptive is not None:
+            accepted = [None if row[-1] else row[-2] for row in rows]
+            self.adaptive.observe(running, proposal.counts, proposal.depths, accepted, self._contexts)
         return output
 
     def _commit_accepted(self, result: TreeVerifyResult, *, chains: bool) -> None:
@@ -374,15 +399,25 @@ class _Run:
         return StepOutput(tuple(requests), tuple(tokens), finished)
 
     def _context(self) -> StepContext:
-        running = self.running
+        running, strategy = self.running, self.strategy
+        left = [self.req.max_new_tokens[b] - self.generated[b] - 1 for b in running]  # tokens a tree may draft
+        if self.adaptive is None:
+            max_depth, max_nodes = left, [strategy.max_nodes] * len(running)
+            chosen = [max(0, min(d, strategy.max_depth)) for d in left]
+        else:
+            self._contexts = [len(self.texts[b]) - 1 for b in running]  # tokens the target has cached
+            max_depth = chosen = self.adaptive.choose(running, left, self._contexts)
+            max_nodes = [strategy.max_nodes if d > 0 else 1 for d in chosen]
+        for b, d in zip(running, chosen):
+            self.stats[b].chosen_depths.append(d)
         return StepContext(
             running=running,
             batch_size=self.req.batch_size,
             roots=[self.texts[b][-1] for b in running],
             previous=[self.texts[b][-2] for b in running],
             histories=[self.texts[b] for b in running],
-            max_depth=[self.req.max_new_tokens[b] - self.generated[b] - 1 for b in running],
-            max_nodes=list(self.budgets),
+            max_depth=max_depth,
+            max_nodes=[min(n, budget) for n, budget in zip(max_nodes, self.budgets)],  # within the pool
             params=self._running_params(),
             greedy=all(self.req.temperature[b] <= 0 for b in running),
             device=self.device,

@@ -117,13 +117,15 @@ class NgramStrategy:
 
     def propose(self, step: StepContext) -> Proposal:
         """A chain per request, as long as its depth and node limits allow (at most ``num_draft``)."""
+        limits = zip(step.max_depth, step.max_nodes)
+        sizes = [1 + min(self.num_draft, max(depth, 0), nodes - 1) for depth, nodes in limits]
+        if max(sizes) == 1:  # nothing to draft (e.g. the adaptive controller chose plain decoding): no lookup
+            return Proposal(to_device(step.roots, torch.int64, step.device), [[-1]] * len(sizes), rule="deterministic")
         device, width = step.device, max(len(h) for h in step.histories)
         history = to_device([h + [0] * (width - len(h)) for h in step.histories], torch.int64, device)
         lengths = to_device([len(h) for h in step.histories], torch.int64, device)
         drafts, _ = propose_ngram(history, lengths, self.num_draft, self.max_ngram, self.min_ngram)
         tokens = torch.cat((to_device(step.roots, torch.int64, device)[:, None], drafts), dim=1)  # [R, K+1]
-        limits = zip(step.max_depth, step.max_nodes)
-        sizes = [1 + min(self.num_draft, max(depth, 0), nodes - 1) for depth, nodes in limits]
         rows = [r * (self.num_draft + 1) + i for r, n in enumerate(sizes) for i in range(n)]
         keep = to_device(rows, torch.int64, device)
         chains = [list(range(-1, n - 1)) for n in sizes]

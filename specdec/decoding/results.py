@@ -16,6 +16,9 @@ class RequestStats:
     accepted: int = 0
     drafted_at: list[int] = field(default_factory=list)  # position j reached with a draft to test
     accepted_at: list[int] = field(default_factory=list)  # ... and that draft was accepted
+    # Per target forward after the prefill: the draft depth the step allowed (the adaptive controller's
+    # choice, 0 = plain decoding; without it the strategy's own depth within the tokens left).
+    chosen_depths: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     preemptions: int = 0  # times paused for KV-cache blocks (a bounded paged pool) and resumed later
 
@@ -26,6 +29,10 @@ class RequestStats:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_chosen_depth(self) -> float:
+        return sum(self.chosen_depths) / len(self.chosen_depths) if self.chosen_depths else 0.0
 
     def acceptance_by_position(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]

@@ -39,7 +39,11 @@ to ``SpeculativeDecoder(target, strategy)``:
    value back (no ``.item()``, ``.tolist()``, ``.cpu()``, ``nonzero()``, ``bool(tensor)``).
 6. Sizes: ``max_nodes`` and ``max_depth`` bound every tree the strategy can propose; the engine
    sizes the KV caches with them and passes per-request limits (never above them) in each
-   ``StepContext``, so a caller that adapts draft sizes per request needs nothing else.
+   ``StepContext``, so a caller that adapts draft sizes per request needs nothing else: the
+   adaptive controller (``specdec.decoding.adaptive``, on by default) sets ``max_depth`` per
+   request (and ``max_nodes`` to 1 when it chose plain decoding). Optional hook: ``draft_nodes(depth)``,
+   the nodes (root included) a tree holds when ``depth`` levels are allowed, for strategies whose
+   trees are not chains (the controller otherwise learns it from the proposals it sees).
 """
 
 from __future__ import annotations

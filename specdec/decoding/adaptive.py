@@ -1,0 +1,333 @@
+"""Adaptive speculation: per step, per request, the draft depth that maximises the batch's tokens per second.
+
+Speculation pays only while the drafted tokens that survive are worth more than the rows they add
+to the target's forward and the draft forwards that made them. Both sides move: acceptance with
+the text (and the temperature), cost with the batch, the context and the machine. So the
+controller measures both as it goes and re-decides every step:
+
+* **Cost** (``StepCostModel``): a step's time is modelled as ``theta . x`` with
+  ``x = [1, R, D, D*R, E, L, C]``: a fixed part, R running requests (one row each), D = 1 when
+  anything is drafted (drafting at all has its own cost: a drafter catching up, wider GEMMs -- on
+  one CPU thread the first level costs several later ones), E extra target rows (the draft nodes),
+  L draft levels (drafter forwards) and C = sum over requests of rows x context / 1024
+  (attention). ``theta`` is a ridge
+  regression on the measured steps (older steps fading), pulled towards a prior scaled from the
+  first measured step, so directions the data has not explored stay sensible. Costs are not linear
+  in rows (one CPU thread: GEMV against GEMM shapes; a GPU: tiles), so each level count L also
+  keeps a running residual (measured minus predicted) added to the predictions at that L: levels
+  the controller has tried are priced as they were measured.
+* **Acceptance** (``AcceptanceModel``): per request and draft position i, the chance that node i is
+  accepted given that i - 1 were, a running estimate (recent steps count more) seeded with the
+  pooled estimate of every request so far, whose own prior is ``prior_acceptance`` at position 1
+  and the estimate at position i - 1 beyond.
+* **Choice**: for each draft-level count L, requests' depths are filled greedily by expected
+  tokens per second of extra cost (``P(first i accepted) / cost of the rows of depth i``) while
+  that beats the batch's current tokens per second; the best L wins. 0 = plain decoding.
+  The first measured steps are the strategy's full size and then plain decoding; after that a
+  fixed, deterministic schedule of exploration steps (one level fewer, one more, none) keeps both
+  models informed about sizes the controller is not currently using.
+
+Timing adds no synchronisation: the engine reads the host clock at the start of a step and right
+after the step's one read-back (which waits for the device anyway), so the time between the two is
+the step's time on any device. The clock is injectable (tests drive it); by default it is
+``time.perf_counter``.
+
+Strategies need nothing but the contract (per-request ``max_depth`` / ``max_nodes`` in each
+``StepContext``). One optional hook sharpens the row count of trees: ``strategy.draft_nodes(depth)``,
+the nodes (root included) of the tree the strategy proposes when allowed ``depth`` levels; without
+it the controller learns each depth's size from the proposals it sees (a chain's ``depth + 1``
+until then).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+
+FEATURES = ("step", "requests", "drafting", "drafting requests", "extra rows", "draft levels", "context")
+PRIOR_SHARES = (0.2, 0.2, 0.1, 0.1, 0.25, 0.15, 0.0)  # how the first measured step's time is split a priori
+# Steps' worth of the prior per parameter. Context grows with every extra row and every step, so the data
+# hardly tells it from the row and step terms; its prior (no context cost) yields only to strong evidence.
+PRIOR_WEIGHTS = (0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 20.0)
+RESIDUAL_DECAY = 0.7  # weight of a level count's earlier residuals when it is measured again
+
+
+class StepCostModel:
+    """Step time = ``theta . features`` by ridge regression with forgetting (pure Python: no device, no sync).
+
+    ``decay`` multiplies the weight of every earlier step each time a step is observed; ``PRIOR_WEIGHTS``
+    say how many steps' worth the prior counts in each parameter's own direction.
+    """
+
+    def __init__(self, decay: float = 0.97):
+        self.decay = decay
+        n = len(FEATURES)
+        self.gram = [[0.0] * n for _ in range(n)]  # sum of decayed x x^T
+        self.moment = [0.0] * n  # sum of decayed x y
+        self.prior_mean: list[float] | None = None
+        self.prior_precision: list[float] = [0.0] * n
+        self.theta: list[float] | None = None  # None until a step was measured
+        self.residual: dict[int, float] = {}  # per draft-level count: running (measured - predicted)
+        self.steps = 0
+
+    @staticmethod
+    def features(requests: int, extra_rows: int, levels: int, context_rows: float) -> list[float]:
+        drafting = float(levels > 0)
+        rows = float(extra_rows)
+        return [1.0, float(requests), drafting, drafting * requests, rows, float(levels), context_rows / 1024]
+
+    def observe(self, x: Sequence[float], seconds: float) -> None:
+        if self.prior_mean is None:  # the first step sets the scale of the prior
+            scale = [max(v, 1.0) for v in x]
+            self.prior_mean = [share * seconds / s for share, s in zip(PRIOR_SHARES, scale)]
+            self.prior_precision = [w * s * s for w, s in zip(PRIOR_WEIGHTS, scale)]
+        levels = int(x[FEATURES.index("draft levels")])
+        if self.theta is not None:  # the out-of-sample error of the linear part, at this level count
+            error = seconds - sum(t * v for t, v in zip(self.theta, x))
+            self.residual[levels] = RESIDUAL_DECAY * self.residual.get(levels, error) + (1 - RESIDUAL_DECAY) * error
+        n = len(x)
+        for i in range(n):
+            self.moment[i] = self.decay * self.moment[i] + x[i] * seconds
+            for j in range(n):
+                self.gram[i][j] = self.decay * self.gram[i][j] + x[i] * x[j]
+        self.steps += 1
+        self.theta = self._solve()
+
+    def predict(self, x: Sequence[float]) -> float:
+        linear = sum(t * v for t, v in zip(self.theta, x))
+        return linear + self.residual.get(int(x[FEATURES.index("draft levels")]), 0.0)
+
+    def _solve(self) -> list[float]:
+        """(gram + diag(precision)) theta = moment + precision * prior_mean, by Gaussian elimination."""
+        n = len(self.moment)
+        rhs = [m + p * mean for m, p, mean in zip(self.moment, self.prior_precision, self.prior_mean)]
+        a = [row[:] + [rhs[i]] for i, row in enumerate(self.gram)]
+        for i in range(n):
+            a[i][i] += self.prior_precision[i]
+        for col in range(n):
+            pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+            a[col], a[pivot] = a[pivot], a[col]
+            if abs(a[col][col]) < 1e-300:
+                continue
+            for r in range(col + 1, n):
+                f = a[r][col] / a[col][col]
+                if f:
+                    for c in range(col, n + 1):
+                        a[r][c] -= f * a[col][c]
+        theta = [0.0] * n
+        for i in reversed(range(n)):
+            if abs(a[i][i]) >= 1e-300:
+                theta[i] = (a[i][n] - sum(a[i][j] * theta[j] for j in range(i + 1, n))) / a[i][i]
+        return theta
+
+
+class AcceptanceModel:
+    """Per-request acceptance by draft position: running estimates seeded with a pooled one.
+
+    ``rate(b, i)`` (i from 1) is the chance that request b's draft node at depth i is accepted given
+    that its ancestors were. Request estimates fade by ``request_decay`` per step (recent text counts
+    more, and a request that stopped drafting drifts back to the pooled estimate, which is how it
+    gets tried again); the pooled one by ``pooled_decay`` per observation.
+    """
+
+    def __init__(
+        self, prior_acceptance: float = 0.6, *, request_decay: float = 0.9, pooled_decay: float = 0.995,
+        request_weight: float = 3.0, pooled_weight: float = 4.0,
+    ):  # fmt: skip
+        self.prior = prior_acceptance
+        self.request_decay, self.pooled_decay = request_decay, pooled_decay
+        self.request_weight, self.pooled_weight = request_weight, pooled_weight
+        self.pooled: list[list[float]] = []  # per position: [accepted, tested] (decayed counts)
+        self.requests: dict[int, list[list[float]]] = {}
+
+    def start(self) -> None:
+        """A new stream: forget the requests (batch slots are reused), keep the pooled estimate."""
+        self.requests = {}
+
+    def pooled_rates(self, depth: int) -> list[float]:
+        rates, previous = [], self.prior
+        for i in range(depth):
+            accepted, tested = self.pooled[i] if i < len(self.pooled) else (0.0, 0.0)
+            previous = (accepted + self.pooled_weight * previous) / (tested + self.pooled_weight)
+            rates.append(previous)
+        return rates
+
+    def rates(self, request: int, pooled: list[float]) -> list[float]:
+        """Request ``request``'s conditional acceptance at depths 1 .. len(pooled)."""
+        own = self.requests.get(request, [])
+        out = []
+        for i, prior in enumerate(pooled):
+            accepted, tested = own[i] if i < len(own) else (0.0, 0.0)
+            out.append((accepted + self.request_weight * prior) / (tested + self.request_weight))
+        return out
+
+    def observe(self, request: int, depth: int, accepted: int) -> None:
+        """Request ``request`` proposed a tree of ``depth`` levels and ``accepted`` of its nodes were accepted."""
+        own = self.requests.setdefault(request, [])
+        for counts in own:
+            counts[0] *= self.request_decay
+            counts[1] *= self.request_decay
+        for i in range(min(depth, accepted + 1)):  # positions 1 .. accepted + 1 were tested
+            hit = float(accepted > i)
+            for table, decay in ((own, 1.0), (self.pooled, self.pooled_decay)):
+                while len(table) <= i:
+                    table.append([0.0, 0.0])
+                table[i][0] = decay * table[i][0] + hit
+                table[i][1] = decay * table[i][1] + 1.0
+
+
+class AdaptiveSpeculation:
+    """Chooses each running request's draft depth per step (0 = plain decoding) from measured costs.
+
+    Pass an instance as ``SpeculativeDecoder(..., adaptive=AdaptiveSpeculation(...))`` to set its
+    options (``adaptive=True``, the default, uses the defaults below; one controller serves one
+    decoder, and what it learnt carries over from one ``stream`` call to the next).
+
+    Parameters
+    ----------
+    clock : seconds now (host time, read twice a step; never a device value). Default ``time.perf_counter``.
+    prior_acceptance : the acceptance assumed at depth 1 before anything was measured.
+    explore_every : every this many steps (doubling up to 8x while the choice does not change), one step
+        drafts one level fewer, one more, or nothing, in turn, so sizes not in use stay measured.
+
+    Example
+    -------
+    >>> ticks = iter(range(0, 10**6, 5))                        # a clock whose steps take 5 "seconds"
+    >>> ctl = AdaptiveSpeculation(clock=lambda: next(ticks) / 1000)
+    >>> ctl.bind(max_depth=4, max_nodes=5)
+    >>> ctl.start()
+    >>> ctl.choose([0, 1], limits=[10, 10], contexts=[20, 30])  # nothing measured yet: the strategy's own
+    [4, 4]
+    """
+
+    def __init__(
+        self, *, clock: Callable[[], float] | None = None, prior_acceptance: float = 0.6, explore_every: int = 8
+    ):
+        if clock is not None and not callable(clock):
+            raise TypeError(f"clock must be a callable returning seconds, got {type(clock).__name__}")
+        if not isinstance(prior_acceptance, (int, float)) or not 0.0 <= prior_acceptance <= 1.0:
+            raise ValueError(f"prior_acceptance must be a number in [0, 1], got {prior_acceptance!r}")
+        if not isinstance(explore_every, int) or explore_every < 2:
+            raise ValueError(f"explore_every must be an int >= 2, got {explore_every!r}")
+        self.clock = clock or time.perf_counter
+        self.cost = StepCostModel()
+        self.acceptance = AcceptanceModel(prior_acceptance)
+        self.explore_every = explore_every
+        self.max_depth, self.max_nodes = 0, 1
+        self._draft_nodes: Callable[[int], int] | None = None
+        self._nodes_seen: dict[int, int] = {}
+        self._interval, self._until_explore, self._explore_turn = explore_every, explore_every, 0
+        self._last_choice = -1  # the deepest level chosen at the last exploration
+        self._started: float | None = None
+
+    def bind(self, max_depth: int, max_nodes: int, draft_nodes: Callable[[int], int] | None = None) -> None:
+        """Serve a strategy of these limits (``draft_nodes``: its optional hook, see the module docstring)."""
+        self.max_depth, self.max_nodes, self._draft_nodes = max_depth, max_nodes, draft_nodes
+
+    def start(self) -> None:
+        """A new ``stream`` call (its batch slots are new requests)."""
+        self.acceptance.start()
+        self._started = None
+
+    # ---- per step ---------------------------------------------------------------------------------
+
+    def choose(self, running: Sequence[int], limits: Sequence[int], contexts: Sequence[int]) -> list[int]:
+        """Draft depth per running request (in ``running`` order), each within ``limits`` (tokens it may still
+        draft) and the strategy's ``max_depth``; ``contexts``: tokens each request has cached. Starts the
+        step's clock."""
+        caps = [max(0, min(limit, self.max_depth)) for limit in limits]
+        if self.cost.theta is None:  # nothing measured yet: the strategy's own sizes
+            choice = caps
+        elif self.cost.steps == 1:  # then one plain step: the two ends of the range, measured
+            choice = [0] * len(caps)
+        else:
+            choice = self._best(running, caps, contexts)
+            self._until_explore -= 1
+            if self._until_explore <= 0:
+                choice = self._explore(choice, caps)
+        self._started = self.clock()
+        return choice
+
+    def observe(self, running: Sequence[int], nodes: Sequence[int], depths: Sequence[int],
+                accepted: Sequence[int | None], contexts: Sequence[int]) -> None:  # fmt: skip
+        """After the step's read-back: the trees' sizes (``nodes``, ``depths``), what was accepted (None for a
+        request whose logits were invalid) and the context each tree was verified after."""
+        seconds = self.clock() - self._started
+        for b, n, d, a in zip(running, nodes, depths, accepted):
+            self._nodes_seen[d] = max(self._nodes_seen.get(d, 0), n)
+            if a is not None and d > 0:
+                self.acceptance.observe(b, d, a)
+        context_rows = sum(n * c for n, c in zip(nodes, contexts))
+        x = StepCostModel.features(len(running), sum(nodes) - len(running), max(depths, default=0), context_rows)
+        self.cost.observe(x, seconds)
+
+    # ---- the choice -------------------------------------------------------------------------------
+
+    def nodes(self, depth: int) -> int:
+        """Nodes (root included) of the tree proposed at ``depth`` levels: the hook, else the largest seen, else
+        a chain's."""
+        if depth <= 0:
+            return 1
+        if self._draft_nodes is not None:
+            return self._draft_nodes(depth)
+        return min(self.max_nodes, self._nodes_seen.get(depth, depth + 1))
+
+    def _best(self, running, caps, contexts) -> list[int]:
+        """The depths maximising expected tokens / predicted seconds (see the module docstring)."""
+        top = max(caps, default=0)
+        theta = self.cost.theta
+        per_row, per_context_row = max(theta[4], 0.0), max(theta[6], 0.0) / 1024
+        pooled = self.acceptance.pooled_rates(top)
+        rows = [self.nodes(d) for d in range(top + 1)]
+        # Items (ratio, request index, depth, gain, cost): the i-th draft level of a request.
+        items = []
+        for r, (b, cap, ctx) in enumerate(zip(running, caps, contexts)):
+            reach, ratio_cap = 1.0, math.inf
+            for i, rate in enumerate(self.acceptance.rates(b, pooled[:cap]), start=1):
+                reach *= rate
+                cost = max((rows[i] - rows[i - 1]) * (per_row + per_context_row * ctx), 1e-12)
+                ratio_cap = min(ratio_cap, reach / cost)  # a deeper level never goes before a shallower one
+                items.append((ratio_cap, -i, r, reach, cost))
+        items.sort(reverse=True)
+        base_x = StepCostModel.features(len(running), 0, 0, sum(contexts))
+        tokens0, seconds0 = float(len(running)), self.cost.predict(base_x)
+        best_rate, best = tokens0 / max(seconds0, 1e-12), [0] * len(running)
+        for levels in range(1, top + 1):
+            level_x = StepCostModel.features(len(running), 0, levels, sum(contexts))
+            tokens, seconds = tokens0, max(self.cost.predict(level_x), 1e-12)
+            depth = [0] * len(running)
+            for ratio, neg_i, r, gain, cost in items:
+                if -neg_i > levels or -neg_i != depth[r] + 1:
+                    continue
+                if ratio * seconds <= tokens:  # adding it would not raise tokens / seconds
+                    break
+                tokens, seconds = tokens + gain, seconds + cost
+                depth[r] = -neg_i
+            if max(depth) == levels and tokens / seconds > best_rate:
+                best_rate, best = tokens / seconds, depth
+        return best
+
+    def _explore(self, choice: list[int], caps: list[int]) -> list[int]:
+        """In turn: one level fewer for all, one more for every other request (the first always among them, so
+        extra rows vary apart from draft levels), plain decoding (what drafting at all costs), one fewer
+        for every other request, one more for all.
+        A variant that would not change the choice is skipped. The interval doubles while the choice holds
+        and restarts when it moved."""
+        changed = max(choice, default=0) != self._last_choice
+        self._last_choice = max(choice, default=0)
+        self._interval = self.explore_every if changed else min(2 * self._interval, 8 * self.explore_every)
+        self._until_explore = self._interval
+        variants = (
+            [max(d - 1, 0) for d in choice],
+            [min(d + 1, cap) if r % 2 == 0 else d for r, (d, cap) in enumerate(zip(choice, caps))],
+            [0] * len(choice),
+            [max(d - 1, 0) if r % 2 == 0 else d for r, d in enumerate(choice)],
+            [min(d + 1, cap) for d, cap in zip(choice, caps)],
+        )
+        for _ in variants:
+            variant = variants[self._explore_turn]
+            self._explore_turn = (self._explore_turn + 1) % len(variants)
+            if variant != choice:
+                return variant
+        return choice

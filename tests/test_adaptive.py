@@ -1,0 +1,194 @@
+"""The adaptive speculation controller: its choices from injected costs and acceptance, and an engine
+whose per-request, per-step draft depths never change what it emits (PyTorch path).
+
+Costs come from a simulated clock: a step "takes" a fixed time per step, per target row and per
+draft level, so the tests are deterministic and say which choice is right.
+"""
+
+import pytest
+from helpers import noisy_copy, random_model, tiny_config
+from sampling_helpers import assert_sequences_follow, model_joint
+
+from specdec.decoding import AdaptiveSpeculation, DraftModelStrategy, NgramStrategy, SpeculativeDecoder
+from specdec.decoding.autoregressive import generate as autoregressive_generate
+
+pytestmark = pytest.mark.usefixtures("torch_backend")
+
+
+class ManualClock:
+    """A clock the test moves by hand."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def simulate(ctl: AdaptiveSpeculation, clock: ManualClock, accept, steps: int, *, requests: int = 1,
+             step_s=10.0, row_s=1.0, level_s=0.5, limit: int = 100) -> list[list[int]]:  # fmt: skip
+    """Drive ``ctl`` for ``steps`` steps of chains: a step takes step_s + row_s * rows + level_s * levels;
+    ``accept(r, depth)`` is how many of request r's ``depth`` drafts are accepted. Returns the choices."""
+    running, choices = list(range(requests)), []
+    for _ in range(steps):
+        depths = ctl.choose(running, [limit] * requests, [64] * requests)
+        clock.now += step_s + row_s * sum(d + 1 for d in depths) + level_s * max(depths)
+        accepted = [accept(r, d) for r, d in enumerate(depths)]
+        ctl.observe(running, [d + 1 for d in depths], depths, accepted, [64] * requests)
+        choices.append(depths)
+    return choices
+
+
+def settled(choices: list[list[int]]) -> list[list[int]]:
+    """The choices of the last half of a run, exploration steps (the minority) included."""
+    return choices[len(choices) // 2 :]
+
+
+def controller(max_depth: int = 6, **options) -> tuple[AdaptiveSpeculation, ManualClock]:
+    clock = ManualClock()
+    ctl = AdaptiveSpeculation(clock=clock, **options)
+    ctl.bind(max_depth, max_depth + 1)
+    ctl.start()
+    return ctl, clock
+
+
+def test_no_acceptance_means_plain_decoding():
+    ctl, clock = controller()
+    late = settled(simulate(ctl, clock, lambda r, d: 0, 64))
+    plain = sum(c == [0] for c in late)
+    assert plain >= 0.85 * len(late), f"chose plain decoding in {plain} of {len(late)} steps: {late}"
+
+
+def test_full_acceptance_means_the_longest_draft():
+    ctl, clock = controller()
+    late = settled(simulate(ctl, clock, lambda r, d: d, 64))
+    longest = sum(c == [6] for c in late)
+    assert longest >= 0.85 * len(late), f"chose the longest draft in {longest} of {len(late)} steps: {late}"
+
+
+def test_expensive_rows_stop_speculation_that_cheap_rows_allow():
+    """Acceptance 1/2 per position: worth drafting when rows are cheap, not when they cost a whole step."""
+
+    calls = []
+
+    def half(r, d):  # a deterministic 1-in-2 acceptance of the first draft, then of all the others
+        calls.append(d)
+        return d if len(calls) % 2 else 0
+
+    cheap, clock = controller()
+    assert max(max(c) for c in settled(simulate(cheap, clock, half, 64, row_s=0.1, level_s=0.1))) >= 2
+    costly, clock = controller()
+    late = settled(simulate(costly, clock, half, 64, step_s=1.0, row_s=2.0, level_s=1.0))
+    assert sum(c == [0] for c in late) >= 0.85 * len(late), late
+
+
+def test_ragged_choices_in_one_batch():
+    """Two requests in one batch, one whose drafts are always accepted and one whose never are."""
+    ctl, clock = controller()
+    late = settled(simulate(ctl, clock, lambda r, d: d if r == 0 else 0, 64, requests=2))
+    ragged = sum(c[0] >= 4 and c[1] == 0 for c in late)
+    assert ragged >= 0.8 * len(late), late
+
+
+def test_choices_stay_within_limits_and_start_with_the_strategys_own():
+    ctl, clock = controller(max_depth=5)
+    assert ctl.choose([0, 1, 2], [9, 2, -1], [10, 10, 10]) == [5, 2, 0]  # nothing measured yet
+    ctl.observe([0, 1, 2], [6, 3, 1], [5, 2, 0], [5, 2, None], [10, 10, 10])
+    for _ in range(20):
+        depths = ctl.choose([0, 1, 2], [9, 2, -1], [10, 10, 10])
+        assert 0 <= depths[0] <= 5 and 0 <= depths[1] <= 2 and depths[2] == 0
+        clock.now += 3.0
+        ctl.observe([0, 1, 2], [d + 1 for d in depths], depths, depths, [10, 10, 10])
+
+
+def test_bad_options_are_refused(pair):
+    with pytest.raises(TypeError, match="clock"):
+        AdaptiveSpeculation(clock=3)
+    with pytest.raises(ValueError, match="prior_acceptance"):
+        AdaptiveSpeculation(prior_acceptance=1.5)
+    with pytest.raises(ValueError, match="explore_every"):
+        AdaptiveSpeculation(explore_every=1)
+    with pytest.raises(TypeError, match="adaptive"):
+        SpeculativeDecoder(pair[0], NgramStrategy(), adaptive="yes")
+
+
+# ---- the engine with the controller ------------------------------------------------------------------
+
+
+class SimulatedTiming:
+    """Wraps a strategy so that each step "takes" a time the test sets: every proposal advances ``clock``
+    by step_s + row_s * nodes + level_s * depth (the controller reads the clock before ``propose`` and
+    after the read-back)."""
+
+    def __init__(self, inner, clock: ManualClock, step_s: float, row_s: float, level_s: float):
+        self.inner, self.clock, self.costs = inner, clock, (step_s, row_s, level_s)
+        self.name, self.max_nodes, self.max_depth = inner.name, inner.max_nodes, inner.max_depth
+        self.attach, self.prefill, self.commit = inner.attach, inner.prefill, inner.commit
+
+    def propose(self, step):
+        proposal = self.inner.propose(step)
+        step_s, row_s, level_s = self.costs
+        self.clock.now += step_s + row_s * sum(proposal.counts) + level_s * proposal.max_depth()
+        return proposal
+
+
+def simulated_decoder(target, strategy, step_s=10.0, row_s=1.0, level_s=0.5, **options):
+    clock = ManualClock()
+    timed = SimulatedTiming(strategy, clock, step_s, row_s, level_s)
+    return SpeculativeDecoder(target, timed, adaptive=AdaptiveSpeculation(clock=clock, **options))
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = random_model(tiny_config(), seed=0)
+    return target, noisy_copy(target, 1, 0.3)
+
+
+@pytest.mark.parametrize("strategy", ["chain", "tree", "ngram"])
+def test_greedy_output_is_the_targets_whatever_the_choices(pair, strategy):
+    target, draft = pair
+    make = {
+        "chain": lambda: DraftModelStrategy(draft, (1,) * 5),
+        "tree": lambda: DraftModelStrategy(draft, (3, 2, 1), rule="deterministic"),
+        "ngram": lambda: NgramStrategy(num_draft=4),
+    }[strategy]
+    prompts = [[3, 9, 4, 3, 9, 4, 3], [7, 1], [5, 5, 2, 8], [1, 2, 3, 1, 2, 3], [60, 2]]
+    limits = [64, 40, 64, 7, 64]
+    expected = autoregressive_generate(target, prompts, max_new_tokens=limits, eos_token_id=None)
+    decoder = simulated_decoder(target, make(), row_s=1.0)
+    result = decoder.generate(prompts, max_new_tokens=limits, eos_token_id=None)
+    assert result.tokens == expected
+    chosen = [d for s in result.stats for d in s.chosen_depths]
+    for s in result.stats:
+        assert len(s.chosen_depths) == s.target_forwards - 1  # one choice per step after the prefill
+    assert 0 in chosen and max(chosen) > 0, "the controller should both draft and not draft here"
+
+
+def test_sampling_with_adaptive_choices_is_exact():
+    """Sampled tokens follow the target's exact joint while the depths differ per request and per step
+    (with these costs a request whose first draft was accepted drafts again; most others do not)."""
+    vocab, steps, draws = 4, 4, 20000
+    config = tiny_config(vocab_size=vocab, num_layers=1)
+    target = random_model(config, seed=5, scale=1.5)
+    draft = noisy_copy(target, 6, 0.5)
+    prompt = [1, 2, 3]
+    strategy = DraftModelStrategy(draft, (1, 1))
+    decoder = simulated_decoder(target, strategy, step_s=1.0, row_s=2e-4, level_s=0.0)
+    sampling = dict(max_new_tokens=steps, temperature=0.9, top_k=0, top_p=0.9, seed=1000, eos_token_id=None)
+    decoder.generate([prompt] * 2000, **sampling)  # a first run measures the costs and the acceptance
+    result = decoder.generate([prompt] * draws, **sampling)
+    assert_sequences_follow(result.tokens, model_joint(target, prompt, steps, 0.9, 0, 0.9), vocab)
+    by_step = [{s.chosen_depths[j] for s in result.stats if len(s.chosen_depths) > j} for j in range(steps - 1)]
+    assert any(len(depths) > 1 for depths in by_step), f"no step had ragged depths: {by_step}"
+
+
+def test_ngram_at_temperature_one_stops_drafting(pair):
+    """Random text at temperature 1: n-gram drafts are all but never accepted; after a few steps the controller
+    decodes plainly."""
+    target, _ = pair
+    decoder = simulated_decoder(target, NgramStrategy(num_draft=4))
+    result = decoder.generate([[3, 9, 4, 3, 9], [7, 1, 7, 1]], max_new_tokens=80, temperature=1.0, seed=0,
+                              eos_token_id=None)  # fmt: skip
+    for s in result.stats:
+        late = s.chosen_depths[len(s.chosen_depths) // 2 :]
+        assert sum(d == 0 for d in late) >= 0.8 * len(late), s.chosen_depths
