@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from specdec.model import AttentionMetadata, LlamaModel, MedusaHeads, ModelConfig, causal_positions
+from specdec.model import AttentionMetadata, EagleHead, LlamaModel, MedusaHeads, ModelConfig, causal_positions
 
 # ---- assertions -------------------------------------------------------------------------------------
 
@@ -79,6 +79,17 @@ def random_heads(target: LlamaModel, seed: int, num_heads: int = 3) -> MedusaHea
     for p in heads.parameters():
         p.copy_(torch.randn(p.shape, generator=gen) * 2 / math.sqrt(p.shape[-1]))
     return heads.to(target.dtype).eval()
+
+
+def random_eagle_head(target: LlamaModel, seed: int) -> EagleHead:
+    """A one-layer EAGLE head for ``target`` with every weight drawn at random (far from the target)."""
+    config = tiny_config(vocab_size=target.config.vocab_size, hidden_size=target.config.hidden_size, num_layers=1)
+    gen = torch.Generator().manual_seed(seed)
+    head = EagleHead(config, target).requires_grad_(False)
+    for name, p in head.named_parameters():
+        noise = torch.randn(p.shape, generator=gen)
+        p.copy_(noise * 2 / math.sqrt(p.shape[1]) if p.dim() > 1 else noise * 0.1 + name.endswith("norm.weight"))
+    return head.eval()
 
 
 def random_prompts(lengths, vocab: int, seed: int | None = None) -> list[list[int]]:

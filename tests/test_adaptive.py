@@ -6,10 +6,17 @@ draft level, so the tests are deterministic and say which choice is right.
 """
 
 import pytest
-from helpers import noisy_copy, random_model, tiny_config
+from helpers import noisy_copy, random_eagle_head, random_heads, random_model, tiny_config
 from sampling_helpers import assert_sequences_follow, model_joint
 
-from specdec.decoding import AdaptiveSpeculation, DraftModelStrategy, NgramStrategy, SpeculativeDecoder
+from specdec.decoding import (
+    AdaptiveSpeculation,
+    DraftModelStrategy,
+    EagleStrategy,
+    MedusaStrategy,
+    NgramStrategy,
+    SpeculativeDecoder,
+)
 from specdec.decoding.autoregressive import generate as autoregressive_generate
 
 pytestmark = pytest.mark.usefixtures("torch_backend")
@@ -144,13 +151,16 @@ def pair():
     return target, noisy_copy(target, 1, 0.3)
 
 
-@pytest.mark.parametrize("strategy", ["chain", "tree", "ngram"])
+@pytest.mark.parametrize("strategy", ["chain", "tree", "ngram", "medusa", "eagle2", "eagle1"])
 def test_greedy_output_is_the_targets_whatever_the_choices(pair, strategy):
     target, draft = pair
     make = {
         "chain": lambda: DraftModelStrategy(draft, (1,) * 5),
         "tree": lambda: DraftModelStrategy(draft, (3, 2, 1), rule="deterministic"),
         "ngram": lambda: NgramStrategy(num_draft=4),
+        "medusa": lambda: MedusaStrategy(random_heads(target, 1), [[0], [1], [0, 0], [0, 0, 0]]),
+        "eagle2": lambda: EagleStrategy(random_eagle_head(target, 2), tree_budget=12, depth=4, top_k=3),
+        "eagle1": lambda: EagleStrategy(random_eagle_head(target, 3), static_tree="default", tree_budget=8, depth=4),
     }[strategy]
     prompts = [[3, 9, 4, 3, 9, 4, 3], [7, 1], [5, 5, 2, 8], [1, 2, 3, 1, 2, 3], [60, 2]]
     limits = [64, 40, 64, 7, 64]

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from helpers import random_model, tiny_config
+from helpers import random_eagle_head, random_model, tiny_config
 from sampling_helpers import model_joint
 from sync_counter import SyncCounter
 
@@ -32,17 +32,6 @@ EAGLES = {
 }
 
 
-def random_head(target, seed: int) -> EagleHead:
-    """A one-layer EAGLE head for ``target`` with every weight drawn at random (far from the target)."""
-    config = tiny_config(vocab_size=target.config.vocab_size, hidden_size=target.config.hidden_size, num_layers=1)
-    gen = torch.Generator().manual_seed(seed)
-    head = EagleHead(config, target).requires_grad_(False)
-    for name, p in head.named_parameters():
-        noise = torch.randn(p.shape, generator=gen)
-        p.copy_(noise * 2 / math.sqrt(p.shape[1]) if p.dim() > 1 else noise * 0.1 + name.endswith("norm.weight"))
-    return head.eval()
-
-
 @pytest.fixture(scope="module")
 def embedded():
     target, _, tokenizer = load_pair()
@@ -54,7 +43,7 @@ def embedded():
 @pytest.fixture(scope="module")
 def tiny():
     target = random_model(tiny_config(vocab_size=48), seed=0)
-    return target, random_head(target, seed=1)
+    return target, random_eagle_head(target, seed=1)
 
 
 # ---- greedy: the target's own tokens ------------------------------------------------------------------
@@ -67,7 +56,9 @@ def test_greedy_equals_target_greedy_on_heldout_prompts(embedded, kind, batch):
     prompts = prompts[:batch]
     max_new = [48 - 5 * b for b in range(batch)]  # requests end at different steps: ragged trees near the end
     expected = autoregressive_generate(target, prompts, max_new_tokens=max_new, eos_token_id=None)
-    result = SpeculativeDecoder(target, EAGLES[kind](head)).generate(prompts, max_new_tokens=max_new, eos_token_id=None)
+    result = SpeculativeDecoder(target, EAGLES[kind](head), adaptive=False).generate(
+        prompts, max_new_tokens=max_new, eos_token_id=None
+    )
     for b in range(batch):
         assert result.tokens[b] == expected[b], f"request {b} diverged"
     generated = sum(s.generated for s in result.stats)
@@ -119,7 +110,7 @@ def test_first_tokens_follow_the_exact_model_joint(kind):
     # The first token comes from the prefill; the next two from one drafted tree of depth 2.
     vocab, steps, draws, temperature, top_p = 4, 3, 20000, 1.0, 0.9
     target = random_model(tiny_config(vocab_size=vocab, num_layers=1), seed=5, scale=1.5)
-    head = random_head(target, seed=6)
+    head = random_eagle_head(target, seed=6)
     strategy = {
         "eagle2": EagleStrategy(head, tree_budget=5, depth=2, top_k=2),
         "eagle1": EagleStrategy(head, static_tree=[[0], [1], [0, 0], [1, 0]], depth=2, top_k=2),
@@ -159,7 +150,7 @@ class HeadRecorder:
 @pytest.mark.parametrize("kind", ["eagle2", "eagle1"])
 def test_a_depth_d_tree_costs_d_head_forwards_over_new_nodes(tiny, kind):
     target, _ = tiny
-    head = random_head(target, seed=1)  # its own copy: the recorder replaces its forward
+    head = random_eagle_head(target, seed=1)  # its own copy: the recorder replaces its forward
     recorder = HeadRecorder(head)
     k, depth = 3, 4
     static = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]]
@@ -171,7 +162,7 @@ def test_a_depth_d_tree_costs_d_head_forwards_over_new_nodes(tiny, kind):
     accepted: list[list[int]] = []
     strategy.commit = lambda result: (accepted.append(list(result.accepted)), strategy_commit(result))
     prompts = [[3, 9, 4, 3, 9, 4, 3], [7, 1], [5, 5, 2, 8]]
-    steps = SpeculativeDecoder(target, strategy).stream(prompts, max_new_tokens=40, eos_token_id=None)
+    steps = SpeculativeDecoder(target, strategy, adaptive=False).stream(prompts, max_new_tokens=40, eos_token_id=None)
     next(steps)  # the prefill: one causal forward over the prompts but their last tokens
     assert recorder.calls == [(sum(len(p) - 1 for p in prompts), False)]
     for _ in range(3):  # far from the end: every request drafts the full depth
@@ -238,7 +229,7 @@ def test_generation_runs_under_sync_debug_mode_error(kind):
     import warnings
 
     target = random_model(tiny_config(vocab_size=48), seed=0).to("cuda")
-    head = random_head(target, seed=1).to("cuda")
+    head = random_eagle_head(target, seed=1).to("cuda")
     decoder = SpeculativeDecoder(target, SMALL[kind](head))
     prompts = [[3, 9, 4, 3, 9, 4, 3], [7, 1], [5, 5, 2, 8]]
     for sampling in (dict(temperature=0.0), dict(temperature=[1.0, 0.0, 0.7], top_k=[5, 0, 0], seed=1)):

@@ -73,9 +73,9 @@ def test_a_draft_tree_feeds_each_level_once(pair):
     draft.forward = recording
     try:
         prompts = prompts_of(3)
-        steps = SpeculativeDecoder(target, DraftModelStrategy(draft, (3, 2, 1), rule="deterministic")).stream(
-            prompts, max_new_tokens=30, eos_token_id=None
-        )
+        steps = SpeculativeDecoder(
+            target, DraftModelStrategy(draft, (3, 2, 1), rule="deterministic"), adaptive=False
+        ).stream(prompts, max_new_tokens=30, eos_token_id=None)
         next(steps)
         for _ in range(3):
             calls.clear()

@@ -46,7 +46,9 @@ def test_greedy_equals_target_greedy_on_the_embedded_pair(embedded, batch):
     groups = [[p] for p in prompts[:2]] if batch == 1 else [prompts]
     for group in groups:
         expected = autoregressive_generate(target, group, max_new_tokens=40, eos_token_id=None)
-        result = SpeculativeDecoder(target, strategy).generate(group, max_new_tokens=40, eos_token_id=None)
+        result = SpeculativeDecoder(target, strategy, adaptive=False).generate(
+            group, max_new_tokens=40, eos_token_id=None
+        )
         assert result.tokens == expected
         assert all(s.tau > 1.5 for s in result.stats), [s.tau for s in result.stats]
 
@@ -57,12 +59,16 @@ def test_greedy_with_ragged_lengths_limits_and_eos(tiny):
     limits = [30, 5, 1, 17, 0]
     strategy = MedusaStrategy(heads, WIDE, max_nodes=128)
     expected = autoregressive_generate(target, prompts, max_new_tokens=limits, eos_token_id=None)
-    result = SpeculativeDecoder(target, strategy).generate(prompts, max_new_tokens=limits, eos_token_id=None)
+    result = SpeculativeDecoder(target, strategy, adaptive=False).generate(
+        prompts, max_new_tokens=limits, eos_token_id=None
+    )
     assert result.tokens == expected
     accepted_at = [sum(s.accepted_at[j] for s in result.stats if len(s.accepted_at) > j) for j in range(3)]
     assert all(a > 0 for a in accepted_at), accepted_at  # every depth accepted somewhere
     eos = expected[0][9]
-    result = SpeculativeDecoder(target, strategy).generate(prompts, max_new_tokens=limits, eos_token_id=eos)
+    result = SpeculativeDecoder(target, strategy, adaptive=False).generate(
+        prompts, max_new_tokens=limits, eos_token_id=eos
+    )
     for tokens, full in zip(result.tokens, expected):
         assert tokens == (full[: full.index(eos) + 1] if eos in full else full)
 
@@ -81,7 +87,7 @@ def test_sampled_requests_are_reproducible_alone_and_in_any_batch(tiny):
 
     def run(order):
         picked = {k: [v[i] for i in order] if isinstance(v, list) else v for k, v in options.items()}
-        result = SpeculativeDecoder(target, MedusaStrategy(heads, CHOICES)).generate(
+        result = SpeculativeDecoder(target, MedusaStrategy(heads, CHOICES), adaptive=False).generate(
             [prompts[i] for i in order], seed=[seeds[i] for i in order], **picked
         )
         return {i: tokens for i, tokens in zip(order, result.tokens)}
