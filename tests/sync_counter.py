@@ -141,3 +141,25 @@ def _from_specdec(frame, uploads: bool = False) -> bool:
     if not module.startswith("specdec"):
         return False
     return not (uploads and module == "specdec._transfer")
+
+
+def run_under_sync_debug_error(decoder) -> None:
+    """On a GPU: decode a mixed greedy / sampled batch with CUDA's sync debug mode at "error" after the
+    prefill, so any synchronising call but the step's read-back (a warning turned error) fails."""
+    import warnings
+
+    import torch
+
+    prompts = [[3, 9, 4, 3, 9, 4, 3], [7, 1], [5, 5, 2, 8]]
+    for sampling in (dict(temperature=0.0), dict(temperature=[1.0, 0.0, 0.7], top_k=[5, 0, 0], seed=1)):
+        steps = decoder.stream(prompts, max_new_tokens=[12, 5, 9], eos_token_id=None, **sampling)
+        next(steps)  # the prefill (one-off allocations and uploads)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                count = sum(1 for _ in steps)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert count >= 3

@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import random_eagle_head, random_model, tiny_config
 from sampling_helpers import model_joint
-from sync_counter import SyncCounter
+from sync_counter import SyncCounter, run_under_sync_debug_error
 
 from specdec import use_backend
 from specdec.cli.demo import ASSETS, heldout_prompts, load_pair
@@ -226,24 +226,10 @@ def test_sampled_generation_syncs_once_per_step_on_the_triton_path(tiny, kind):
 @pytest.mark.parametrize("kind", list(SMALL))
 def test_generation_runs_under_sync_debug_mode_error(kind):
     """On a GPU: any synchronising CUDA call but the read-back raises."""
-    import warnings
 
     target = random_model(tiny_config(vocab_size=48), seed=0).to("cuda")
     head = random_eagle_head(target, seed=1).to("cuda")
-    decoder = SpeculativeDecoder(target, SMALL[kind](head))
-    prompts = [[3, 9, 4, 3, 9, 4, 3], [7, 1], [5, 5, 2, 8]]
-    for sampling in (dict(temperature=0.0), dict(temperature=[1.0, 0.0, 0.7], top_k=[5, 0, 0], seed=1)):
-        steps = decoder.stream(prompts, max_new_tokens=[12, 5, 9], eos_token_id=None, **sampling)
-        next(steps)  # the prefill (one-off allocations and uploads)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("error")
-                count = sum(1 for _ in steps)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        assert count >= 3
+    run_under_sync_debug_error(SpeculativeDecoder(target, SMALL[kind](head)))
 
 
 # ---- the dynamic tree's rerank ---------------------------------------------------------------------------

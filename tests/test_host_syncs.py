@@ -8,12 +8,10 @@ Triton's interpreter, the code a GPU runs (the PyTorch bodies of the general sam
 readable vectorised references that read sizes back, which is free on the CPU they serve).
 """
 
-import warnings
-
 import pytest
 import torch
 from helpers import noisy_copy, random_heads, random_model, tiny_config
-from sync_counter import SyncCounter
+from sync_counter import SyncCounter, run_under_sync_debug_error
 
 from specdec import use_backend
 from specdec.decoding import (
@@ -128,17 +126,4 @@ def test_the_counter_sees_the_reads_a_gpu_would_wait_for():
 def test_generation_runs_under_sync_debug_mode_error(pair, strategy):
     """On a GPU: any synchronising CUDA call but the read-back raises."""
     target, draft = (m.to("cuda") for m in pair)
-    decoder = SpeculativeDecoder(target, STRATEGIES[strategy](draft))
-    prompts = [[3, 9, 4, 3, 9, 4, 3], [7, 1], [5, 5, 2, 8]]
-    for sampling in (dict(temperature=0.0), dict(temperature=[1.0, 0.0, 0.7], top_k=[5, 0, 0], seed=1)):
-        steps = decoder.stream(prompts, max_new_tokens=[12, 5, 9], eos_token_id=None, **sampling)
-        next(steps)  # the prefill (one-off allocations and uploads)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("error")
-                count = sum(1 for _ in steps)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        assert count >= 3
+    run_under_sync_debug_error(SpeculativeDecoder(target, STRATEGIES[strategy](draft)))
