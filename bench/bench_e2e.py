@@ -148,10 +148,11 @@ def step_counts(target, draft, prompts, quick: bool) -> Table:
 
 
 def acceptance_by_depth(target, strategy, prompts, new_tokens) -> list[float]:
-    """Greedy, each prompt alone: the share of steps reaching depth d + 1 that accept its draft token."""
+    """Greedy, each prompt alone, fixed draft sizes (as the timed rows): the share of steps reaching depth d + 1
+    that accept its draft token."""
     from specdec.decoding import SpeculativeDecoder
 
-    decoder, drafted, accepted = SpeculativeDecoder(target, strategy), [], []
+    decoder, drafted, accepted = SpeculativeDecoder(target, strategy, adaptive=False), [], []
     for ids in prompts:
         stats = decoder.generate([ids], max_new_tokens=new_tokens, eos_token_id=None).stats[0]
         for totals, counts in ((drafted, stats.drafted_at), (accepted, stats.accepted_at)):
