@@ -163,3 +163,15 @@ def run_under_sync_debug_error(decoder) -> None:
         finally:
             torch.cuda.set_sync_debug_mode(0)
         assert count >= 3
+
+
+def events_per_step(decoder, prompts, **sampling) -> list[list[tuple[str, str]]]:
+    """The would-be synchronisations of each ``StepOutput`` the decoder's stream yields (prefill first)."""
+    steps, per_step = decoder.stream(prompts, **sampling), []
+    while True:
+        with SyncCounter() as counter:
+            try:
+                next(steps)
+            except StopIteration:
+                return per_step
+        per_step.append(counter.events)

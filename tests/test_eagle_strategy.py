@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import random_eagle_head, random_model, tiny_config
 from sampling_helpers import model_joint
-from sync_counter import SyncCounter, run_under_sync_debug_error
+from sync_counter import events_per_step, run_under_sync_debug_error
 
 from specdec import use_backend
 from specdec.cli.demo import ASSETS, heldout_prompts, load_pair
@@ -182,14 +182,9 @@ def test_a_depth_d_tree_costs_d_head_forwards_over_new_nodes(tiny, kind):
 
 
 def syncs_per_step(decoder, prompts, **sampling) -> list[list[tuple[str, str]]]:
-    steps, per_step = decoder.stream(prompts, **sampling), []
-    while True:
-        with SyncCounter() as counter:
-            try:
-                next(steps)
-            except StopIteration:
-                return per_step
-        per_step.append([(what, where.split(":")[0]) for what, where in counter.events])
+    """Each step's would-be synchronisations as (what, file)."""
+    per_step = events_per_step(decoder, prompts, **sampling)
+    return [[(what, where.split(":")[0]) for what, where in events] for events in per_step]
 
 
 SMALL = {  # small trees: the sampled case runs the Triton kernels in the interpreter

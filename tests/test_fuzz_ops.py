@@ -223,6 +223,13 @@ def build_sample_probs(draw, backend):
     return Call([probs, random_params(draw, rows, vocab)], {"counter": counter, "out": out}, ["probs", "params"])
 
 
+def rule_kwargs(draw, gen, rows: int, vocab: int) -> dict:
+    """A drawn acceptance rule, with ``rows`` draft distributions when it is the stochastic one."""
+    if not draw(st.booleans()):
+        return {"rule": "deterministic"}
+    return {"rule": "stochastic", "draft_probs": torch.softmax(torch.randn(rows, vocab, generator=gen) * 2, -1)}
+
+
 def build_verify_chain(draw, backend, *, greedy=False):
     gen, batch, vocab = generator(draw), draw(st.integers(0, 4)), draw(VOCABS)
     ks = draw(st.lists(st.integers(0, 4), min_size=batch, max_size=batch))
@@ -230,12 +237,7 @@ def build_verify_chain(draw, backend, *, greedy=False):
     logits = random_logits(draw, gen, total + batch, vocab, float_dtype(draw))
     tokens = torch.randint(0, vocab, (total,), generator=gen, dtype=torch.int32)
     params = random_params(draw, batch, vocab, greedy=greedy)
-    kwargs = {}
-    if not greedy:
-        stochastic = draw(st.booleans())
-        kwargs["rule"] = "stochastic" if stochastic else "deterministic"
-        if stochastic:
-            kwargs["draft_probs"] = torch.softmax(torch.randn(total, vocab, generator=gen) * 2, -1)
+    kwargs = {} if greedy else rule_kwargs(draw, gen, total, vocab)
     names = ["target_logits", "draft_tokens", "draft_offsets", "params"]
     return Call([logits, tokens, offsets_of(ks), params], kwargs, names)
 
@@ -247,12 +249,7 @@ def build_verify_tree(draw, backend, *, greedy=False):
     logits = random_logits(draw, gen, n, vocab, float_dtype(draw))
     tokens = torch.randint(0, vocab, (n,), generator=gen, dtype=torch.int32)
     params = random_params(draw, batch, vocab, greedy=greedy)
-    kwargs = {}
-    if not greedy:
-        stochastic = draw(st.booleans())
-        kwargs["rule"] = "stochastic" if stochastic else "deterministic"
-        if stochastic:
-            kwargs["draft_probs"] = torch.softmax(torch.randn(n, vocab, generator=gen) * 2, -1)
+    kwargs = {} if greedy else rule_kwargs(draw, gen, n, vocab)
     names = ["target_logits", "node_tokens", "parents", "node_offsets", "params"]
     return Call([logits, tokens, parents, offsets, params], kwargs, names)
 

@@ -11,7 +11,7 @@ readable vectorised references that read sizes back, which is free on the CPU th
 import pytest
 import torch
 from helpers import noisy_copy, random_heads, random_model, tiny_config
-from sync_counter import SyncCounter, run_under_sync_debug_error
+from sync_counter import SyncCounter, events_per_step, run_under_sync_debug_error
 
 from specdec import use_backend
 from specdec.decoding import (
@@ -41,18 +41,6 @@ def pair():
     return target, noisy_copy(target, 1, 0.3)
 
 
-def count_per_step(decoder, prompts, **sampling) -> list[list[tuple[str, str]]]:
-    """The would-be synchronisations of each ``StepOutput`` the stream yields (prefill first)."""
-    steps, per_step = decoder.stream(prompts, **sampling), []
-    while True:
-        with SyncCounter() as counter:
-            try:
-                next(steps)
-            except StopIteration:
-                return per_step
-        per_step.append(counter.events)
-
-
 def assert_one_read_back_per_step(per_step, min_steps: int) -> None:
     assert len(per_step) >= min_steps, f"only {len(per_step)} steps ran"
     for i, events in enumerate(per_step):
@@ -68,7 +56,7 @@ def test_greedy_generation_syncs_once_per_step(pair, strategy, layout):
     decoder = SpeculativeDecoder(target, STRATEGIES[strategy](draft), cache_layout=layout, block_size=4)
     prompts = [[3, 9, 4, 3, 9, 4, 3], [7, 1], [5, 5, 2, 8]]
     with use_backend("torch"):
-        per_step = count_per_step(decoder, prompts, max_new_tokens=[12, 5, 9], eos_token_id=None, seed=0)
+        per_step = events_per_step(decoder, prompts, max_new_tokens=[12, 5, 9], eos_token_id=None, seed=0)
     assert_one_read_back_per_step(per_step, min_steps=4)
 
 
@@ -79,7 +67,7 @@ def test_a_bounded_paged_pool_adds_no_sync(pair, strategy):
     decoder = SpeculativeDecoder(target, STRATEGIES[strategy](draft), cache_layout="paged", block_size=4, num_blocks=6)
     prompts = [[3, 9, 4, 3, 9, 4, 3], [7, 1], [5, 5, 2, 8]]
     with use_backend("torch"):
-        per_step = count_per_step(decoder, prompts, max_new_tokens=[14, 5, 12], eos_token_id=None, seed=0)
+        per_step = events_per_step(decoder, prompts, max_new_tokens=[14, 5, 12], eos_token_id=None, seed=0)
     assert sum(s.preemptions for s in decoder.stats) > 0, "the pool should have been too small for every request"
     assert [s.finish_reason for s in decoder.stats] == ["length"] * 3
     assert_one_read_back_per_step(per_step, min_steps=4)
@@ -92,7 +80,7 @@ def test_sampled_generation_syncs_once_per_step_on_the_triton_path(pair, strateg
     prompts = [[3, 9, 4, 3, 9], [7, 1, 7]]
     sampling = dict(max_new_tokens=[6, 4], temperature=[1.0, 0.0], top_k=[5, 0], top_p=[0.9, 1.0], seed=3)
     with use_backend("triton"):
-        per_step = count_per_step(decoder, prompts, eos_token_id=None, **sampling)
+        per_step = events_per_step(decoder, prompts, eos_token_id=None, **sampling)
     assert_one_read_back_per_step(per_step, min_steps=2)
 
 
@@ -104,7 +92,7 @@ def test_adaptive_choices_add_no_sync(pair, strategy):
     decoder = SpeculativeDecoder(target, STRATEGIES[strategy](draft), adaptive=AdaptiveSpeculation(explore_every=2))
     prompts = [[3, 9, 4, 3, 9, 4, 3], [7, 1], [5, 5, 2, 8]]
     with use_backend("torch"):
-        per_step = count_per_step(decoder, prompts, max_new_tokens=[16, 9, 12], eos_token_id=None, seed=0)
+        per_step = events_per_step(decoder, prompts, max_new_tokens=[16, 9, 12], eos_token_id=None, seed=0)
     assert_one_read_back_per_step(per_step, min_steps=5)
     chosen = {d for s in decoder.stats for d in s.chosen_depths}
     assert 0 in chosen and max(chosen) > 0, chosen

@@ -38,7 +38,7 @@ from specdec.model.forward_plan import INDEX_DTYPES, plan_forward
 from specdec.model.head_loading import check_fits_target, head_checkpoint_files, read_config_json
 from specdec.model.hf_layout import checkpoint_shapes, fuse
 from specdec.model.kv_cache import KVCache
-from specdec.model.llama import DecoderLayer, LlamaModel
+from specdec.model.llama import DecoderLayer, LlamaModel, config_cache
 from specdec.model.loader import SINGLE_FILE, load_tensors
 
 EMBEDDING = "embed_tokens.weight"
@@ -158,17 +158,7 @@ class EagleHead(nn.Module):
 
     def new_cache(self, batch_size: int, max_len: int, **layout) -> KVCache:
         """The head's own ``KVCache`` (``layout``: layout=, block_size=, num_blocks=, as for the target's)."""
-        c = self.config
-        return KVCache(
-            c.num_layers,
-            batch_size,
-            c.num_kv_heads,
-            c.head_dim,
-            max_len=max_len,
-            dtype=self.dtype,
-            device=self.device,
-            **layout,
-        )
+        return config_cache(self.config, batch_size, max_len, self.dtype, self.device, **layout)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target: LlamaModel) -> EagleHead:

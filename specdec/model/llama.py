@@ -216,25 +216,13 @@ class LlamaModel(nn.Module):
 
     def new_cache(self, batch_size: int, max_len: int, **layout):
         """A ``KVCache`` shaped for this model (``layout``: layout=, block_size=, num_blocks=)."""
-        from specdec.model.kv_cache import KVCache
-
         window = self.config.sliding_window
         if window is not None and max_len > window:
             raise ValueError(
                 f"max_len {max_len} exceeds the model's sliding_window {window}; sliding-window "
                 "attention is not implemented, so sequences must fit in the window"
             )
-        c = self.config
-        return KVCache(
-            c.num_layers,
-            batch_size,
-            c.num_kv_heads,
-            c.head_dim,
-            max_len=max_len,
-            dtype=self.dtype,
-            device=self.device,
-            **layout,
-        )
+        return config_cache(self.config, batch_size, max_len, self.dtype, self.device, **layout)
 
     def expected_tensors(self) -> dict[str, tuple[int, ...]]:
         """Checkpoint tensor name -> shape that this config needs (HuggingFace names: q/k/v, gate/up apart)."""
@@ -274,3 +262,12 @@ class LlamaModel(nn.Module):
         model.load_hf_state_dict(tensors, assign=True)
         model.rope_inv_freq = config.rope_inv_freq(device)
         return model.requires_grad_(False).eval()
+
+
+def config_cache(config: ModelConfig, batch_size: int, max_len: int, dtype, device, **layout):
+    """A ``KVCache`` for a model of ``config`` (its layers, KV heads and head dim), the target's or a draft head's."""
+    from specdec.model.kv_cache import KVCache
+
+    c = config
+    return KVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, max_len=max_len, dtype=dtype, device=device,
+                   **layout)  # fmt: skip
