@@ -79,7 +79,8 @@ def attention_cases():
     """{case: thunk}: the tree attention body at every LLaMA-3-8B shape in bf16 and fp32 (paged), the
     other models' decode, split decode, 64-node trees and prefill (bf16, paged), and fp16 and a contiguous
     cache at LLaMA-3-8B's decode and trees."""
-    from specdec.kernels.tree_attention_kernels import tile_config, tree_attention_triton
+    from specdec.kernels.tree_attention_kernels import tree_attention_triton
+    from specdec.kernels.tree_attention_tiles import tile_config
 
     def run(model, shape, dtype, paged):
         hq, hkv, d = MODELS[model]

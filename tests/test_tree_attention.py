@@ -14,7 +14,8 @@ from helpers import assert_close
 from specdec import _backend
 from specdec.kernels import build_tree_metadata, plan_attention, run_attention, tree_attention
 from specdec.kernels import tree_attention_torch as torch_path
-from specdec.kernels.tree_attention_kernels import attention_space, tile_config, triton_launches
+from specdec.kernels.tree_attention_kernels import triton_launches
+from specdec.kernels.tree_attention_tiles import attention_space, tile_config
 from specdec.kernels.tree_attention_torch import tree_attention_reference
 
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (3e-3, 3e-3), torch.bfloat16: (2e-2, 2e-2)}

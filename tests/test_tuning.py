@@ -22,7 +22,7 @@ from specdec import _backend
 from specdec.kernels import apply_rotary, counter_uniform, rms_norm, tuning
 from specdec.kernels.rotary import apply_rotary_reference
 from specdec.kernels.top_k_top_p import filter_thresholds_reference, filter_thresholds_triton, scaled_logits
-from specdec.kernels.tree_attention_kernels import attention_space
+from specdec.kernels.tree_attention_tiles import attention_space
 from specdec.kernels.uniforms import counter_uniform_reference
 
 pytestmark = pytest.mark.skipif(not _backend.triton_status()[0], reason="triton is not installed")

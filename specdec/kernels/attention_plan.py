@@ -38,7 +38,7 @@ import torch
 
 from specdec import _backend
 from specdec.kernels._checks import check_offsets, check_same_device, check_tensor
-from specdec.kernels.tree_attention_kernels import MAX_HEAD_DIM, TileConfig, default_splits, tile_config
+from specdec.kernels.tree_attention_tiles import MAX_HEAD_DIM, TileConfig, default_splits, tile_config
 from specdec.kernels.tree_attention_torch import padded_layout
 from specdec.kernels.tree_metadata import MASK_WORD_BITS
 
