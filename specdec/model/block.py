@@ -21,9 +21,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from specdec.kernels.rotary import rotary_table, rotate
+from specdec.model.cpu_linear import linear_for
 from specdec.model.forward_plan import LAYER_OPS, ForwardPlan, write_kv
 
 
@@ -91,8 +91,9 @@ def run_layers(
         ops.rms_norm(residual, layers[0].input_norm["weight"], eps, normed)
     x_in = normed if first_norm else residual
     cache = plan.cache
+    linear = linear_for(residual)  # multi-row CPU forwards: packed oneDNN GEMMs
     for l, p in enumerate(layers):
-        qkv = F.linear(x_in, p.qkv["weight"], p.qkv["bias"]).view(T, H + 2 * Hkv, D)  # heads: q | k | v
+        qkv = linear(x_in, p.qkv["weight"], p.qkv["bias"]).view(T, H + 2 * Hkv, D)  # heads: q | k | v
         qk, v = qkv.split_with_sizes((H + Hkv, Hkv), dim=1)
         if plan.rotary is None:  # Triton: rotate q and k in place, as views of the projection
             q, k = qk.split_with_sizes((H, Hkv), dim=1)
@@ -103,11 +104,11 @@ def run_layers(
         k_cache, v_cache = (cache.data[l, 0], cache.data[l, 1]) if compiling else cache.views[l]
         write_kv(ops, plan, l, k, v, compiling)
         ops.attention(q, k_cache, v_cache, *plan.attention_args, attn, None)
-        o = F.linear(attn.view(T, H * D), p.o["weight"], p.o["bias"])
+        o = linear(attn.view(T, H * D), p.o["weight"], p.o["bias"])
         ops.add_rms_norm(o, residual, p.post_norm["weight"], eps, normed)  # residual += o
-        gate_up = F.linear(normed, p.gate_up["weight"], p.gate_up["bias"])
+        gate_up = linear(normed, p.gate_up["weight"], p.gate_up["bias"])
         ops.silu_mul(gate_up, act)
-        down = F.linear(act, p.down["weight"], p.down["bias"])
+        down = linear(act, p.down["weight"], p.down["bias"])
         norm = layers[l + 1].input_norm if l + 1 < len(layers) else final_norm
         if norm is None:  # the last layer, no final norm
             residual += down

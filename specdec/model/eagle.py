@@ -34,6 +34,7 @@ from specdec.kernels._checks import check_tensor
 from specdec.model.attention_metadata import AttentionMetadata
 from specdec.model.block import RotaryRows, layer_params, run_layers
 from specdec.model.config import ModelConfig
+from specdec.model.cpu_linear import linear_for
 from specdec.model.forward_plan import INDEX_DTYPES, plan_forward
 from specdec.model.head_loading import check_fits_target, head_checkpoint_files, read_config_json
 from specdec.model.hf_layout import checkpoint_shapes, fuse
@@ -150,7 +151,7 @@ class EagleHead(nn.Module):
         x = self.fc(torch.cat((F.embedding(tokens, self.embedding_weight), features), dim=-1))  # [Tq, H]
         x = run_layers(self._layer_params, x, plan, self.config, self.rope_inv_freq, first_norm=False)
         rows = x if logits_rows is None else x.index_select(0, logits_rows)
-        return x, F.linear(rows, self.lm_head_weight)
+        return x, linear_for(rows)(rows, self.lm_head_weight)
 
     def rotary_rows(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[T, 1, D]`` of ``positions`` below ``max_position`` (the forward plan asks for them)."""

@@ -31,6 +31,7 @@ from specdec.model import hf_layout
 from specdec.model.attention_metadata import AttentionMetadata
 from specdec.model.block import RotaryRows, layer_params, run_layers
 from specdec.model.config import ModelConfig
+from specdec.model.cpu_linear import linear_for
 from specdec.model.cuda_graphs import BUCKETS, CudaGraphs
 from specdec.model.forward_plan import ForwardPlan, plan_forward
 from specdec.model.loader import load_tensors
@@ -212,7 +213,7 @@ class LlamaModel(nn.Module):
             self._layer_params, residual, plan, self.config, self.rope_inv_freq, final_norm=self.model.norm._parameters
         )
         rows = hidden if logits_rows is None else hidden.index_select(0, logits_rows)
-        return F.linear(rows, self.lm_head_weight), hidden
+        return linear_for(rows)(rows, self.lm_head_weight), hidden
 
     def new_cache(self, batch_size: int, max_len: int, **layout):
         """A ``KVCache`` shaped for this model (``layout``: layout=, block_size=, num_blocks=)."""
