@@ -359,8 +359,9 @@ SWEEP_FIXED = (1, 2, 3, 4, 5)
 SWEEP_ADAPTIVE_MAX = 8
 
 
-def batch_sweep(target, draft, pool: list[list[int]], device: str, quick: bool, repeats: int, out: Path | None,
-                only_batches: list[int] | None = None):
+def batch_sweep(
+    target, draft, pool: list[list[int]], device: str, quick: bool, repeats: int, out: Path | None, only=None
+):
     """Adaptive speculation against plain decoding and fixed chains at every batch size (issue 16).
 
     Per batch size B the work is the same for every method: ``max(1, 6 // B)`` batches of B held-out prompts
@@ -375,7 +376,7 @@ def batch_sweep(target, draft, pool: list[list[int]], device: str, quick: bool, 
     # CUDA (the step's read-back has synchronised already; common.clock would add a sync).
     step_clock = time.perf_counter if device.startswith("cuda") else time.thread_time
     batches, new_tokens = ((1, 4), 16) if quick else (SWEEP_BATCHES, 48)
-    batches = tuple(only_batches) if only_batches else batches
+    batches = tuple(only) if only else batches  # --batches
     fixed = SWEEP_FIXED[::2] if quick else SWEEP_FIXED
     now = clock(device)
 
@@ -446,8 +447,7 @@ def main() -> None:
         parser.add_argument("--eagle-only", action="store_true", help="only the EAGLE table")
         parser.add_argument("--vllm-only", action="store_true", help="only the engine-peer table (vLLM rows)")
         parser.add_argument("--sweep-only", action="store_true", help="only the adaptive batch sweep")
-        parser.add_argument("--batches", type=int, nargs="+", default=None,
-                            help="the sweep's batch sizes (default 1 2 4 8 16 32)")
+        parser.add_argument("--batches", type=int, nargs="+", help="the sweep's batch sizes (default: all six)")
 
     args = bench_args(__doc__.splitlines()[0], extra)
     device = args.device
