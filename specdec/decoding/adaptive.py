@@ -29,7 +29,8 @@ controller measures both as it goes and re-decides every step:
   (three points: a cost curve bent either way shows at once); after that, on a fixed,
   deterministic schedule, an exploration step tries the variant of the choice (a level up or down
   for all or every other request, or any uniform depth) predicted fastest -- or none, when even
-  that one is predicted well below the choice, so exploring drafts nobody accepts stays rare.
+  that one is predicted well below the choice (but at least every eighth time), so exploring drafts
+  nobody accepts stays rare.
 
 Timing adds no synchronisation: the engine reads the host clock at the start of a step and right
 after the step's one read-back (which waits for the device anyway), so the time between the two is
@@ -58,6 +59,9 @@ RESIDUAL_DECAY = 0.7  # weight of a level count's earlier residuals when it is m
 SHAPE_DECAY = 0.7  # weight of a shape's earlier times when it is measured again
 CONTEXT = FEATURES.index("context")
 EXPLORE_MARGIN = 0.8  # explore a variant predicted at no less than this share of the choice's tokens per second
+# Explorations the margin skips in a row before one goes ahead anyway: acceptance moves with the text, and
+# only drafting measures it.
+SKIPS_BEFORE_EXPLORING = 7
 
 
 class StepCostModel:
@@ -240,7 +244,7 @@ class AdaptiveSpeculation:
         self.max_depth, self.max_nodes = 0, 1
         self._draft_nodes: Callable[[int], int] | None = None
         self._nodes_seen: dict[int, int] = {}
-        self._interval, self._until_explore = explore_every, explore_every
+        self._interval, self._until_explore, self._skipped = explore_every, explore_every, 0
         self._last_choice = -1  # the deepest level chosen at the last exploration
         self._started: float | None = None
 
@@ -368,7 +372,11 @@ class AdaptiveSpeculation:
         if not rated:
             return choice
         rate, k = max(rated)
-        return variants[-k] if rate >= EXPLORE_MARGIN * self._rate(running, choice, contexts) else choice
+        if rate < EXPLORE_MARGIN * self._rate(running, choice, contexts) and self._skipped < SKIPS_BEFORE_EXPLORING:
+            self._skipped += 1
+            return choice
+        self._skipped = 0
+        return variants[-k]
 
     def _rate(self, running, depths: Sequence[int], contexts) -> float:
         """Expected tokens per predicted second of a step drafting ``depths``."""
