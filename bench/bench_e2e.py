@@ -359,7 +359,9 @@ SWEEP_FIXED = (1, 2, 3, 4, 5)
 SWEEP_ADAPTIVE_MAX = 8
 
 
-def batch_sweep(target, draft, pool: list[list[int]], device: str, quick: bool, repeats: int, out: Path | None):
+def batch_sweep(
+    target, draft, pool: list[list[int]], device: str, quick: bool, repeats: int, out: Path | None, only=None
+):
     """Adaptive speculation against plain decoding and fixed chains at every batch size (issue 16).
 
     Per batch size B the work is the same for every method: ``max(1, 6 // B)`` batches of B held-out prompts
@@ -374,6 +376,7 @@ def batch_sweep(target, draft, pool: list[list[int]], device: str, quick: bool, 
     # CUDA (the step's read-back has synchronised already; common.clock would add a sync).
     step_clock = time.perf_counter if device.startswith("cuda") else time.thread_time
     batches, new_tokens = ((1, 4), 16) if quick else (SWEEP_BATCHES, 48)
+    batches = tuple(only) if only else batches  # --batches
     fixed = SWEEP_FIXED[::2] if quick else SWEEP_FIXED
     now = clock(device)
 
@@ -444,6 +447,7 @@ def main() -> None:
         parser.add_argument("--eagle-only", action="store_true", help="only the EAGLE table")
         parser.add_argument("--vllm-only", action="store_true", help="only the engine-peer table (vLLM rows)")
         parser.add_argument("--sweep-only", action="store_true", help="only the adaptive batch sweep")
+        parser.add_argument("--batches", type=int, nargs="+", help="the sweep's batch sizes (default: all six)")
 
     args = bench_args(__doc__.splitlines()[0], extra)
     device = args.device
@@ -462,7 +466,7 @@ def main() -> None:
         return
     if args.sweep_only:
         pool = [tokenizer.encode(p["text"]).ids for p in heldout_prompts(ASSETS)]
-        batch_sweep(target, draft, pool, device, args.quick, repeats, args.out)
+        batch_sweep(target, draft, pool, device, args.quick, repeats, args.out, args.batches)
         return
     target_dir, draft_dir = ASSETS / "target", ASSETS / "draft"
     hf_target, hf_draft = load_hf(target_dir, device), load_hf(draft_dir, device)

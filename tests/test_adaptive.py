@@ -33,13 +33,15 @@ class ManualClock:
 
 
 def simulate(ctl: AdaptiveSpeculation, clock: ManualClock, accept, steps: int, *, requests: int = 1,
-             step_s=10.0, row_s=1.0, level_s=0.5, limit: int = 100) -> list[list[int]]:  # fmt: skip
-    """Drive ``ctl`` for ``steps`` steps of chains: a step takes step_s + row_s * rows + level_s * levels;
-    ``accept(r, depth)`` is how many of request r's ``depth`` drafts are accepted. Returns the choices."""
+             step_s=10.0, row_s=1.0, level_s=0.5, limit: int = 100, cost=None) -> list[list[int]]:  # fmt: skip
+    """Drive ``ctl`` for ``steps`` steps of chains: a step takes step_s + row_s * rows + level_s * levels, or
+    ``cost(depths)`` when given; ``accept(r, depth)`` is how many of request r's ``depth`` drafts are
+    accepted. Returns the choices."""
     running, choices = list(range(requests)), []
+    cost = cost or (lambda depths: step_s + row_s * sum(d + 1 for d in depths) + level_s * max(depths))
     for _ in range(steps):
         depths = ctl.choose(running, [limit] * requests, [64] * requests)
-        clock.now += step_s + row_s * sum(d + 1 for d in depths) + level_s * max(depths)
+        clock.now += cost(depths)
         accepted = [accept(r, d) for r, d in enumerate(depths)]
         ctl.observe(running, [d + 1 for d in depths], depths, accepted, [64] * requests)
         choices.append(depths)
@@ -64,6 +66,49 @@ def test_no_acceptance_means_plain_decoding():
     late = settled(simulate(ctl, clock, lambda r, d: 0, 64))
     plain = sum(c == [0] for c in late)
     assert plain >= 0.85 * len(late), f"chose plain decoding in {plain} of {len(late)} steps: {late}"
+
+
+def test_nothing_accepted_means_few_drafted_steps_after_warm_up():
+    """Exploring drafts nobody accepts costs a drafted step each time: after the warm-up, almost none."""
+    ctl, clock = controller()
+    late = simulate(ctl, clock, lambda r, d: 0, 400, requests=4)[16:]
+    drafted = sum(max(c) > 0 for c in late)
+    assert drafted <= 0.01 * len(late), f"drafted in {drafted} of {len(late)} steps"
+
+
+def test_drafting_resumes_when_drafts_start_to_be_accepted():
+    """After a long stretch where nothing is accepted, text that the drafts match: the rare explorations that
+    still draft find it, and drafting resumes."""
+    ctl, clock = controller()
+    calls = []  # one per request and step: four requests
+
+    def accept(r, d):
+        calls.append(d)
+        return d if len(calls) > 4 * 400 else 0
+
+    choices = simulate(ctl, clock, accept, 900, requests=4)
+    assert sum(max(c) > 0 for c in choices[100:400]) <= 3, "drafted often while nothing was accepted"
+    late = choices[-100:]
+    assert sum(min(c) >= 4 for c in late) >= 0.85 * len(late), late
+
+
+def jump_cost(rows_free: int):
+    """One CPU thread's kind of cost curve: a step's time jumps once its rows outgrow a kernel's shape."""
+    return lambda depths: 10 + sum(d + 1 for d in depths) + (20 if sum(d + 1 for d in depths) > rows_free else 0)
+
+
+@pytest.mark.parametrize(
+    ("cost", "best"),
+    [(jump_cost(16), 3), (jump_cost(20), 4), (lambda depths: 2 + sum(d + 1 for d in depths) ** 3 / 1728, 2)],
+    ids=["jump after depth 3", "jump after depth 4", "convex"],
+)
+def test_costs_no_line_follows_settle_on_the_best_depth(cost, best):
+    """Every draft accepted, four requests, step costs that are not linear in rows: the depth the true costs
+    favour wins (a linear fit through the first steps' two ends would keep the longest draft)."""
+    ctl, clock = controller()
+    late = settled(simulate(ctl, clock, lambda r, d: d, 96, requests=4, cost=cost))
+    on_best = sum(c == [best] * 4 for c in late)
+    assert on_best >= 0.85 * len(late), late
 
 
 def test_full_acceptance_means_the_longest_draft():

@@ -14,18 +14,23 @@ controller measures both as it goes and re-decides every step:
   regression on the measured steps (older steps fading), pulled towards a prior scaled from the
   first measured step, so directions the data has not explored stay sensible. Costs are not linear
   in rows (one CPU thread: GEMV against GEMM shapes; a GPU: tiles), so each level count L also
-  keeps a running residual (measured minus predicted) added to the predictions at that L: levels
-  the controller has tried are priced as they were measured.
+  keeps a running residual (measured minus predicted) added to the predictions at that L, and a
+  step shape that was measured -- (requests, extra rows, levels) -- is priced by its own running
+  mean (moved by the fitted context term to the context at hand), not by the fit.
 * **Acceptance** (``AcceptanceModel``): per request and draft position i, the chance that node i is
   accepted given that i - 1 were, a running estimate (recent steps count more) seeded with the
   pooled estimate of every request so far, whose own prior is ``prior_acceptance`` at position 1
   and the estimate at position i - 1 beyond.
 * **Choice**: for each draft-level count L, requests' depths are filled greedily by expected
   tokens per second of extra cost (``P(first i accepted) / cost of the rows of depth i``) while
-  that beats the batch's current tokens per second; the best L wins. 0 = plain decoding.
-  The first measured steps are the strategy's full size and then plain decoding; after that a
-  fixed, deterministic schedule of exploration steps (one level fewer, one more, none) keeps both
-  models informed about sizes the controller is not currently using.
+  that beats the batch's current tokens per second; that fill and the uniform depth L are priced
+  as whole shapes, and the best of every L wins. 0 = plain decoding.
+  The first measured steps are the strategy's full size, plain decoding and half the full size
+  (three points: a cost curve bent either way shows at once); after that, on a fixed,
+  deterministic schedule, an exploration step tries the variant of the choice (a level up or down
+  for all or every other request, or any uniform depth) predicted fastest -- or none, when even
+  that one is predicted well below the choice (but at least every eighth time), so exploring drafts
+  nobody accepts stays rare.
 
 Timing adds no synchronisation: the engine reads the host clock at the start of a step and right
 after the step's one read-back (which waits for the device anyway), so the time between the two is
@@ -51,6 +56,12 @@ PRIOR_SHARES = (0.2, 0.2, 0.1, 0.1, 0.25, 0.15, 0.0)  # how the first measured s
 # hardly tells it from the row and step terms; its prior (no context cost) yields only to strong evidence.
 PRIOR_WEIGHTS = (0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 20.0)
 RESIDUAL_DECAY = 0.7  # weight of a level count's earlier residuals when it is measured again
+SHAPE_DECAY = 0.7  # weight of a shape's earlier times when it is measured again
+CONTEXT = FEATURES.index("context")
+EXPLORE_MARGIN = 0.8  # explore a variant predicted at no less than this share of the choice's tokens per second
+# Explorations the margin skips in a row before one goes ahead anyway: acceptance moves with the text, and
+# only drafting measures it.
+SKIPS_BEFORE_EXPLORING = 7
 
 
 class StepCostModel:
@@ -69,6 +80,7 @@ class StepCostModel:
         self.prior_precision: list[float] = [0.0] * n
         self.theta: list[float] | None = None  # None until a step was measured
         self.residual: dict[int, float] = {}  # per draft-level count: running (measured - predicted)
+        self.shape_mean: dict[tuple[int, int, int], list[float]] = {}  # per shape: running [seconds, context]
         self.steps = 0
 
     @staticmethod
@@ -82,10 +94,13 @@ class StepCostModel:
             scale = [max(v, 1.0) for v in x]
             self.prior_mean = [share * seconds / s for share, s in zip(PRIOR_SHARES, scale)]
             self.prior_precision = [w * s * s for w, s in zip(PRIOR_WEIGHTS, scale)]
-        levels = int(x[FEATURES.index("draft levels")])
+        levels, shape = self._keys(x)
         if self.theta is not None:  # the out-of-sample error of the linear part, at this level count
             error = seconds - sum(t * v for t, v in zip(self.theta, x))
             self.residual[levels] = RESIDUAL_DECAY * self.residual.get(levels, error) + (1 - RESIDUAL_DECAY) * error
+        mean = self.shape_mean.setdefault(shape, [seconds, x[CONTEXT]])
+        for i, v in enumerate((seconds, x[CONTEXT])):
+            mean[i] = SHAPE_DECAY * mean[i] + (1 - SHAPE_DECAY) * v
         n = len(x)
         for i in range(n):
             self.moment[i] = self.decay * self.moment[i] + x[i] * seconds
@@ -95,8 +110,20 @@ class StepCostModel:
         self.theta = self._solve()
 
     def predict(self, x: Sequence[float]) -> float:
-        linear = sum(t * v for t, v in zip(self.theta, x))
-        return linear + self.residual.get(int(x[FEATURES.index("draft levels")]), 0.0)
+        """A measured shape (requests, extra rows, levels) at its own running mean; any other at the linear part
+        plus its level count's running residual. Shapes' costs jump with tiles and GEMM kernels that no linear
+        term follows, and a residual against a moving fit goes stale; a shape's own mean does not."""
+        levels, shape = self._keys(x)
+        mean = self.shape_mean.get(shape)
+        if mean is not None:  # measured: its own mean, moved by the fitted context term to this context
+            return mean[0] + max(self.theta[CONTEXT], 0.0) * (x[CONTEXT] - mean[1])
+        return sum(t * v for t, v in zip(self.theta, x)) + self.residual.get(levels, 0.0)
+
+    @staticmethod
+    def _keys(x: Sequence[float]) -> tuple[int, tuple[int, int, int]]:
+        """A step's level count, and its shape: (requests, extra rows, levels)."""
+        requests, rows, levels = (round(x[FEATURES.index(f)]) for f in ("requests", "extra rows", "draft levels"))
+        return levels, (requests, rows, levels)
 
     def _solve(self) -> list[float]:
         """(gram + diag(precision)) theta = moment + precision * prior_mean, by Gaussian elimination."""
@@ -188,8 +215,8 @@ class AdaptiveSpeculation:
     ----------
     clock : seconds now (host time, read twice a step; never a device value). Default ``time.perf_counter``.
     prior_acceptance : the acceptance assumed at depth 1 before anything was measured.
-    explore_every : every this many steps (doubling up to 8x while the choice does not change), one step
-        drafts one level fewer, one more, or nothing, in turn, so sizes not in use stay measured.
+    explore_every : every this many steps (doubling up to 8x while the choice does not change), one step may
+        try the variant of the choice predicted fastest, so sizes not in use stay measured.
 
     Example
     -------
@@ -217,7 +244,7 @@ class AdaptiveSpeculation:
         self.max_depth, self.max_nodes = 0, 1
         self._draft_nodes: Callable[[int], int] | None = None
         self._nodes_seen: dict[int, int] = {}
-        self._interval, self._until_explore, self._explore_turn = explore_every, explore_every, 0
+        self._interval, self._until_explore, self._skipped = explore_every, explore_every, 0
         self._last_choice = -1  # the deepest level chosen at the last exploration
         self._started: float | None = None
 
@@ -241,11 +268,13 @@ class AdaptiveSpeculation:
             choice = caps
         elif self.cost.steps == 1:  # then one plain step: the two ends of the range, measured
             choice = [0] * len(caps)
+        elif self.cost.steps == 2:  # then the middle: a cost curve bent either way shows from the first steps
+            choice = [(cap + 1) // 2 for cap in caps]
         else:
             choice = self._best(running, caps, contexts)
             self._until_explore -= 1
             if self._until_explore <= 0:
-                choice = self._explore(choice, caps)
+                choice = self._explore(running, choice, caps, contexts)
         self._started = self.clock()
         return choice
 
@@ -304,30 +333,59 @@ class AdaptiveSpeculation:
                     break
                 tokens, seconds = tokens + gain, seconds + cost
                 depth[r] = -neg_i
-            if max(depth) == levels and tokens / seconds > best_rate:
-                best_rate, best = tokens / seconds, depth
+            uniform = [min(levels, cap) for cap in caps]  # the shape fixed sizes use: often the one measured
+            for shape in (depth, uniform):
+                if max(shape) == levels:
+                    rate = self._rate(running, shape, contexts)  # the whole shape, priced as measured where it was
+                    if rate > best_rate:
+                        best_rate, best = rate, shape
         return best
 
-    def _explore(self, choice: list[int], caps: list[int]) -> list[int]:
-        """In turn: one level fewer for all, one more for every other request (the first always among them, so
-        extra rows vary apart from draft levels), plain decoding (what drafting at all costs), one fewer
-        for every other request, one more for all.
-        A variant that would not change the choice is skipped. The interval doubles while the choice holds
-        and restarts when it moved."""
+    def _seconds(self, depths: Sequence[int], contexts: Sequence[int]) -> float:
+        """The predicted time of a step drafting ``depths`` (the features ``observe`` records for it)."""
+        nodes = [self.nodes(d) for d in depths]
+        context_rows = sum(n * c for n, c in zip(nodes, contexts))
+        x = StepCostModel.features(len(depths), sum(nodes) - len(depths), max(depths, default=0), context_rows)
+        return max(self.cost.predict(x), 1e-12)
+
+    def _explore(self, running, choice: list[int], caps: list[int], contexts) -> list[int]:
+        """The exploration step's depths: of the variants below, the one predicted fastest (the likeliest to beat
+        the choice), or the choice itself when even that one is predicted under ``EXPLORE_MARGIN`` of the
+        choice's tokens per second (exploring would cost more than it could find: n-gram drafts nobody
+        accepts). A measured shape is priced by its own mean, so one found slow stops being picked and the
+        next likeliest gets its turn. Variants: one level fewer / more for all, one fewer / more for every
+        other request (the first always among them, so extra rows vary apart from draft levels), and every
+        uniform depth (an optimum far from the choice, under a cost curve the linear fit misses, is reached
+        in one exploration). The interval doubles while the choice holds and restarts when it moved."""
         changed = max(choice, default=0) != self._last_choice
         self._last_choice = max(choice, default=0)
         self._interval = self.explore_every if changed else min(2 * self._interval, 8 * self.explore_every)
         self._until_explore = self._interval
-        variants = (
+        variants = [
             [max(d - 1, 0) for d in choice],
             [min(d + 1, cap) if r % 2 == 0 else d for r, (d, cap) in enumerate(zip(choice, caps))],
-            [0] * len(choice),
             [max(d - 1, 0) if r % 2 == 0 else d for r, d in enumerate(choice)],
             [min(d + 1, cap) for d, cap in zip(choice, caps)],
-        )
-        for _ in variants:
-            variant = variants[self._explore_turn]
-            self._explore_turn = (self._explore_turn + 1) % len(variants)
-            if variant != choice:
-                return variant
-        return choice
+            *([min(depth, cap) for cap in caps] for depth in range(max(caps, default=0) + 1)),
+        ]
+        rated = [(self._rate(running, v, contexts), -k) for k, v in enumerate(variants) if v != choice]
+        if not rated:
+            return choice
+        rate, k = max(rated)
+        if rate < EXPLORE_MARGIN * self._rate(running, choice, contexts) and self._skipped < SKIPS_BEFORE_EXPLORING:
+            self._skipped += 1
+            return choice
+        self._skipped = 0
+        return variants[-k]
+
+    def _rate(self, running, depths: Sequence[int], contexts) -> float:
+        """Expected tokens per predicted second of a step drafting ``depths``."""
+        pooled = self.acceptance.pooled_rates(max(depths, default=0))
+        tokens = 0.0
+        for b, d in zip(running, depths):
+            reach = 1.0
+            tokens += 1.0
+            for rate in self.acceptance.rates(b, pooled[:d]):
+                reach *= rate
+                tokens += reach
+        return tokens / self._seconds(depths, contexts)
