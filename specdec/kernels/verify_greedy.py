@@ -15,8 +15,11 @@ device-side assertion, which costs no host synchronisation and fails the stream 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from specdec import _backend
 from specdec.kernels._checks import check_offsets
 from specdec.kernels._op import register_op
 from specdec.kernels._triton import jit, tl, triton
@@ -133,6 +136,29 @@ def _chain_greedy_torch(logits, tokens, offsets, output_tokens, num_accepted, in
     invalid.copy_(wrong)
 
 
+# The C++ body (csrc/verify_chain_greedy.cpp) takes these logits dtypes; others run the PyTorch body.
+_CPP_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@functools.cache
+def _has_cpp_chain_greedy() -> bool:
+    """The loaded extension has the C++ body (an extension built before it was added has not)."""
+    return _backend.extension_status()[0] is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
+        "specdec::verify_chain_greedy_cpu", "CPU"
+    )
+
+
+def _chain_greedy_host(logits, tokens, offsets, output_tokens, num_accepted, invalid) -> None:
+    """The CPU body: the extension's one pass per request when it is built (a fused loop instead of
+    ``_chain_greedy_torch``'s ~50 small ops; same results), else the PyTorch body. ``SPECDEC_BACKEND=torch``
+    forces the PyTorch body, as for every op with a C++ version."""
+    if (logits.is_cpu and logits.dtype in _CPP_DTYPES and _has_cpp_chain_greedy()
+            and _backend.forced_backend() != "torch"):  # fmt: skip
+        torch.ops.specdec.verify_chain_greedy_cpu(logits, tokens, offsets, output_tokens, num_accepted, invalid)
+    else:
+        _chain_greedy_torch(logits, tokens, offsets, output_tokens, num_accepted, invalid)
+
+
 def _tree_greedy_triton(logits, tokens, parents, offsets, *out) -> None:
     _greedy_triton(logits, tokens, parents, offsets, out, chain=False)
 
@@ -195,7 +221,7 @@ def _any_per_request(flags: torch.Tensor, req: torch.Tensor, batch: int) -> torc
     "verify_chain_greedy",
     mutates_args=("output_tokens", "num_accepted", "invalid"),
     triton=_chain_greedy_triton,
-    torch=_chain_greedy_torch,
+    torch=_chain_greedy_host,
 )
 def _verify_chain_greedy_op(
     target_logits: torch.Tensor,

@@ -1,0 +1,184 @@
+// Greedy chain verification on the CPU: one pass per request instead of ~50 small PyTorch ops.
+//
+// Contract (same as _chain_greedy_torch in specdec/kernels/verify_greedy.py; its readable reference
+// verify_chain_greedy_reference is the oracle):
+//   logits         [T + B, V] fp32/fp64/fp16/bf16, last dim contiguous; request b owns rows
+//                  offsets[b] + b .. offsets[b+1] + b (one per draft, then the bonus row)
+//   tokens         [T]   int32 drafts, flattened
+//   offsets        [B+1] int32 draft offsets
+//   output_tokens  [B, W] int32 out: accepted drafts, then the argmax after them, -1 padded
+//   num_accepted   [B]   int32 out
+//   invalid        [B]   bool  out: some row of the request is bad (NaN, +inf, or no finite logit);
+//                  such a request emits only -1 and accepts 0
+// A row is bad exactly when torch's row max is not finite; a good row's argmax is the first maximum
+// (torch.max's tie rule). Drafts past W - 1 are never accepted, but their rows still count for invalid.
+
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <limits>
+
+namespace specdec {
+namespace {
+
+constexpr int64_t kLanes = 16;  // independent accumulators, so the compiler vectorises the scan
+
+// The row max over values that are not NaN, and whether a NaN was seen. Branch-free, so it vectorises.
+template <typename scalar_t, typename acc_t>
+acc_t row_max(const scalar_t* row, int64_t vocab, bool& saw_nan) {
+  acc_t best[kLanes];
+  bool nan[kLanes];
+  for (int64_t l = 0; l < kLanes; ++l) {
+    best[l] = -std::numeric_limits<acc_t>::infinity();
+    nan[l] = false;
+  }
+  int64_t i = 0;
+  for (; i + kLanes <= vocab; i += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const acc_t x = static_cast<acc_t>(row[i + l]);
+      best[l] = x > best[l] ? x : best[l];
+      nan[l] |= x != x;
+    }
+  }
+  for (; i < vocab; ++i) {
+    const acc_t x = static_cast<acc_t>(row[i]);
+    best[0] = x > best[0] ? x : best[0];
+    nan[0] |= x != x;
+  }
+  acc_t m = best[0];
+  bool any_nan = nan[0];
+  for (int64_t l = 1; l < kLanes; ++l) {
+    m = best[l] > m ? best[l] : m;
+    any_nan |= nan[l];
+  }
+  saw_nan = any_nan;
+  return m;
+}
+
+// Bad as torch sees it: the row max (which propagates NaN) is not finite.
+template <typename scalar_t, typename acc_t>
+bool row_is_bad(const scalar_t* row, int64_t vocab) {
+  bool saw_nan = false;
+  const acc_t m = row_max<scalar_t, acc_t>(row, vocab, saw_nan);
+  return saw_nan || !std::isfinite(static_cast<double>(m));
+}
+
+// First index holding the row's maximum (the row is good: no NaN, finite max).
+template <typename scalar_t, typename acc_t>
+int64_t row_argmax(const scalar_t* row, int64_t vocab) {
+  bool saw_nan = false;
+  const acc_t m = row_max<scalar_t, acc_t>(row, vocab, saw_nan);
+  for (int64_t i = 0; i < vocab; ++i) {
+    if (static_cast<acc_t>(row[i]) == m) return i;
+  }
+  return 0;  // unreachable for a good row
+}
+
+template <typename scalar_t>
+void chain_greedy_requests(const scalar_t* logits, int64_t row_stride, int64_t vocab, const int32_t* tokens,
+                           const int32_t* offsets, int32_t* out_tokens, int64_t out_stride, int64_t width,
+                           int32_t* num_accepted, bool* invalid, int64_t begin, int64_t end) {
+  using acc_t = at::opmath_type<scalar_t>;
+  for (int64_t b = begin; b < end; ++b) {
+    const int64_t draft_start = offsets[b], drafted = offsets[b + 1] - draft_start;
+    const scalar_t* rows = logits + (draft_start + b) * row_stride;
+    int32_t* out = out_tokens + b * out_stride;
+    for (int64_t d = 0; d < width; ++d) out[d] = -1;
+    bool bad = false;
+    for (int64_t j = 0; j <= drafted && !bad; ++j) bad = row_is_bad<scalar_t, acc_t>(rows + j * row_stride, vocab);
+    invalid[b] = bad;
+    num_accepted[b] = 0;
+    if (bad) continue;
+    // Accept drafts while they equal their row's argmax and fit the width; emit the argmax after them.
+    int64_t accepted = 0;
+    int64_t argmax = row_argmax<scalar_t, acc_t>(rows, vocab);
+    while (accepted < drafted && accepted < width - 1 && tokens[draft_start + accepted] == argmax) {
+      out[accepted] = static_cast<int32_t>(argmax);
+      ++accepted;
+      argmax = row_argmax<scalar_t, acc_t>(rows + accepted * row_stride, vocab);
+    }
+    out[accepted] = static_cast<int32_t>(argmax);
+    num_accepted[b] = static_cast<int32_t>(accepted);
+  }
+}
+
+void check_args(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& offsets,
+                const at::Tensor& output_tokens, const at::Tensor& num_accepted, const at::Tensor& invalid) {
+  for (const at::Tensor* t : {&logits, &tokens, &offsets, &output_tokens, &num_accepted, &invalid}) {
+    TORCH_CHECK_VALUE(t->device().is_cpu(), "verify_chain_greedy_cpu takes CPU tensors, got one on ", t->device());
+  }
+  TORCH_CHECK_VALUE(logits.dim() == 2, "target_logits must be 2-D, got shape ", logits.sizes());
+  TORCH_CHECK_TYPE(tokens.scalar_type() == at::kInt, "draft_tokens must have dtype int32, got ", tokens.scalar_type());
+  TORCH_CHECK_TYPE(offsets.scalar_type() == at::kInt, "draft_offsets must have dtype int32, got ",
+                   offsets.scalar_type());
+  TORCH_CHECK_TYPE(output_tokens.scalar_type() == at::kInt && num_accepted.scalar_type() == at::kInt &&
+                       invalid.scalar_type() == at::kBool,
+                   "outputs must be int32 output_tokens, int32 num_accepted and bool invalid");
+  TORCH_CHECK_VALUE(tokens.dim() == 1 && offsets.dim() == 1 && offsets.size(0) >= 1,
+                    "draft_tokens must be 1-D and draft_offsets 1-D with B+1 >= 1 entries");
+  const int64_t batch = offsets.size(0) - 1;
+  TORCH_CHECK_VALUE(output_tokens.dim() == 2 && output_tokens.size(0) == batch && output_tokens.size(1) >= 1 &&
+                        output_tokens.stride(1) == 1,
+                    "output_tokens must be [B, W >= 1] with contiguous rows, got shape ", output_tokens.sizes());
+  TORCH_CHECK_VALUE(num_accepted.numel() == batch && num_accepted.is_contiguous() && invalid.numel() == batch &&
+                        invalid.is_contiguous(),
+                    "num_accepted and invalid must be contiguous [B]");
+  TORCH_CHECK_VALUE(logits.size(0) == tokens.numel() + batch, "target_logits must have T + B = ", tokens.numel(),
+                    " + ", batch, " rows, got ", logits.size(0));
+  TORCH_CHECK_VALUE(batch == 0 || logits.size(1) >= 1, "target_logits needs a vocabulary of at least one entry");
+}
+
+// Offsets are read on the host anyway: checking them keeps every read inside the buffers.
+void check_offsets_host(const int32_t* off, int64_t batch, int64_t total) {
+  TORCH_CHECK_VALUE(off[0] == 0, "draft_offsets must start at 0, got ", off[0]);
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK_VALUE(off[b + 1] >= off[b], "draft_offsets must not decrease, got ", off[b], " then ", off[b + 1],
+                      " at ", b);
+  }
+  TORCH_CHECK_VALUE(off[batch] == total, "draft_offsets[-1] must equal the number of draft tokens (", total,
+                    "), got ", off[batch]);
+}
+
+void verify_chain_greedy_cpu(const at::Tensor& logits_in, const at::Tensor& tokens_in, const at::Tensor& offsets_in,
+                             at::Tensor& output_tokens, at::Tensor& num_accepted, at::Tensor& invalid) {
+  check_args(logits_in, tokens_in, offsets_in, output_tokens, num_accepted, invalid);
+  const at::Tensor logits = logits_in.stride(1) == 1 ? logits_in : logits_in.contiguous();
+  const at::Tensor tokens = tokens_in.contiguous();
+  const at::Tensor offsets = offsets_in.contiguous();
+  const int64_t batch = offsets.size(0) - 1, vocab = logits.size(1);
+  const int32_t* off = offsets.data_ptr<int32_t>();
+  check_offsets_host(off, batch, tokens.numel());
+  if (batch == 0) return;
+  const int32_t* tok = tokens.data_ptr<int32_t>();
+  int32_t* out = output_tokens.data_ptr<int32_t>();
+  int32_t* acc = num_accepted.data_ptr<int32_t>();
+  bool* inv = invalid.data_ptr<bool>();
+  const int64_t width = output_tokens.size(1), out_stride = output_tokens.stride(0);
+  // Requests are independent; split them only when a share is worth a thread (~64k logits each).
+  const int64_t per_request = std::max<int64_t>(1, logits.size(0) / batch * vocab);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / per_request);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "verify_chain_greedy_cpu", [&] {
+    const scalar_t* data = logits.data_ptr<scalar_t>();
+    const int64_t row_stride = logits.stride(0);
+    at::parallel_for(0, batch, grain, [&](int64_t begin, int64_t end) {
+      chain_greedy_requests<scalar_t>(data, row_stride, vocab, tok, off, out, out_stride, width, acc, inv, begin,
+                                      end);
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specdec, m) {
+  m.def(
+      "verify_chain_greedy_cpu(Tensor target_logits, Tensor draft_tokens, Tensor draft_offsets, "
+      "Tensor(a!) output_tokens, Tensor(b!) num_accepted, Tensor(c!) invalid) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(specdec, CPU, m) { m.impl("verify_chain_greedy_cpu", &verify_chain_greedy_cpu); }
+
+}  // namespace specdec
