@@ -20,7 +20,7 @@ from common import Table, bench_args, cpu_threads, measure_many_us  # noqa: E402
 
 from specdec import _backend  # noqa: E402
 from specdec.kernels import run_verify_chain_greedy  # noqa: E402
-from specdec.kernels.verify_greedy import _has_cpp_chain_greedy  # noqa: E402
+from specdec.kernels.verify_greedy import _has_cpp_greedy  # noqa: E402
 
 
 def chains(batch: int, k: int, vocab: int, dtype: torch.dtype, gen: torch.Generator):
@@ -40,7 +40,7 @@ def main() -> None:
         parser.add_argument("--batches", type=int, nargs="+", default=[1, 6])
 
     args = bench_args(__doc__.splitlines()[0], extra)
-    if not _has_cpp_chain_greedy():
+    if not _has_cpp_greedy():
         sys.exit(f"the C++ body is not available: {_backend.extension_status()[1]}")
     cpu_threads("cpu")
     gen = torch.Generator().manual_seed(0)

@@ -57,6 +57,6 @@ def test_the_extension_is_built_beside_vllm():
     """Users' installs build specdec._C; without it all-greedy batches take the slower PyTorch body (still exact),
     so this environment must have it too, or its tests would not time or run what users get."""
     from specdec import _backend
-    from specdec.kernels.verify_greedy import _has_cpp_chain_greedy
+    from specdec.kernels.verify_greedy import _has_cpp_greedy
 
-    assert _has_cpp_chain_greedy(), f"specdec._C without verify_chain_greedy_cpu: {_backend.extension_status()[1]}"
+    assert _has_cpp_greedy(), f"specdec._C without the greedy C++ bodies: {_backend.extension_status()[1]}"

@@ -1,7 +1,8 @@
-// Greedy chain verification on the CPU: one pass per request instead of ~50 small PyTorch ops.
+// Greedy verification on the CPU, chains and trees: one pass per request instead of the PyTorch bodies'
+// dozens of small ops (_chain_greedy_torch, _tree_greedy_torch in specdec/kernels/verify_greedy.py, whose
+// readable references verify_chain_greedy_reference / verify_tree_greedy_reference are the oracles).
 //
-// Contract (same as _chain_greedy_torch in specdec/kernels/verify_greedy.py; its readable reference
-// verify_chain_greedy_reference is the oracle):
+// verify_chain_greedy_cpu:
 //   logits         [T + B, V] fp32/fp64/fp16/bf16, last dim contiguous; request b owns rows
 //                  offsets[b] + b .. offsets[b+1] + b (one per draft, then the bonus row)
 //   tokens         [T]   int32 drafts, flattened
@@ -12,12 +13,20 @@
 //                  such a request emits only -1 and accepts 0
 // A row is bad exactly when torch's row max is not finite; a good row's argmax is the first maximum
 // (torch.max's tie rule). Drafts past W - 1 are never accepted, but their rows still count for invalid.
+//
+// verify_tree_greedy_cpu: the same for trees of nodes (one logits row each, node 0 the root):
+//   parents [N] int32 local parents (-1 for the root, parents before children), offsets [B+1] node offsets;
+//   from the root, follow the first child whose token is its parent's argmax, at most W - 1 deep;
+//   accepted_path [B, W] int32 out: the local nodes followed (0 first), -1 padded; an invalid request
+//   keeps only its root there.
 
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+
+#include "tree_metadata.h"
 
 #include <cmath>
 #include <limits>
@@ -106,20 +115,56 @@ void chain_greedy_requests(const scalar_t* logits, int64_t row_stride, int64_t v
   }
 }
 
-void check_args(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& offsets,
-                const at::Tensor& output_tokens, const at::Tensor& num_accepted, const at::Tensor& invalid) {
+template <typename scalar_t>
+void tree_greedy_requests(const scalar_t* logits, int64_t row_stride, int64_t vocab, const int32_t* tokens,
+                          const int32_t* parents, const int32_t* offsets, int32_t* out_tokens, int32_t* out_path,
+                          int64_t out_stride, int64_t path_stride, int64_t width, int32_t* num_accepted, bool* invalid,
+                          int64_t begin, int64_t end) {
+  using acc_t = at::opmath_type<scalar_t>;
+  for (int64_t b = begin; b < end; ++b) {
+    const int64_t start = offsets[b], nodes = offsets[b + 1] - start;
+    const scalar_t* rows = logits + start * row_stride;
+    int32_t* out = out_tokens + b * out_stride;
+    int32_t* path = out_path + b * path_stride;
+    for (int64_t d = 0; d < width; ++d) out[d] = path[d] = -1;
+    path[0] = 0;
+    bool bad = false;
+    for (int64_t j = 0; j < nodes && !bad; ++j) bad = row_is_bad<scalar_t, acc_t>(rows + j * row_stride, vocab);
+    invalid[b] = bad;
+    num_accepted[b] = 0;
+    if (bad) continue;
+    // Nodes come after their parents, so one scan in index order meets each child after its parent.
+    int64_t depth = 0, cur = 0;
+    int64_t argmax = row_argmax<scalar_t, acc_t>(rows, vocab);
+    for (int64_t j = 1; j < nodes && depth < width - 1; ++j) {
+      if (parents[start + j] == cur && tokens[start + j] == argmax) {
+        out[depth] = static_cast<int32_t>(argmax);
+        path[++depth] = static_cast<int32_t>(j);
+        cur = j;
+        argmax = row_argmax<scalar_t, acc_t>(rows + j * row_stride, vocab);
+      }
+    }
+    out[depth] = static_cast<int32_t>(argmax);
+    num_accepted[b] = static_cast<int32_t>(depth);
+  }
+}
+
+// Devices, dtypes and shapes both ops share; `tokens` / `offsets` are named as the Python op names them.
+void check_common_args(const char* op, const char* tokens_name, const char* offsets_name, const at::Tensor& logits,
+                       const at::Tensor& tokens, const at::Tensor& offsets, const at::Tensor& output_tokens,
+                       const at::Tensor& num_accepted, const at::Tensor& invalid) {
   for (const at::Tensor* t : {&logits, &tokens, &offsets, &output_tokens, &num_accepted, &invalid}) {
-    TORCH_CHECK_VALUE(t->device().is_cpu(), "verify_chain_greedy_cpu takes CPU tensors, got one on ", t->device());
+    TORCH_CHECK_VALUE(t->device().is_cpu(), op, " takes CPU tensors, got one on ", t->device());
   }
   TORCH_CHECK_VALUE(logits.dim() == 2, "target_logits must be 2-D, got shape ", logits.sizes());
-  TORCH_CHECK_TYPE(tokens.scalar_type() == at::kInt, "draft_tokens must have dtype int32, got ", tokens.scalar_type());
-  TORCH_CHECK_TYPE(offsets.scalar_type() == at::kInt, "draft_offsets must have dtype int32, got ",
+  TORCH_CHECK_TYPE(tokens.scalar_type() == at::kInt, tokens_name, " must have dtype int32, got ", tokens.scalar_type());
+  TORCH_CHECK_TYPE(offsets.scalar_type() == at::kInt, offsets_name, " must have dtype int32, got ",
                    offsets.scalar_type());
   TORCH_CHECK_TYPE(output_tokens.scalar_type() == at::kInt && num_accepted.scalar_type() == at::kInt &&
                        invalid.scalar_type() == at::kBool,
                    "outputs must be int32 output_tokens, int32 num_accepted and bool invalid");
-  TORCH_CHECK_VALUE(tokens.dim() == 1 && offsets.dim() == 1 && offsets.size(0) >= 1,
-                    "draft_tokens must be 1-D and draft_offsets 1-D with B+1 >= 1 entries");
+  TORCH_CHECK_VALUE(tokens.dim() == 1 && offsets.dim() == 1 && offsets.size(0) >= 1, tokens_name, " must be 1-D and ",
+                    offsets_name, " 1-D with B+1 >= 1 entries");
   const int64_t batch = offsets.size(0) - 1;
   TORCH_CHECK_VALUE(output_tokens.dim() == 2 && output_tokens.size(0) == batch && output_tokens.size(1) >= 1 &&
                         output_tokens.stride(1) == 1,
@@ -127,8 +172,6 @@ void check_args(const at::Tensor& logits, const at::Tensor& tokens, const at::Te
   TORCH_CHECK_VALUE(num_accepted.numel() == batch && num_accepted.is_contiguous() && invalid.numel() == batch &&
                         invalid.is_contiguous(),
                     "num_accepted and invalid must be contiguous [B]");
-  TORCH_CHECK_VALUE(logits.size(0) == tokens.numel() + batch, "target_logits must have T + B = ", tokens.numel(),
-                    " + ", batch, " rows, got ", logits.size(0));
   TORCH_CHECK_VALUE(batch == 0 || logits.size(1) >= 1, "target_logits needs a vocabulary of at least one entry");
 }
 
@@ -145,7 +188,10 @@ void check_offsets_host(const int32_t* off, int64_t batch, int64_t total) {
 
 void verify_chain_greedy_cpu(const at::Tensor& logits_in, const at::Tensor& tokens_in, const at::Tensor& offsets_in,
                              at::Tensor& output_tokens, at::Tensor& num_accepted, at::Tensor& invalid) {
-  check_args(logits_in, tokens_in, offsets_in, output_tokens, num_accepted, invalid);
+  check_common_args("verify_chain_greedy_cpu", "draft_tokens", "draft_offsets", logits_in, tokens_in, offsets_in,
+                    output_tokens, num_accepted, invalid);
+  TORCH_CHECK_VALUE(logits_in.size(0) == tokens_in.numel() + offsets_in.size(0) - 1, "target_logits must have T + B = ",
+                    tokens_in.numel(), " + ", offsets_in.size(0) - 1, " rows, got ", logits_in.size(0));
   const at::Tensor logits = logits_in.stride(1) == 1 ? logits_in : logits_in.contiguous();
   const at::Tensor tokens = tokens_in.contiguous();
   const at::Tensor offsets = offsets_in.contiguous();
@@ -171,14 +217,56 @@ void verify_chain_greedy_cpu(const at::Tensor& logits_in, const at::Tensor& toke
   });
 }
 
+void verify_tree_greedy_cpu(const at::Tensor& logits_in, const at::Tensor& tokens_in, const at::Tensor& parents_in,
+                            const at::Tensor& offsets_in, at::Tensor& output_tokens, at::Tensor& num_accepted,
+                            at::Tensor& accepted_path, at::Tensor& invalid) {
+  check_common_args("verify_tree_greedy_cpu", "node_tokens", "node_offsets", logits_in, tokens_in, offsets_in,
+                    output_tokens, num_accepted, invalid);
+  check_tree_metadata_args(parents_in, offsets_in, 1);
+  TORCH_CHECK_VALUE(tokens_in.numel() == parents_in.numel() && logits_in.size(0) == parents_in.numel(),
+                    "node_tokens, parents and target_logits rows must be one per node, got ", tokens_in.numel(), ", ",
+                    parents_in.numel(), " and ", logits_in.size(0));
+  TORCH_CHECK_VALUE(accepted_path.scalar_type() == at::kInt && accepted_path.sizes() == output_tokens.sizes() &&
+                        accepted_path.stride(1) == 1,
+                    "accepted_path must be int32 shaped like output_tokens with contiguous rows");
+  const at::Tensor logits = logits_in.stride(1) == 1 ? logits_in : logits_in.contiguous();
+  const at::Tensor tokens = tokens_in.contiguous(), parents = parents_in.contiguous(), offsets = offsets_in.contiguous();
+  const int64_t batch = offsets.size(0) - 1, vocab = logits.size(1), nodes = parents.size(0);
+  const int32_t* off = offsets.data_ptr<int32_t>();
+  const int32_t* par = parents.data_ptr<int32_t>();
+  check_trees_host(par, off, batch, nodes, std::max<int64_t>(nodes, 1));  // every read stays inside the buffers
+  if (batch == 0) return;
+  const int32_t* tok = tokens.data_ptr<int32_t>();
+  int32_t* out = output_tokens.data_ptr<int32_t>();
+  int32_t* path = accepted_path.data_ptr<int32_t>();
+  int32_t* acc = num_accepted.data_ptr<int32_t>();
+  bool* inv = invalid.data_ptr<bool>();
+  const int64_t width = output_tokens.size(1);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, nodes / batch * vocab));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "verify_tree_greedy_cpu", [&] {
+    const scalar_t* data = logits.data_ptr<scalar_t>();
+    const int64_t row_stride = logits.stride(0);
+    at::parallel_for(0, batch, grain, [&](int64_t begin, int64_t end) {
+      tree_greedy_requests<scalar_t>(data, row_stride, vocab, tok, par, off, out, path, output_tokens.stride(0),
+                                     accepted_path.stride(0), width, acc, inv, begin, end);
+    });
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def(
       "verify_chain_greedy_cpu(Tensor target_logits, Tensor draft_tokens, Tensor draft_offsets, "
       "Tensor(a!) output_tokens, Tensor(b!) num_accepted, Tensor(c!) invalid) -> ()");
+  m.def(
+      "verify_tree_greedy_cpu(Tensor target_logits, Tensor node_tokens, Tensor parents, Tensor node_offsets, "
+      "Tensor(a!) output_tokens, Tensor(b!) num_accepted, Tensor(c!) accepted_path, Tensor(d!) invalid) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(specdec, CPU, m) { m.impl("verify_chain_greedy_cpu", &verify_chain_greedy_cpu); }
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("verify_chain_greedy_cpu", &verify_chain_greedy_cpu);
+  m.impl("verify_tree_greedy_cpu", &verify_tree_greedy_cpu);
+}
 
 }  // namespace specdec
