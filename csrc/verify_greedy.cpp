@@ -30,61 +30,118 @@
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 namespace specdec {
 namespace {
 
-constexpr int64_t kLanes = 16;  // independent accumulators, so the compiler vectorises the scan
-
-// The row max over values that are not NaN, and whether a NaN was seen. Branch-free, so it vectorises.
+// The row max over values that are not NaN, and whether a NaN was seen.
 template <typename scalar_t, typename acc_t>
-acc_t row_max(const scalar_t* row, int64_t vocab, bool& saw_nan) {
-  acc_t best[kLanes];
-  bool nan[kLanes];
-  for (int64_t l = 0; l < kLanes; ++l) {
-    best[l] = -std::numeric_limits<acc_t>::infinity();
-    nan[l] = false;
-  }
-  int64_t i = 0;
-  for (; i + kLanes <= vocab; i += kLanes) {
-    for (int64_t l = 0; l < kLanes; ++l) {
-      const acc_t x = static_cast<acc_t>(row[i + l]);
-      best[l] = x > best[l] ? x : best[l];
-      nan[l] |= x != x;
-    }
-  }
-  for (; i < vocab; ++i) {
+acc_t row_max_scalar(const scalar_t* row, int64_t vocab, bool& saw_nan) {
+  acc_t m = -std::numeric_limits<acc_t>::infinity();
+  bool nan = false;
+  for (int64_t i = 0; i < vocab; ++i) {
     const acc_t x = static_cast<acc_t>(row[i]);
-    best[0] = x > best[0] ? x : best[0];
-    nan[0] |= x != x;
+    m = x > m ? x : m;
+    nan |= x != x;
   }
-  acc_t m = best[0];
-  bool any_nan = nan[0];
-  for (int64_t l = 1; l < kLanes; ++l) {
-    m = best[l] > m ? best[l] : m;
-    any_nan |= nan[l];
-  }
-  saw_nan = any_nan;
+  saw_nan = nan;
   return m;
 }
 
-// Bad as torch sees it: the row max (which propagates NaN) is not finite.
 template <typename scalar_t, typename acc_t>
-bool row_is_bad(const scalar_t* row, int64_t vocab) {
-  bool saw_nan = false;
-  const acc_t m = row_max<scalar_t, acc_t>(row, vocab, saw_nan);
-  return saw_nan || !std::isfinite(static_cast<double>(m));
-}
-
-// First index holding the row's maximum (the row is good: no NaN, finite max).
-template <typename scalar_t, typename acc_t>
-int64_t row_argmax(const scalar_t* row, int64_t vocab) {
-  bool saw_nan = false;
-  const acc_t m = row_max<scalar_t, acc_t>(row, vocab, saw_nan);
+int64_t first_equal_scalar(const scalar_t* row, int64_t vocab, acc_t m) {
   for (int64_t i = 0; i < vocab; ++i) {
     if (static_cast<acc_t>(row[i]) == m) return i;
   }
   return 0;  // unreachable for a good row
+}
+
+#if defined(__SSE2__)
+// x86-64's baseline vectors, for fp32 and bf16 (GCC does not vectorise the scalar loops above: a float max
+// reduction needs -ffinite-math-only, which would also drop the NaN test). 4 floats at a time.
+constexpr bool kVectorised = true;
+inline __m128 load4(const float* p) { return _mm_loadu_ps(p); }
+inline __m128 load4(const c10::BFloat16* p) {  // bf16 is a float's upper half
+  const __m128i half = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), half));
+}
+
+template <typename scalar_t>
+float row_max_sse(const scalar_t* row, int64_t vocab, bool& saw_nan) {
+  __m128 best[4], nan[4];  // four independent chains keep the max unit busy
+  for (int l = 0; l < 4; ++l) {
+    best[l] = _mm_set1_ps(-std::numeric_limits<float>::infinity());
+    nan[l] = _mm_setzero_ps();
+  }
+  int64_t i = 0;
+  for (; i + 16 <= vocab; i += 16) {
+    for (int l = 0; l < 4; ++l) {
+      const __m128 x = load4(row + i + 4 * l);
+      best[l] = _mm_max_ps(x, best[l]);  // a NaN x keeps best (maxps returns its second operand)
+      nan[l] = _mm_or_ps(nan[l], _mm_cmpunord_ps(x, x));
+    }
+  }
+  alignas(16) float lanes[4];
+  _mm_store_ps(lanes, _mm_max_ps(_mm_max_ps(best[0], best[1]), _mm_max_ps(best[2], best[3])));
+  bool rest_nan = false;
+  float m = row_max_scalar<scalar_t, float>(row + i, vocab - i, rest_nan);
+  for (int l = 0; l < 4; ++l) m = lanes[l] > m ? lanes[l] : m;
+  saw_nan = rest_nan || _mm_movemask_ps(_mm_or_ps(_mm_or_ps(nan[0], nan[1]), _mm_or_ps(nan[2], nan[3]))) != 0;
+  return m;
+}
+
+template <typename scalar_t>
+int64_t first_equal_sse(const scalar_t* row, int64_t vocab, float m) {
+  const __m128 target = _mm_set1_ps(m);
+  int64_t i = 0;
+  for (; i + 4 <= vocab; i += 4) {
+    const int hits = _mm_movemask_ps(_mm_cmpeq_ps(load4(row + i), target));
+    if (hits != 0) return i + __builtin_ctz(hits);
+  }
+  return i + first_equal_scalar<scalar_t, float>(row + i, vocab - i, m);
+}
+#else
+constexpr bool kVectorised = false;
+#endif
+
+template <typename scalar_t>
+constexpr bool vectorised() {
+  return kVectorised && (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>);
+}
+
+template <typename scalar_t, typename acc_t>
+acc_t row_max(const scalar_t* row, int64_t vocab, bool& saw_nan) {
+#if defined(__SSE2__)
+  if constexpr (vectorised<scalar_t>()) return row_max_sse(row, vocab, saw_nan);
+#endif
+  return row_max_scalar<scalar_t, acc_t>(row, vocab, saw_nan);
+}
+
+template <typename scalar_t, typename acc_t>
+int64_t first_equal(const scalar_t* row, int64_t vocab, acc_t m) {
+#if defined(__SSE2__)
+  if constexpr (vectorised<scalar_t>()) return first_equal_sse(row, vocab, m);
+#endif
+  return first_equal_scalar<scalar_t, acc_t>(row, vocab, m);
+}
+
+// Each row's max into `maxes`; false when a row is bad as torch sees it: its max (which propagates NaN) is
+// not finite. Stops at the first bad row.
+template <typename scalar_t, typename acc_t>
+bool rows_are_good(const scalar_t* rows, int64_t row_stride, int64_t n, int64_t vocab, std::vector<acc_t>& maxes) {
+  maxes.resize(n);
+  for (int64_t j = 0; j < n; ++j) {
+    bool saw_nan = false;
+    maxes[j] = row_max<scalar_t, acc_t>(rows + j * row_stride, vocab, saw_nan);
+    if (saw_nan || !std::isfinite(static_cast<double>(maxes[j]))) return false;
+  }
+  return true;
 }
 
 template <typename scalar_t>
@@ -92,23 +149,23 @@ void chain_greedy_requests(const scalar_t* logits, int64_t row_stride, int64_t v
                            const int32_t* offsets, int32_t* out_tokens, int64_t out_stride, int64_t width,
                            int32_t* num_accepted, bool* invalid, int64_t begin, int64_t end) {
   using acc_t = at::opmath_type<scalar_t>;
+  std::vector<acc_t> maxes;  // the request's row maxes, reused across requests
   for (int64_t b = begin; b < end; ++b) {
     const int64_t draft_start = offsets[b], drafted = offsets[b + 1] - draft_start;
     const scalar_t* rows = logits + (draft_start + b) * row_stride;
     int32_t* out = out_tokens + b * out_stride;
     for (int64_t d = 0; d < width; ++d) out[d] = -1;
-    bool bad = false;
-    for (int64_t j = 0; j <= drafted && !bad; ++j) bad = row_is_bad<scalar_t, acc_t>(rows + j * row_stride, vocab);
-    invalid[b] = bad;
+    const bool good = rows_are_good<scalar_t, acc_t>(rows, row_stride, drafted + 1, vocab, maxes);
+    invalid[b] = !good;
     num_accepted[b] = 0;
-    if (bad) continue;
+    if (!good) continue;
     // Accept drafts while they equal their row's argmax and fit the width; emit the argmax after them.
     int64_t accepted = 0;
-    int64_t argmax = row_argmax<scalar_t, acc_t>(rows, vocab);
+    int64_t argmax = first_equal<scalar_t, acc_t>(rows, vocab, maxes[0]);
     while (accepted < drafted && accepted < width - 1 && tokens[draft_start + accepted] == argmax) {
       out[accepted] = static_cast<int32_t>(argmax);
       ++accepted;
-      argmax = row_argmax<scalar_t, acc_t>(rows + accepted * row_stride, vocab);
+      argmax = first_equal<scalar_t, acc_t>(rows + accepted * row_stride, vocab, maxes[accepted]);
     }
     out[accepted] = static_cast<int32_t>(argmax);
     num_accepted[b] = static_cast<int32_t>(accepted);
@@ -121,6 +178,7 @@ void tree_greedy_requests(const scalar_t* logits, int64_t row_stride, int64_t vo
                           int64_t out_stride, int64_t path_stride, int64_t width, int32_t* num_accepted, bool* invalid,
                           int64_t begin, int64_t end) {
   using acc_t = at::opmath_type<scalar_t>;
+  std::vector<acc_t> maxes;  // the request's row maxes, reused across requests
   for (int64_t b = begin; b < end; ++b) {
     const int64_t start = offsets[b], nodes = offsets[b + 1] - start;
     const scalar_t* rows = logits + start * row_stride;
@@ -128,20 +186,19 @@ void tree_greedy_requests(const scalar_t* logits, int64_t row_stride, int64_t vo
     int32_t* path = out_path + b * path_stride;
     for (int64_t d = 0; d < width; ++d) out[d] = path[d] = -1;
     path[0] = 0;
-    bool bad = false;
-    for (int64_t j = 0; j < nodes && !bad; ++j) bad = row_is_bad<scalar_t, acc_t>(rows + j * row_stride, vocab);
-    invalid[b] = bad;
+    const bool good = rows_are_good<scalar_t, acc_t>(rows, row_stride, nodes, vocab, maxes);
+    invalid[b] = !good;
     num_accepted[b] = 0;
-    if (bad) continue;
+    if (!good) continue;
     // Nodes come after their parents, so one scan in index order meets each child after its parent.
     int64_t depth = 0, cur = 0;
-    int64_t argmax = row_argmax<scalar_t, acc_t>(rows, vocab);
+    int64_t argmax = first_equal<scalar_t, acc_t>(rows, vocab, maxes[0]);
     for (int64_t j = 1; j < nodes && depth < width - 1; ++j) {
       if (parents[start + j] == cur && tokens[start + j] == argmax) {
         out[depth] = static_cast<int32_t>(argmax);
         path[++depth] = static_cast<int32_t>(j);
         cur = j;
-        argmax = row_argmax<scalar_t, acc_t>(rows + j * row_stride, vocab);
+        argmax = first_equal<scalar_t, acc_t>(rows + j * row_stride, vocab, maxes[j]);
       }
     }
     out[depth] = static_cast<int32_t>(argmax);
