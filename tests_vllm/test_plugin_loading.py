@@ -51,3 +51,12 @@ def test_register_and_unregister_swap_the_class():
     finally:
         plugin.unregister()
     assert gpu_model_runner.RejectionSampler is RejectionSampler
+
+
+def test_the_extension_is_built_beside_vllm():
+    """Users' installs build specdec._C; without it all-greedy batches take the slower PyTorch body (still exact),
+    so this environment must have it too, or its tests would not time or run what users get."""
+    from specdec import _backend
+    from specdec.kernels.verify_greedy import _has_cpp_greedy
+
+    assert _has_cpp_greedy(), f"specdec._C without the greedy C++ bodies: {_backend.extension_status()[1]}"

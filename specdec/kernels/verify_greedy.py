@@ -15,8 +15,11 @@ device-side assertion, which costs no host synchronisation and fails the stream 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from specdec import _backend
 from specdec.kernels._checks import check_offsets
 from specdec.kernels._op import register_op
 from specdec.kernels._triton import jit, tl, triton
@@ -133,6 +136,39 @@ def _chain_greedy_torch(logits, tokens, offsets, output_tokens, num_accepted, in
     invalid.copy_(wrong)
 
 
+# The C++ bodies (csrc/verify_greedy.cpp) take these logits dtypes; others run the PyTorch bodies.
+_CPP_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@functools.cache
+def _has_cpp_greedy() -> bool:
+    """The loaded extension has the C++ bodies (an extension built before they were added has not)."""
+    return _backend.extension_status()[0] is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
+        "specdec::verify_tree_greedy_cpu", "CPU"
+    )
+
+
+def _use_cpp(logits: torch.Tensor) -> bool:
+    """The CPU bodies run the extension's one pass per request when it is built (a loop instead of the PyTorch
+    bodies' dozens of small ops; same results); ``SPECDEC_BACKEND=torch`` forces the PyTorch bodies, as for
+    every op with a C++ version."""
+    return logits.is_cpu and logits.dtype in _CPP_DTYPES and _has_cpp_greedy() and _backend.forced_backend() != "torch"
+
+
+def _chain_greedy_host(logits, tokens, offsets, *out) -> None:
+    if _use_cpp(logits):
+        torch.ops.specdec.verify_chain_greedy_cpu(logits, tokens, offsets, *out)
+    else:
+        _chain_greedy_torch(logits, tokens, offsets, *out)
+
+
+def _tree_greedy_host(logits, tokens, parents, offsets, *out) -> None:
+    if _use_cpp(logits):
+        torch.ops.specdec.verify_tree_greedy_cpu(logits, tokens, parents, offsets, *out)
+    else:
+        _tree_greedy_torch(logits, tokens, parents, offsets, *out)
+
+
 def _tree_greedy_triton(logits, tokens, parents, offsets, *out) -> None:
     _greedy_triton(logits, tokens, parents, offsets, out, chain=False)
 
@@ -195,7 +231,7 @@ def _any_per_request(flags: torch.Tensor, req: torch.Tensor, batch: int) -> torc
     "verify_chain_greedy",
     mutates_args=("output_tokens", "num_accepted", "invalid"),
     triton=_chain_greedy_triton,
-    torch=_chain_greedy_torch,
+    torch=_chain_greedy_host,
 )
 def _verify_chain_greedy_op(
     target_logits: torch.Tensor,
@@ -212,7 +248,7 @@ def _verify_chain_greedy_op(
     "verify_tree_greedy",
     mutates_args=("output_tokens", "num_accepted", "accepted_path", "invalid"),
     triton=_tree_greedy_triton,
-    torch=_tree_greedy_torch,
+    torch=_tree_greedy_host,
 )
 def _verify_tree_greedy_op(
     target_logits: torch.Tensor,
