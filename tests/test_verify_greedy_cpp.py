@@ -194,6 +194,20 @@ def test_empty_batches_drafts_and_strided_logits():
 
 
 @needs_cpp
+def test_cpp_ops_pass_opcheck():
+    """Schemas (the mutated outputs), fake implementations and dispatch agree, as for every registered op."""
+    gen = torch.Generator().manual_seed(5)
+    logits, tokens, offsets, longest = random_chains(gen, torch.float32, 17)
+    outputs = empty_result(offsets.numel() - 1, longest + 1)
+    torch.library.opcheck(torch.ops.specdec.verify_chain_greedy_cpu.default, (logits, tokens, offsets, *outputs))
+    logits, tokens, parents, offsets, largest = random_trees(gen, torch.float32, 17)
+    torch.library.opcheck(
+        torch.ops.specdec.verify_tree_greedy_cpu.default,
+        (logits, tokens, parents, offsets, *empty_tree_result(offsets.numel() - 1, largest)),
+    )
+
+
+@needs_cpp
 def test_cpp_body_refuses_malformed_offsets_and_dtypes():
     logits, tokens = torch.randn(4, 5), torch.zeros(2, dtype=torch.int32)
     for offsets, match in (([1, 2, 2], "start at 0"), ([0, 3, 2], "must not decrease"), ([0, 1, 1], r"\[-1\]")):

@@ -148,6 +148,17 @@ def _has_cpp_greedy() -> bool:
     )
 
 
+def _register_cpp_fakes() -> None:
+    """The C++ bodies only write their output buffers: their fake implementations return nothing, which is
+    what torch.compile and ``torch.library.opcheck`` need to trace them."""
+    for name in ("verify_chain_greedy_cpu", "verify_tree_greedy_cpu"):
+        torch.library.register_fake(f"specdec::{name}")(lambda *args: None)
+
+
+if _has_cpp_greedy():
+    _register_cpp_fakes()
+
+
 def _use_cpp(logits: torch.Tensor) -> bool:
     """The CPU bodies run the extension's one pass per request when it is built (a loop instead of the PyTorch
     bodies' dozens of small ops; same results); ``SPECDEC_BACKEND=torch`` forces the PyTorch bodies, as for
