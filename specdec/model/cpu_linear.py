@@ -1,9 +1,10 @@
 """Linear layers of multi-row forwards on the CPU: oneDNN with each weight packed once.
 
-On the 2-core CPU this package is measured on, PyTorch's ``F.linear`` runs one row (decode at batch
-1) well but a few rows poorly: at 6 rows the embedded target's fused gate/up GEMM takes 1.5x, and
-its LM head 2x, the time oneDNN takes with the weight reordered ("packed") for it (bench/RESULTS.md,
-"CPU GEMMs"). Multi-row forwards are every verification of a chain or tree, a batch's decode and
+On the 2-core AMD EPYC this policy was chosen on, PyTorch's ``F.linear`` runs one row (decode at
+batch 1) well but a few rows poorly: at 6 rows the embedded target's fused gate/up GEMM takes 1.5x,
+and its LM head 2x, the time oneDNN takes with the weight reordered ("packed") for it. The gain is
+machine-dependent (bench/RESULTS.md, "CPU GEMMs": on an Intel Xeon with AVX-512 only the LM head
+gains, from 6 rows). Multi-row forwards are every verification of a chain or tree, a batch's decode and
 the prefill. One packed layout serves every row count from 2 up (packs made for 2 to 32 rows ran
 alike), and one row runs best unpacked, so ``linear_for`` picks, once per forward, either
 ``F.linear`` or ``packed_linear``, which packs a weight on its first use and keeps the pack on the
@@ -21,8 +22,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-# Measured at 6 rows, one thread: 256 x 256 to 768 x 256 weights ran alike or slower packed, 256 x 1536
-# (the fused gate/up) 1.3-1.5x and 256 x 4096 (an LM head) 1.6-2x faster.
+# Measured at 6 rows, one thread, AMD EPYC: 256 x 256 to 768 x 256 weights ran alike or slower packed,
+# 256 x 1536 (the fused gate/up) 1.3-1.5x and 256 x 4096 (an LM head) 1.6-2x faster.
 PACK_MIN_ELEMENTS = 1 << 18
 PACK_ROWS = 32  # the row count the layout is packed for (any count >= 2 runs alike)
 AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
