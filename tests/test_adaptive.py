@@ -17,6 +17,7 @@ from specdec.decoding import (
     NgramStrategy,
     SpeculativeDecoder,
 )
+from specdec.decoding.adaptive import warm_up_depths
 from specdec.decoding.autoregressive import generate as autoregressive_generate
 
 pytestmark = pytest.mark.usefixtures("torch_backend")
@@ -38,7 +39,7 @@ def simulate(ctl: AdaptiveSpeculation, clock: ManualClock, accept, steps: int, *
     ``cost(depths)`` when given; ``accept(r, depth)`` is how many of request r's ``depth`` drafts are
     accepted. Returns the choices."""
     running, choices = list(range(requests)), []
-    cost = cost or (lambda depths: step_s + row_s * sum(d + 1 for d in depths) + level_s * max(depths))
+    cost = cost or (lambda depths: linear_cost(depths, step_s, row_s, level_s))
     for _ in range(steps):
         depths = ctl.choose(running, [limit] * requests, [64] * requests)
         clock.now += cost(depths)
@@ -46,6 +47,16 @@ def simulate(ctl: AdaptiveSpeculation, clock: ManualClock, accept, steps: int, *
         ctl.observe(running, [d + 1 for d in depths], depths, accepted, [64] * requests)
         choices.append(depths)
     return choices
+
+
+def linear_cost(depths, step_s=10.0, row_s=1.0, level_s=0.5) -> float:
+    """``simulate``'s default step time: a fixed part, each row (a request's root and its drafts), each level."""
+    return step_s + row_s * sum(d + 1 for d in depths) + level_s * max(depths)
+
+
+def overhead(choices: list[list[int]]) -> float:
+    """How much longer ``choices`` took than plain decoding of the same steps (``linear_cost``), as a fraction."""
+    return sum(linear_cost(c) for c in choices) / sum(linear_cost([0] * len(c)) for c in choices) - 1
 
 
 def settled(choices: list[list[int]]) -> list[list[int]]:
@@ -68,12 +79,13 @@ def test_no_acceptance_means_plain_decoding():
     assert plain >= 0.85 * len(late), f"chose plain decoding in {plain} of {len(late)} steps: {late}"
 
 
-def test_nothing_accepted_means_few_drafted_steps_after_warm_up():
-    """Exploring drafts nobody accepts costs a drafted step each time: after the warm-up, almost none."""
+def test_nothing_accepted_costs_under_one_percent_after_warm_up():
+    """Exploring drafts nobody accepts costs a drafted step each time: after the warm-up, those steps add under
+    1% to the time plain decoding takes (the issue's line for n-gram drafts at temperature 1 is 5%)."""
     ctl, clock = controller()
     late = simulate(ctl, clock, lambda r, d: 0, 400, requests=4)[16:]
     drafted = sum(max(c) > 0 for c in late)
-    assert drafted <= 0.01 * len(late), f"drafted in {drafted} of {len(late)} steps"
+    assert overhead(late) < 0.01, f"drafted in {drafted} of {len(late)} steps: {overhead(late):.2%} over plain"
 
 
 def test_drafting_resumes_when_drafts_start_to_be_accepted():
@@ -87,7 +99,7 @@ def test_drafting_resumes_when_drafts_start_to_be_accepted():
         return d if len(calls) > 4 * 400 else 0
 
     choices = simulate(ctl, clock, accept, 900, requests=4)
-    assert sum(max(c) > 0 for c in choices[100:400]) <= 3, "drafted often while nothing was accepted"
+    assert overhead(choices[100:400]) < 0.01, "drafted often while nothing was accepted"
     late = choices[-100:]
     assert sum(min(c) >= 4 for c in late) >= 0.85 * len(late), late
 
@@ -109,6 +121,24 @@ def test_costs_no_line_follows_settle_on_the_best_depth(cost, best):
     late = settled(simulate(ctl, clock, lambda r, d: d, 96, requests=4, cost=cost))
     on_best = sum(c == [best] * 4 for c in late)
     assert on_best >= 0.85 * len(late), late
+
+
+@pytest.mark.parametrize(
+    ("cost", "best"),
+    [(jump_cost(16), 2), (lambda depths: 2 + sum(d + 1 for d in depths) ** 2 / 40, 1)],
+    ids=["jump after depth 3", "convex"],
+)
+def test_a_short_best_depth_is_chosen_right_after_the_warm_up(cost, best):
+    """Two drafts at most accepted, four requests, a strategy of depth 8: the warm-up measures the depths 8, 0,
+    4, 2 and 1, so the short best depth is chosen from the first step after it (a warm-up of 8, 0 and 4 alone
+    left a fit that chose plain decoding for the next 7 to 27 steps)."""
+    ctl, clock = controller(max_depth=8)
+    choices = simulate(ctl, clock, lambda r, d: min(d, 2), 30, requests=4, cost=cost)
+    ladder = warm_up_depths(8)
+    assert [c[0] for c in choices[: len(ladder)]] == ladder
+    after = choices[len(ladder) :]
+    on_best = sum(c == [best] * 4 for c in after)
+    assert on_best >= 0.85 * len(after), after
 
 
 def test_full_acceptance_means_the_longest_draft():

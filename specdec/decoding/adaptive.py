@@ -25,8 +25,10 @@ controller measures both as it goes and re-decides every step:
   tokens per second of extra cost (``P(first i accepted) / cost of the rows of depth i``) while
   that beats the batch's current tokens per second; that fill and the uniform depth L are priced
   as whole shapes, and the best of every L wins. 0 = plain decoding.
-  The first measured steps are the strategy's full size, plain decoding and half the full size
-  (three points: a cost curve bent either way shows at once); after that, on a fixed,
+  The first measured steps are the strategy's full size, plain decoding, then half, a quarter, ...
+  of it down to one level (``warm_up_depths``), each measured once: the first choices are between
+  measured shapes, and a cost curve bent either way shows at once (at larger batches the best
+  depth is often a short one, which a fit through the two ends prices worst); after that, on a fixed,
   deterministic schedule, an exploration step tries the variant of the choice (a level up or down
   for all or every other request, or any uniform depth) predicted fastest -- or none, when even
   that one is predicted well below the choice (but at least every eighth time), so exploring drafts
@@ -204,6 +206,21 @@ class AcceptanceModel:
                 table[i][1] = decay * table[i][1] + 1.0
 
 
+def warm_up_depths(max_depth: int) -> list[int]:
+    """The uniform depths of the controller's first steps: the full size, plain decoding, then the full size
+    halved (rounding up) down to one level.
+
+    >>> warm_up_depths(8), warm_up_depths(5), warm_up_depths(1)
+    ([8, 0, 4, 2, 1], [5, 0, 3, 2, 1], [1, 0])
+    """
+    ladder = [max_depth, 0]
+    depth = max_depth
+    while depth > 1:
+        depth = (depth + 1) // 2
+        ladder.append(depth)
+    return ladder
+
+
 class AdaptiveSpeculation:
     """Chooses each running request's draft depth per step (0 = plain decoding) from measured costs.
 
@@ -264,12 +281,9 @@ class AdaptiveSpeculation:
         draft) and the strategy's ``max_depth``; ``contexts``: tokens each request has cached. Starts the
         step's clock."""
         caps = [max(0, min(limit, self.max_depth)) for limit in limits]
-        if self.cost.theta is None:  # nothing measured yet: the strategy's own sizes
-            choice = caps
-        elif self.cost.steps == 1:  # then one plain step: the two ends of the range, measured
-            choice = [0] * len(caps)
-        elif self.cost.steps == 2:  # then the middle: a cost curve bent either way shows from the first steps
-            choice = [(cap + 1) // 2 for cap in caps]
+        ladder = warm_up_depths(self.max_depth)
+        if self.cost.steps < len(ladder):  # the warm-up: each rung's depth, within each request's cap
+            choice = [min(ladder[self.cost.steps], cap) for cap in caps]
         else:
             choice = self._best(running, caps, contexts)
             self._until_explore -= 1
