@@ -259,6 +259,7 @@ class AdaptiveSpeculation:
         self.acceptance = AcceptanceModel(prior_acceptance)
         self.explore_every = explore_every
         self.max_depth, self.max_nodes = 0, 1
+        self._warm_up = warm_up_depths(0)
         self._draft_nodes: Callable[[int], int] | None = None
         self._nodes_seen: dict[int, int] = {}
         self._interval, self._until_explore, self._skipped = explore_every, explore_every, 0
@@ -268,6 +269,7 @@ class AdaptiveSpeculation:
     def bind(self, max_depth: int, max_nodes: int, draft_nodes: Callable[[int], int] | None = None) -> None:
         """Serve a strategy of these limits (``draft_nodes``: its optional hook, see the module docstring)."""
         self.max_depth, self.max_nodes, self._draft_nodes = max_depth, max_nodes, draft_nodes
+        self._warm_up = warm_up_depths(max_depth)
 
     def start(self) -> None:
         """A new ``stream`` call (its batch slots are new requests)."""
@@ -281,9 +283,8 @@ class AdaptiveSpeculation:
         draft) and the strategy's ``max_depth``; ``contexts``: tokens each request has cached. Starts the
         step's clock."""
         caps = [max(0, min(limit, self.max_depth)) for limit in limits]
-        ladder = warm_up_depths(self.max_depth)
-        if self.cost.steps < len(ladder):  # the warm-up: each rung's depth, within each request's cap
-            choice = [min(ladder[self.cost.steps], cap) for cap in caps]
+        if self.cost.steps < len(self._warm_up):  # the warm-up: each rung's depth, within each request's cap
+            choice = [min(self._warm_up[self.cost.steps], cap) for cap in caps]
         else:
             choice = self._best(running, caps, contexts)
             self._until_explore -= 1
