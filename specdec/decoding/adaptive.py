@@ -286,10 +286,11 @@ class AdaptiveSpeculation:
         if self.cost.steps < len(self._warm_up):  # the warm-up: each rung's depth, within each request's cap
             choice = [min(self._warm_up[self.cost.steps], cap) for cap in caps]
         else:
-            choice = self._best(running, caps, contexts)
+            prices = self._prices(running, caps)
+            choice = self._best(prices, caps, contexts)
             self._until_explore -= 1
             if self._until_explore <= 0:
-                choice = self._explore(running, choice, caps, contexts)
+                choice = self._explore(prices, choice, caps, contexts)
         self._started = self.clock()
         return choice
 
@@ -317,30 +318,44 @@ class AdaptiveSpeculation:
             return self._draft_nodes(depth)
         return min(self.max_nodes, self._nodes_seen.get(depth, depth + 1))
 
-    def _best(self, running, caps, contexts) -> list[int]:
+    def _prices(self, running, caps) -> tuple[list[list[float]], list[int]]:
+        """What pricing this step's shapes needs, computed once per step: per running request the chance that
+        its first i drafts are all accepted (i = 1 .. its cap), and the nodes of a d-level tree (d = 0 .. the
+        largest cap)."""
+        top = max(caps, default=0)
+        pooled = self.acceptance.pooled_rates(top)
+        reaches = []
+        for b, cap in zip(running, caps):
+            reach, row = 1.0, []
+            for rate in self.acceptance.rates(b, pooled[:cap]):
+                reach *= rate
+                row.append(reach)
+            reaches.append(row)
+        return reaches, [self.nodes(d) for d in range(top + 1)]
+
+    def _best(self, prices, caps, contexts) -> list[int]:
         """The depths maximising expected tokens / predicted seconds (see the module docstring)."""
+        reaches, rows = prices
         top = max(caps, default=0)
         theta = self.cost.theta
         per_row, per_context_row = max(theta[4], 0.0), max(theta[6], 0.0) / 1024
-        pooled = self.acceptance.pooled_rates(top)
-        rows = [self.nodes(d) for d in range(top + 1)]
         # Items (ratio, request index, depth, gain, cost): the i-th draft level of a request.
         items = []
-        for r, (b, cap, ctx) in enumerate(zip(running, caps, contexts)):
-            reach, ratio_cap = 1.0, math.inf
-            for i, rate in enumerate(self.acceptance.rates(b, pooled[:cap]), start=1):
-                reach *= rate
+        for r, (request_reaches, ctx) in enumerate(zip(reaches, contexts)):
+            ratio_cap = math.inf
+            for i, reach in enumerate(request_reaches, start=1):
                 cost = max((rows[i] - rows[i - 1]) * (per_row + per_context_row * ctx), 1e-12)
                 ratio_cap = min(ratio_cap, reach / cost)  # a deeper level never goes before a shallower one
                 items.append((ratio_cap, -i, r, reach, cost))
         items.sort(reverse=True)
-        base_x = StepCostModel.features(len(running), 0, 0, sum(contexts))
-        tokens0, seconds0 = float(len(running)), self.cost.predict(base_x)
-        best_rate, best = tokens0 / max(seconds0, 1e-12), [0] * len(running)
+        requests = len(caps)
+        base_x = StepCostModel.features(requests, 0, 0, sum(contexts))
+        tokens0, seconds0 = float(requests), self.cost.predict(base_x)
+        best_rate, best = tokens0 / max(seconds0, 1e-12), [0] * requests
         for levels in range(1, top + 1):
-            level_x = StepCostModel.features(len(running), 0, levels, sum(contexts))
+            level_x = StepCostModel.features(requests, 0, levels, sum(contexts))
             tokens, seconds = tokens0, max(self.cost.predict(level_x), 1e-12)
-            depth = [0] * len(running)
+            depth = [0] * requests
             for ratio, neg_i, r, gain, cost in items:
                 if -neg_i > levels or -neg_i != depth[r] + 1:
                     continue
@@ -351,19 +366,20 @@ class AdaptiveSpeculation:
             uniform = [min(levels, cap) for cap in caps]  # the shape fixed sizes use: often the one measured
             for shape in (depth, uniform):
                 if max(shape) == levels:
-                    rate = self._rate(running, shape, contexts)  # the whole shape, priced as measured where it was
+                    rate = self._rate(prices, shape, contexts)  # the whole shape, priced as measured where it was
                     if rate > best_rate:
                         best_rate, best = rate, shape
         return best
 
-    def _seconds(self, depths: Sequence[int], contexts: Sequence[int]) -> float:
-        """The predicted time of a step drafting ``depths`` (the features ``observe`` records for it)."""
-        nodes = [self.nodes(d) for d in depths]
+    def _seconds(self, rows: list[int], depths: Sequence[int], contexts: Sequence[int]) -> float:
+        """The predicted time of a step drafting ``depths`` (the features ``observe`` records for it); ``rows``:
+        the nodes of a tree of each depth."""
+        nodes = [rows[d] for d in depths]
         context_rows = sum(n * c for n, c in zip(nodes, contexts))
         x = StepCostModel.features(len(depths), sum(nodes) - len(depths), max(depths, default=0), context_rows)
         return max(self.cost.predict(x), 1e-12)
 
-    def _explore(self, running, choice: list[int], caps: list[int], contexts) -> list[int]:
+    def _explore(self, prices, choice: list[int], caps: list[int], contexts) -> list[int]:
         """The exploration step's depths: of the variants below, the one predicted fastest (the likeliest to beat
         the choice), or the choice itself when even that one is predicted under ``EXPLORE_MARGIN`` of the
         choice's tokens per second (exploring would cost more than it could find: n-gram drafts nobody
@@ -383,24 +399,22 @@ class AdaptiveSpeculation:
             [min(d + 1, cap) for d, cap in zip(choice, caps)],
             *([min(depth, cap) for cap in caps] for depth in range(max(caps, default=0) + 1)),
         ]
-        rated = [(self._rate(running, v, contexts), -k) for k, v in enumerate(variants) if v != choice]
+        rated = [(self._rate(prices, v, contexts), -k) for k, v in enumerate(variants) if v != choice]
         if not rated:
             return choice
         rate, k = max(rated)
-        if rate < EXPLORE_MARGIN * self._rate(running, choice, contexts) and self._skipped < SKIPS_BEFORE_EXPLORING:
+        if rate < EXPLORE_MARGIN * self._rate(prices, choice, contexts) and self._skipped < SKIPS_BEFORE_EXPLORING:
             self._skipped += 1
             return choice
         self._skipped = 0
         return variants[-k]
 
-    def _rate(self, running, depths: Sequence[int], contexts) -> float:
-        """Expected tokens per predicted second of a step drafting ``depths``."""
-        pooled = self.acceptance.pooled_rates(max(depths, default=0))
+    def _rate(self, prices, depths: Sequence[int], contexts) -> float:
+        """Expected tokens per predicted second of a step drafting ``depths`` (``prices``: ``_prices``)."""
+        reaches, rows = prices
         tokens = 0.0
-        for b, d in zip(running, depths):
-            reach = 1.0
+        for request_reaches, d in zip(reaches, depths):
             tokens += 1.0
-            for rate in self.acceptance.rates(b, pooled[:d]):
-                reach *= rate
+            for reach in request_reaches[:d]:
                 tokens += reach
-        return tokens / self._seconds(depths, contexts)
+        return tokens / self._seconds(rows, depths, contexts)
