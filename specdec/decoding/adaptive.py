@@ -60,6 +60,7 @@ PRIOR_WEIGHTS = (0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 20.0)
 RESIDUAL_DECAY = 0.7  # weight of a level count's earlier residuals when it is measured again
 SHAPE_DECAY = 0.7  # weight of a shape's earlier times when it is measured again
 CONTEXT = FEATURES.index("context")
+SHAPE = tuple(FEATURES.index(f) for f in ("requests", "extra rows", "draft levels"))  # a step's shape's features
 EXPLORE_MARGIN = 0.8  # explore a variant predicted at no less than this share of the choice's tokens per second
 # Explorations the margin skips in a row before one goes ahead anyway: acceptance moves with the text, and
 # only drafting measures it.
@@ -103,11 +104,9 @@ class StepCostModel:
         mean = self.shape_mean.setdefault(shape, [seconds, x[CONTEXT]])
         for i, v in enumerate((seconds, x[CONTEXT])):
             mean[i] = SHAPE_DECAY * mean[i] + (1 - SHAPE_DECAY) * v
-        n = len(x)
-        for i in range(n):
-            self.moment[i] = self.decay * self.moment[i] + x[i] * seconds
-            for j in range(n):
-                self.gram[i][j] = self.decay * self.gram[i][j] + x[i] * x[j]
+        decay = self.decay
+        self.moment = [decay * m + v * seconds for m, v in zip(self.moment, x)]
+        self.gram = [[decay * g + v * w for g, w in zip(row, x)] for row, v in zip(self.gram, x)]
         self.steps += 1
         self.theta = self._solve()
 
@@ -124,8 +123,8 @@ class StepCostModel:
     @staticmethod
     def _keys(x: Sequence[float]) -> tuple[int, tuple[int, int, int]]:
         """A step's level count, and its shape: (requests, extra rows, levels)."""
-        requests, rows, levels = (round(x[FEATURES.index(f)]) for f in ("requests", "extra rows", "draft levels"))
-        return levels, (requests, rows, levels)
+        shape = (round(x[SHAPE[0]]), round(x[SHAPE[1]]), round(x[SHAPE[2]]))
+        return shape[2], shape
 
     def _solve(self) -> list[float]:
         """(gram + diag(precision)) theta = moment + precision * prior_mean, by Gaussian elimination."""
@@ -364,7 +363,7 @@ class AdaptiveSpeculation:
                 tokens, seconds = tokens + gain, seconds + cost
                 depth[r] = -neg_i
             uniform = [min(levels, cap) for cap in caps]  # the shape fixed sizes use: often the one measured
-            for shape in (depth, uniform):
+            for shape in (depth, uniform) if depth != uniform else (depth,):
                 if max(shape) == levels:
                     rate = self._rate(prices, shape, contexts)  # the whole shape, priced as measured where it was
                     if rate > best_rate:
