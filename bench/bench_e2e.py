@@ -3,11 +3,14 @@
 Greedy (temperature 0), batch 1, each held-out prompt decoded alone for N new tokens
 (EOS does not stop early), float32 weights from ``specdec/assets/pair`` for both libraries:
 
-  specdec autoregressive | chain K=5 | tree 3,2,1,1,1 (deterministic rule) | n-gram K=5 | Medusa heads
+  specdec autoregressive | chain K=5 | chain K=5 unfused | tree 3,2,1,1,1 (deterministic rule) | n-gram K=5 |
+  Medusa heads
   HF generate (greedy) | HF assisted generation (assistant_model = the draft) | HF prompt lookup (5 tokens)
 
 tokens/s = generated tokens / time summed over prompts (prefill included); on the CPU the time
 is the thread's CPU time with one intra-op thread (``common.clock``), on CUDA wall time;
+"unfused" = the same chain with every draft forward through ``LlamaModel.forward`` (``fused_chain=False``;
+on the CPU the chain row drafts greedily in one C++ call, ``specdec.model.draft_chain_cpu``);
 tau = tokens per target forward (HF: counted with a forward hook on the target);
 "identical" = every prompt's tokens equal specdec's autoregressive greedy tokens.
 Then a temperature-1 run (specdec strategies with the tree on the stochastic rule, HF
@@ -491,6 +494,8 @@ def main() -> None:
     hf_target, hf_draft = load_hf(target_dir, device), load_hf(draft_dir, device)
     counter = ForwardCounter(hf_target)
     plan = [*strategies(draft), medusa_row(target)]
+    unfused = DraftModelStrategy(draft, (1,) * CHAIN, fused_chain=False)
+    plan.insert(2, (f"draft chain K={CHAIN} unfused", unfused))  # the fused chain's peer, right after it
     hf_plan = [
         ("HF generate greedy", {"do_sample": False}),
         ("HF assisted (draft)", {"do_sample": False, "assistant_model": hf_draft}),

@@ -11,7 +11,8 @@ next draft.
 
 Chains decode K tokens one forward at a time, each sampled from the draft's own
 filtered distribution ``q`` (recorded for verification; one-hot for greedy
-requests). Trees grow level by level from a static template of branching factors: the
+requests; on the CPU a greedy chain runs as one C++ call, ``specdec.model.draft_chain_cpu``).
+Trees grow level by level from a static template of branching factors: the
 first forward feeds the last committed token and the root; each later one feeds only the
 new level's nodes, as tree queries whose ancestors (the earlier levels) are already in the
 draft cache (``AttentionMetadata(tree_start=...)``); then every frontier node gets its
@@ -34,6 +35,7 @@ from specdec.decoding.strategy import Prefill, StepContext, StepResult, check_sa
 from specdec.kernels import filtered_probs, sample_probs
 from specdec.kernels.sampling_params import RULES, SamplingParams
 from specdec.model.attention_metadata import AttentionMetadata, causal_positions
+from specdec.model.draft_chain_cpu import draft_chain_greedy, fused_chain_available
 
 DRAFT_SEED_SALT = 0x5DEECE66D  # keeps draft sampling independent of the verification uniforms
 
@@ -50,9 +52,20 @@ class DraftModelStrategy:
     rule : "stochastic" (children sampled i.i.d. from q; SpecInfer's multi-step speculative
         sampling) or "deterministic" (top-k children; zero-and-renormalise verification).
         Chains always sample their one child from q ("stochastic" is the chain rule).
+    fused_chain : greedy chain steps of a CPU draft run as one C++ call (``specdec.model.draft_chain_cpu``: the
+        same drafts up to float rounding, without the per-op and per-forward costs) when the extension has it;
+        False: every draft forward through ``LlamaModel.forward``.
     """
 
-    def __init__(self, draft, branching: Sequence[int], *, max_nodes: int = 64, rule: str = "stochastic"):
+    def __init__(
+        self,
+        draft,
+        branching: Sequence[int],
+        *,
+        max_nodes: int = 64,
+        rule: str = "stochastic",
+        fused_chain: bool = True,
+    ):
         branching = tuple(branching)
         if not branching or any(not isinstance(k, int) or k < 1 for k in branching):
             raise ValueError(f"branching must be a non-empty sequence of positive ints, got {branching!r}")
@@ -60,7 +73,10 @@ class DraftModelStrategy:
             raise ValueError(f"max_nodes must be an int >= 2, got {max_nodes!r}")
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+        if not isinstance(fused_chain, bool):
+            raise TypeError(f"fused_chain must be a bool, got {fused_chain!r}")
         self.draft = draft
+        self.fused_chain = fused_chain
         self.is_chain = all(k == 1 for k in branching)
         self.rule = "stochastic" if self.is_chain else rule
         self.parents = _template(branching, max_nodes)
@@ -147,6 +163,8 @@ class DraftModelStrategy:
         is one-hot at the draft's argmax), one forward per token."""
         device, rows = self.draft.device, len(step.running)
         self._catch_up(step)
+        if step.greedy and self.fused_chain and fused_chain_available(self.draft):
+            return self._fused_chain(step, k), None
         feed = to_device([t for pair in zip(step.previous, step.roots) for t in pair], torch.int64, device)
         tokens, probs = [feed.view(rows, 2)[:, 1]], []
         for j in range(k):
@@ -173,6 +191,21 @@ class DraftModelStrategy:
             return torch.stack(tokens, dim=1), None
         probs.append(torch.zeros_like(probs[0]))  # the last draft token has no children
         return torch.stack(tokens, dim=1), torch.stack(probs, dim=1)
+
+    def _fused_chain(self, step, k: int) -> torch.Tensor:
+        """``_draft_chain``'s greedy tokens from one C++ call (``specdec.model.draft_chain_cpu``): the same K + 1
+        cache rows per request, reserved and committed once instead of per forward."""
+        device, rows = self.draft.device, len(step.running)
+        counts = step.full_counts(k + 1)
+        self.cache.reserve(counts)
+        first = to_device([t for pair in zip(step.previous, step.roots) for t in pair], torch.int64, device)
+        first = first.view(rows, 2)
+        slots = to_device(step.running, torch.int64, device)
+        drafts, _ = draft_chain_greedy(self.draft, self.cache, first, slots, k)
+        self.cache.advance(to_device(counts, torch.int32, device))
+        for b in step.running:
+            self.lengths[b] += k + 1
+        return torch.cat((first[:, 1:], drafts), dim=1)
 
     def _draft_tree(self, step, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[R, n] template tokens and ([R, n, V] child distributions, or None for the deterministic rule and

@@ -58,12 +58,16 @@ class RotaryRows:
 
     def __call__(self, positions, max_position: int, inv_freq, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[T, 1, D]`` of ``positions``, all below the host bound ``max_position``."""
+        rows = self.table(max_position, inv_freq, dtype).index_select(0, positions)
+        return rows[:, 0], rows[:, 1]
+
+    def table(self, max_position: int, inv_freq, dtype) -> torch.Tensor:
+        """The ``[P, 2, 1, D]`` table (``rotary_table``) of at least positions 0 .. ``max_position`` - 1."""
         table = self._table
         if self._inv_freq is not inv_freq or table.shape[0] < max_position or table.dtype != dtype:
             table = self._table = rotary_table(max_position, inv_freq, dtype)
             self._inv_freq = inv_freq
-        rows = table.index_select(0, positions)
-        return rows[:, 0], rows[:, 1]
+        return table
 
 
 def run_layers(

@@ -1,0 +1,98 @@
+"""A greedy draft chain in one C++ call on the CPU: K draft forwards and their argmax feedback.
+
+A small draft's forward on the CPU is mostly per-op cost: a 1-layer, 128-wide model spends more time
+dispatching its ~40 small ops, planning the forward and keeping the cache's books than in its GEMMs,
+and a chain pays that K times per step. ``draft_chain_greedy`` runs the whole chain inside the
+extension (``csrc/draft_chain_cpu.cpp``): the GEMMs are the same ATen calls as ``F.linear``; RMSNorm,
+RoPE, the K/V write, causal attention over the cache, SwiGLU and the argmax are loops over rows.
+
+Its logits equal ``LlamaModel.forward``'s up to float rounding, not bit for bit (other summation
+orders), so a near-tie may draft another token than the PyTorch path would. Drafts only propose: the
+target's verification decides what is emitted, so the output of speculative decoding does not change.
+The target never runs here. ``DraftModelStrategy`` uses it for greedy chain steps when
+``fused_chain_available``; ``SPECDEC_BACKEND=torch`` keeps every draft forward on the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from specdec import _backend
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def _has_op() -> bool:
+    """The loaded extension has the op (one built before it was added has not)."""
+    return _backend.extension_status()[0] is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
+        "specdec::draft_chain_greedy_cpu", "CPU"
+    )
+
+
+if _has_op():  # the op only writes its output buffers: what torch.compile and torch.library.opcheck need
+    torch.library.register_fake("specdec::draft_chain_greedy_cpu")(lambda *args: None)
+
+
+def fused_chain_available(model) -> bool:
+    """Whether ``draft_chain_greedy`` can run ``model`` (a CPU ``LlamaModel`` in a supported dtype, the extension
+    built, the PyTorch path not forced)."""
+    from specdec.model.llama import LlamaModel
+
+    return (
+        isinstance(model, LlamaModel)
+        and model.device.type == "cpu"
+        and model.dtype in DTYPES
+        and _backend.forced_backend() != "torch"
+        and _has_op()
+    )
+
+
+def draft_chain_greedy(
+    model, cache, first_tokens: torch.Tensor, slots: torch.Tensor, num_drafts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft ``num_drafts`` tokens per request greedily, writing their K/V into ``cache``.
+
+    Parameters
+    ----------
+    model : the draft, a CPU ``LlamaModel`` (``fused_chain_available``).
+    cache : its ``KVCache``; the caller reserves ``num_drafts + 1`` rows for each request in ``slots`` first
+        (``KVCache.reserve``) and commits them after (``KVCache.advance``): forward 0 writes the pair of
+        ``first_tokens`` at ``seq_lens[slot]`` and ``+ 1``, forward j > 0 draft j at ``+ 1 + j``.
+    first_tokens : ``[R, 2]`` int64: each request's last committed token and the chain's root.
+    slots : ``[R]`` int64 cache slots of the requests.
+
+    Returns
+    -------
+    drafts ``[R, num_drafts]`` int64 (draft j + 1 is the argmax of the logits after draft j) and the logits
+    ``[num_drafts, R, vocab]`` in the model dtype.
+    """
+    if not fused_chain_available(model):
+        raise RuntimeError(
+            "the fused draft chain needs a CPU LlamaModel in float32/float16/bfloat16 and the extension's "
+            "draft_chain_greedy_cpu op (pip install --no-build-isolation -e .), with SPECDEC_BACKEND not 'torch'"
+        )
+    rows, vocab = first_tokens.shape[0], model.config.vocab_size
+    drafts = torch.empty(rows, num_drafts, dtype=torch.int64)
+    logits = torch.empty(num_drafts, rows, vocab, dtype=model.dtype)
+    torch.ops.specdec.draft_chain_greedy_cpu(first_tokens, slots, num_drafts, *model_arguments(model, cache), drafts,
+                                             logits)  # fmt: skip
+    return drafts, logits
+
+
+def model_arguments(model, cache) -> tuple:
+    """The op's arguments from ``embed`` to ``num_heads``: the model's current weights, its rotary table over the
+    cache's capacity, the cache's tensors and the config's constants."""
+    config, weights, biases = model.config, [], []
+    for p in model._layer_params:
+        weights += [p.input_norm["weight"], p.qkv["weight"], p.o["weight"], p.post_norm["weight"],
+                    p.gate_up["weight"], p.down["weight"]]  # fmt: skip
+        biases += [p.qkv["bias"], p.o["bias"], p.gate_up["bias"], p.down["bias"]]
+    capacity = cache.max_len if cache.block_tables is None else cache.block_tables.shape[1] * cache.block_size
+    table = model._rotary.table(capacity, model.rope_inv_freq, model.dtype)
+    return (
+        model.model.embed_tokens.weight, weights, biases, model.model.norm.weight, model.lm_head_weight, table,
+        cache.data, cache.seq_lens, cache.block_tables, config.rms_norm_eps, config.head_dim**-0.5, config.num_heads,
+    )  # fmt: skip

@@ -1,0 +1,205 @@
+"""The fused greedy draft chain (csrc/draft_chain_cpu.cpp) against the PyTorch forwards it replaces: the logits of
+every draft position and the cache rows it writes, for both cache layouts, GQA and biases, several layers,
+float32/float16/bfloat16, requests that are not running and ragged lengths; its argument checks; and a
+speculative decoder that drafts through it emitting exactly the target's greedy tokens."""
+
+import pytest
+import torch
+from helpers import random_model, random_prompts, tiny_config
+
+from specdec import _backend
+from specdec.decoding import DraftModelStrategy, SpeculativeDecoder
+from specdec.decoding.autoregressive import generate as autoregressive_generate
+from specdec.model import AttentionMetadata, causal_positions
+from specdec.model.draft_chain_cpu import _has_op, draft_chain_greedy, fused_chain_available, model_arguments
+
+needs_op = pytest.mark.skipif(
+    not _has_op(), reason=f"specdec._C without draft_chain_greedy_cpu: {_backend.extension_status()[1]}"
+)
+pytestmark = needs_op
+
+LENGTHS = [7, 20, 13]  # committed tokens of the three slots
+
+
+def prefilled(model, layout: str, max_len: int = 48):
+    """A cache of three requests holding random prompts of ``LENGTHS`` tokens."""
+    cache = model.new_cache(len(LENGTHS), max_len, layout=layout, block_size=4)
+    prompts = random_prompts(LENGTHS, model.config.vocab_size, seed=3)
+    tokens = torch.tensor([t for p in prompts for t in p])
+    offsets = torch.tensor([0, *LENGTHS], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    cache.reserve(LENGTHS)
+    positions = causal_positions(offsets, cache.seq_lens, tokens.numel())
+    model(tokens, positions, AttentionMetadata(offsets), cache)
+    cache.advance(LENGTHS)
+    return cache
+
+
+def python_chain(model, cache, first, slots, k):
+    """The chain through ``LlamaModel.forward``, one forward per draft (what ``DraftModelStrategy`` does)."""
+    batch, feed, logits, drafts = cache.batch_size, first.flatten(), [], []
+    for j in range(k):
+        n = 2 if j == 0 else 1
+        counts = [0] * batch
+        for s in slots.tolist():
+            counts[s] = n
+        offsets = torch.tensor([0, *counts], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        cache.reserve(counts)
+        positions = causal_positions(offsets, cache.seq_lens, feed.numel())
+        rows = torch.arange(n - 1, feed.numel(), n)
+        out, _ = model(feed, positions, AttentionMetadata(offsets), cache, logits_rows=rows)
+        cache.advance(counts)
+        feed = out.float().argmax(-1)
+        logits.append(out)
+        drafts.append(feed)
+    return torch.stack(drafts, 1), torch.stack(logits)
+
+
+def written_rows(cache, slots, k):
+    """K and V of the chain's K + 1 rows per running request, ``[L, 2, R, K + 1, Hkv, D]``."""
+    out = []
+    for s in slots.tolist():
+        start = LENGTHS[s]
+        if cache.block_tables is None:
+            out.append(cache.data[:, :, s, start : start + k + 1])
+        else:
+            pos = torch.arange(start, start + k + 1)
+            blocks = cache.block_tables[s].long()[pos // cache.block_size]
+            out.append(cache.data[:, :, blocks, pos % cache.block_size])
+    return torch.stack(out, 2)
+
+
+CASES = [
+    pytest.param(dict(), torch.float32, 1e-5, id="gqa-fp32"),
+    pytest.param(
+        dict(num_heads=4, num_kv_heads=2, qkv_bias=True, num_layers=3), torch.float32, 1e-5, id="bias-3layers"
+    ),
+    pytest.param(dict(num_heads=2, num_kv_heads=2), torch.float16, 2e-2, id="mha-fp16"),
+    pytest.param(dict(), torch.bfloat16, 1e-1, id="gqa-bf16"),
+]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+@pytest.mark.parametrize("overrides,dtype,tol", CASES)
+def test_fused_chain_matches_the_pytorch_forwards(layout, overrides, dtype, tol):
+    model = random_model(tiny_config(**overrides), seed=11).to(dtype)
+    assert fused_chain_available(model)
+    k = 5
+    first = torch.tensor([[5, 9], [40, 41], [60, 2]])[[0, 2]]
+    slots = torch.tensor([0, 2])  # slot 1 is not running: its rows must stay untouched
+    fused_cache, torch_cache = prefilled(model, layout), prefilled(model, layout)
+    untouched = fused_cache.data.clone()
+    fused_cache.reserve([k + 1, 0, k + 1])
+    drafts, logits = draft_chain_greedy(model, fused_cache, first, slots, k)
+    with _backend.use_backend("torch"):
+        ref_drafts, ref_logits = python_chain(model, torch_cache, first, slots, k)
+    # the reference's first forward decides the later inputs; compare each position under the same inputs
+    if not torch.equal(drafts, ref_drafts):  # a near-tie took another token: the first position still agrees
+        pytest.fail(f"drafts differ: {drafts.tolist()} vs {ref_drafts.tolist()} (max logit diff "
+                    f"{(logits.float() - ref_logits.float()).abs().max():.3g})")  # fmt: skip
+    scale = ref_logits.float().abs().max()
+    assert (logits.float() - ref_logits.float()).abs().max() <= tol * scale
+    fused_rows, ref_rows = written_rows(fused_cache, slots, k), written_rows(torch_cache, slots, k)
+    assert (fused_rows.float() - ref_rows.float()).abs().max() <= tol * ref_rows.float().abs().max()
+    assert fused_cache.seq_lens.tolist() == LENGTHS, "the op commits nothing: the caller advances"
+    if layout == "contiguous":
+        assert torch.equal(fused_cache.data[:, :, 1], untouched[:, :, 1])
+
+
+def test_decoder_drafting_through_the_fused_chain_emits_the_targets_greedy_tokens():
+    config = tiny_config(num_layers=2)
+    target, draft = random_model(config, seed=1), random_model(config, seed=2)
+    prompts = random_prompts([5, 9], config.vocab_size, seed=4)
+    expected = autoregressive_generate(target, prompts, max_new_tokens=16, eos_token_id=None)
+    for layout in ("contiguous", "paged"):
+        decoder = SpeculativeDecoder(target, DraftModelStrategy(draft, (1,) * 4), cache_layout=layout, adaptive=False)
+        result = decoder.generate(prompts, max_new_tokens=16, eos_token_id=None)
+        assert result.tokens == expected
+        assert all(s.drafted > 0 for s in result.stats)
+
+
+def test_a_draft_equal_to_its_target_is_accepted_through_the_fused_chain():
+    """Float rounding aside, the fused chain is the draft's forward: a draft equal to the target drafts the
+    target's own greedy tokens (random weights keep near-ties rare: all but a few must be accepted)."""
+    target = random_model(tiny_config(vocab_size=256, hidden_size=64, head_dim=32), seed=5)
+    decoder = SpeculativeDecoder(target, DraftModelStrategy(target, (1,) * 4), adaptive=False)
+    decoder.generate(random_prompts([6, 10], 256, seed=6), max_new_tokens=40, eos_token_id=None)
+    drafted = sum(s.drafted for s in decoder.stats)
+    assert sum(s.accepted for s in decoder.stats) >= drafted - 2 > 0
+
+
+def test_the_strategy_uses_it_only_where_it_applies(monkeypatch):
+    config = tiny_config()
+    target, draft = random_model(config, seed=1), random_model(config, seed=2)
+    calls = []
+    real = draft_chain_greedy
+
+    def counting(*args):
+        calls.append(args[4])
+        return real(*args)
+
+    import specdec.decoding.draft_model as draft_model
+
+    monkeypatch.setattr(draft_model, "draft_chain_greedy", counting)
+    prompts = random_prompts([5, 4], config.vocab_size, seed=7)
+    SpeculativeDecoder(target, DraftModelStrategy(draft, (1,) * 3), adaptive=False).generate(prompts, max_new_tokens=6)
+    assert calls and set(calls) <= {1, 2, 3}
+    calls.clear()
+    with _backend.use_backend("torch"):  # the PyTorch path forced: every draft forward is LlamaModel.forward
+        SpeculativeDecoder(target, DraftModelStrategy(draft, (1,) * 3), adaptive=False).generate(
+            prompts, max_new_tokens=6
+        )
+    sampled = SpeculativeDecoder(target, DraftModelStrategy(draft, (1,) * 3), adaptive=False)
+    sampled.generate(prompts, max_new_tokens=6, temperature=1.0, seed=0)  # sampled chains keep their q
+    trees = SpeculativeDecoder(target, DraftModelStrategy(draft, (2, 1)), adaptive=False)
+    trees.generate(prompts, max_new_tokens=6)
+    unfused = SpeculativeDecoder(target, DraftModelStrategy(draft, (1,) * 3, fused_chain=False), adaptive=False)
+    unfused.generate(prompts, max_new_tokens=6)
+    assert calls == []
+    with pytest.raises(TypeError, match="fused_chain must be a bool"):
+        DraftModelStrategy(draft, (1,) * 3, fused_chain=1)
+
+
+def test_arguments_are_checked():
+    model = random_model(tiny_config(), seed=1)
+    cache = prefilled(model, "contiguous", max_len=32)
+    first, slots = torch.tensor([[1, 2]]), torch.tensor([0])
+    drafts, logits = torch.empty(1, 2, dtype=torch.int64), torch.empty(2, 1, 64)
+    op = torch.ops.specdec.draft_chain_greedy_cpu
+
+    def call(**change):
+        args = dict(first_tokens=first, slots=slots, num_drafts=2, cache=cache.data, drafts=drafts, logits=logits)
+        args.update(change)
+        model_args = model_arguments(model, cache)
+        op(args["first_tokens"], args["slots"], args["num_drafts"], *model_args[:6], args["cache"], *model_args[7:],
+           args["drafts"], args["logits"])  # fmt: skip
+
+    call()  # well-formed
+    with pytest.raises(ValueError, match="num_drafts"):
+        call(num_drafts=0)
+    with pytest.raises(TypeError, match="int64"):
+        call(first_tokens=first.int())
+    with pytest.raises(ValueError, match="slots"):
+        call(slots=torch.tensor([3]))
+    with pytest.raises(ValueError, match="drafts must be"):
+        call(drafts=torch.empty(1, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="past the cache"):
+        call(num_drafts=30, drafts=torch.empty(1, 30, dtype=torch.int64), logits=torch.empty(30, 1, 64))
+    with pytest.raises(ValueError, match="cache must be"):
+        call(cache=cache.data[:1])
+
+
+def test_refuses_models_it_cannot_run():
+    model = random_model(tiny_config(), seed=1).double()
+    assert not fused_chain_available(model)
+    with pytest.raises(RuntimeError, match="fused draft chain needs"):
+        draft_chain_greedy(model, None, torch.tensor([[1, 2]]), torch.tensor([0]), 2)
+    with _backend.use_backend("torch"):
+        assert not fused_chain_available(random_model(tiny_config(), seed=1))
+
+
+def test_opcheck():
+    model = random_model(tiny_config(), seed=1)
+    cache = prefilled(model, "contiguous", max_len=32)
+    args = (torch.tensor([[1, 2]]), torch.tensor([0]), 2, *model_arguments(model, cache),
+            torch.empty(1, 2, dtype=torch.int64), torch.empty(2, 1, 64))  # fmt: skip
+    torch.library.opcheck(torch.ops.specdec.draft_chain_greedy_cpu.default, args)
