@@ -10,10 +10,10 @@ Greedy (temperature 0), batch 1, each held-out prompt decoded alone for N new to
 tokens/s = generated tokens / time summed over prompts (prefill included); on the CPU the time
 is the thread's CPU time with one intra-op thread (``common.clock``), on CUDA wall time;
 "unfused" = the same chain with every draft forward through ``LlamaModel.forward`` (``fused_chain=False``;
-on the CPU the chain row drafts greedily in one C++ call, ``specdec.model.draft_chain_cpu``);
+on the CPU the chain row's draft forwards run in C++, ``specdec.model.draft_chain_cpu``);
 tau = tokens per target forward (HF: counted with a forward hook on the target);
 "identical" = every prompt's tokens equal specdec's autoregressive greedy tokens.
-Then a temperature-1 run (specdec strategies with the tree on the stochastic rule, HF
+Then a temperature-1 run (specdec strategies, the unfused chain again, the tree on the stochastic rule, HF
 sampling and HF assisted sampling): tokens/s and tau. Methods run interleaved prompt by
 prompt, ``--repeats`` times, each (method, prompt) keeping its fastest run, so drifting
 background load on a shared machine hits them all alike. Last, per strategy: the host
@@ -537,6 +537,7 @@ def main() -> None:
     # Temperature 1: exact sampling, so tokens differ run to run; speed and tau only.
     # The tree uses the stochastic rule here: children sampled from the draft (SpecInfer).
     sample_plan = [*strategies(draft, tree_rule="stochastic"), medusa_row(target)]
+    sample_plan.insert(2, (f"draft chain K={CHAIN} unfused", unfused))
     sample_kw = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
     methods = [
         lambda ps, s=s, label=label: decode_all(target, s, label, ps, new_tokens, temperature=1.0)

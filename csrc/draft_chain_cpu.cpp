@@ -10,7 +10,8 @@
 // target's verification decides, so the output of speculative decoding is the same either way.
 //
 // draft_chain_greedy_cpu:
-//   first_tokens  [R, 2] int64   each running request's last committed token and root (the chain's start)
+//   first_tokens  [R, n] int64   the first forward's n >= 1 causal rows per request (a chain step: the last
+//                                committed token and the root)
 //   slots         [R]    int64   cache slot of each running request
 //   num_drafts    K >= 1
 //   embed         [V, H]; layer_weights: per layer input_norm [H], qkv [(Hq + 2 Hkv) D, H], o [H, Hq D],
@@ -21,8 +22,9 @@
 //   cache         contiguous [L, 2, B, max_len, Hkv, D] or paged [L, 2, num_blocks, block_size, Hkv, D] with
 //                 block_tables [B, max_blocks] int32; seq_lens [B] int32 (read, not changed)
 //   drafts        [R, K] int64 out; logits [K, R, V] out, model dtype: the logits each draft is the argmax of
-// Forward 0 writes the start pair at positions seq_lens[slot] and + 1, forward j > 0 draft j at + 1 + j: K + 1
-// cache rows per request, which the caller commits (KVCache.advance).
+// Forward 0 writes the n first tokens at positions seq_lens[slot] .. + n - 1, forward j > 0 draft j at + n - 1 + j:
+// n + K - 1 cache rows per request, which the caller commits (KVCache.advance). With K = 1 the op is one fused
+// forward whose logits the caller samples from (a sampled chain calls it once per draft).
 
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -266,11 +268,11 @@ void draft_chain_greedy_cpu(const at::Tensor& first_tokens, const at::Tensor& sl
   TORCH_CHECK_VALUE(num_drafts >= 1, "num_drafts must be >= 1, got ", num_drafts);
   TORCH_CHECK_TYPE(first_tokens.scalar_type() == at::kLong && slots_in.scalar_type() == at::kLong,
                    "first_tokens and slots must be int64");
-  TORCH_CHECK_VALUE(first_tokens.dim() == 2 && first_tokens.size(1) == 2 && slots_in.dim() == 1 &&
+  TORCH_CHECK_VALUE(first_tokens.dim() == 2 && first_tokens.size(1) >= 1 && slots_in.dim() == 1 &&
                         slots_in.size(0) == first_tokens.size(0),
-                    "first_tokens must be [R, 2] and slots [R], got ", first_tokens.sizes(), " and ",
+                    "first_tokens must be [R, n >= 1] and slots [R], got ", first_tokens.sizes(), " and ",
                     slots_in.sizes());
-  const int64_t R = first_tokens.size(0);
+  const int64_t R = first_tokens.size(0), first_rows = first_tokens.size(1);
   TORCH_CHECK_VALUE(drafts.scalar_type() == at::kLong && drafts.sizes() == at::IntArrayRef({R, num_drafts}),
                     "drafts must be int64 [R, num_drafts]");
   TORCH_CHECK_VALUE(logits.scalar_type() == embed.scalar_type() &&
@@ -302,7 +304,7 @@ void draft_chain_greedy_cpu(const at::Tensor& first_tokens, const at::Tensor& sl
     slots[r] = slot_p[r];
     TORCH_CHECK_VALUE(slots[r] >= 0 && slots[r] < batch, "slots[", r, "] = ", slots[r], " is not a request slot");
     start[r] = lens[slots[r]];
-    const int64_t last = start[r] + num_drafts;  // the last position written
+    const int64_t last = start[r] + first_rows + num_drafts - 2;  // the last position written
     TORCH_CHECK_VALUE(start[r] >= 0 && last < capacity && last < rotary_table.size(0), "request ", slots[r],
                       " would write position ", last, " past the cache (", capacity, ") or the rotary table (",
                       rotary_table.size(0), ")");
@@ -320,7 +322,7 @@ void draft_chain_greedy_cpu(const at::Tensor& first_tokens, const at::Tensor& sl
     scalar_t* cache_p = cache.data_ptr<scalar_t>();
     std::vector<int64_t> positions(start);
     for (int64_t j = 0; j < num_drafts; ++j) {
-      const int64_t n = j == 0 ? 2 : 1;
+      const int64_t n = j == 0 ? first_rows : 1;
       at::Tensor last = forward_rows<scalar_t>(feed, n, slots, positions, embed, weights, biases, final_norm,
                                                rotary_table, cache_p, rows, g, eps, softmax_scale);
       at::Tensor step_logits = logits.select(0, j);

@@ -1,7 +1,8 @@
-"""The fused greedy draft chain (csrc/draft_chain_cpu.cpp) against the PyTorch forwards it replaces: the logits of
-every draft position and the cache rows it writes, for both cache layouts, GQA and biases, several layers,
-float32/float16/bfloat16, requests that are not running and ragged lengths; its argument checks; and a
-speculative decoder that drafts through it emitting exactly the target's greedy tokens."""
+"""The fused draft chain (csrc/draft_chain_cpu.cpp) against the PyTorch forwards it replaces: the logits of every
+draft position and the cache rows it writes, for both cache layouts, GQA and biases, several layers,
+float32/float16/bfloat16, requests that are not running, ragged lengths and any number of first rows; its
+argument checks; and a speculative decoder that drafts through it emitting exactly the target's greedy tokens
+(sampled chains through it are covered by the statistical exactness tests of test_engine.py)."""
 
 import pytest
 import torch
@@ -11,7 +12,13 @@ from specdec import _backend
 from specdec.decoding import DraftModelStrategy, SpeculativeDecoder
 from specdec.decoding.autoregressive import generate as autoregressive_generate
 from specdec.model import AttentionMetadata, causal_positions
-from specdec.model.draft_chain_cpu import _has_op, draft_chain_greedy, fused_chain_available, model_arguments
+from specdec.model.draft_chain_cpu import (
+    _has_op,
+    draft_chain_greedy,
+    fused_chain_available,
+    fused_forward,
+    model_arguments,
+)
 
 needs_op = pytest.mark.skipif(
     not _has_op(), reason=f"specdec._C without draft_chain_greedy_cpu: {_backend.extension_status()[1]}"
@@ -105,6 +112,30 @@ def test_fused_chain_matches_the_pytorch_forwards(layout, overrides, dtype, tol)
         assert torch.equal(fused_cache.data[:, :, 1], untouched[:, :, 1])
 
 
+@pytest.mark.parametrize("first_rows", [1, 3])
+def test_any_number_of_first_rows_and_one_fused_forward(first_rows):
+    """The first forward takes n causal rows per request; with one draft the op is a single fused forward
+    (``fused_forward``, what a sampled chain calls per draft)."""
+    model = random_model(tiny_config(), seed=12)
+    first = torch.tensor([[5, 9, 11], [60, 2, 7]])[:, :first_rows]
+    slots = torch.tensor([1, 2])
+    fused_cache, torch_cache = prefilled(model, "paged"), prefilled(model, "paged")
+    fused_cache.reserve([0, first_rows + 1, first_rows + 1])
+    drafts, logits = draft_chain_greedy(model, fused_cache, first, slots, 2)
+    counts = [0, first_rows, first_rows]
+    offsets = torch.tensor([0, *counts], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    with _backend.use_backend("torch"):
+        torch_cache.reserve(counts)
+        positions = causal_positions(offsets, torch_cache.seq_lens, 2 * first_rows)
+        rows = torch.arange(first_rows - 1, 2 * first_rows, first_rows)
+        ref, _ = model(first.flatten(), positions, AttentionMetadata(offsets), torch_cache, logits_rows=rows)
+    assert (logits[0] - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert torch.equal(drafts[:, 0], ref.argmax(-1))
+    one_cache = prefilled(model, "paged")
+    one_cache.reserve(counts)
+    assert (fused_forward(model, one_cache, first, slots) - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
 def test_decoder_drafting_through_the_fused_chain_emits_the_targets_greedy_tokens():
     config = tiny_config(num_layers=2)
     target, draft = random_model(config, seed=1), random_model(config, seed=2)
@@ -134,22 +165,26 @@ def test_the_strategy_uses_it_only_where_it_applies(monkeypatch):
     real = draft_chain_greedy
 
     def counting(*args):
-        calls.append(args[4])
+        calls.append((args[2].shape[1], args[4]))  # (first rows, drafts)
         return real(*args)
 
     import specdec.decoding.draft_model as draft_model
+    import specdec.model.draft_chain_cpu as draft_chain_cpu
 
     monkeypatch.setattr(draft_model, "draft_chain_greedy", counting)
+    monkeypatch.setattr(draft_chain_cpu, "draft_chain_greedy", counting)  # fused_forward's
     prompts = random_prompts([5, 4], config.vocab_size, seed=7)
     SpeculativeDecoder(target, DraftModelStrategy(draft, (1,) * 3), adaptive=False).generate(prompts, max_new_tokens=6)
-    assert calls and set(calls) <= {1, 2, 3}
+    assert calls and set(calls) <= {(2, 1), (2, 2), (2, 3)}  # greedy: one call per step
+    calls.clear()
+    sampled = SpeculativeDecoder(target, DraftModelStrategy(draft, (1,) * 3), adaptive=False)
+    sampled.generate(prompts, max_new_tokens=6, temperature=1.0, seed=0)  # sampled: one forward per draft
+    assert calls and set(calls) == {(2, 1), (1, 1)}
     calls.clear()
     with _backend.use_backend("torch"):  # the PyTorch path forced: every draft forward is LlamaModel.forward
         SpeculativeDecoder(target, DraftModelStrategy(draft, (1,) * 3), adaptive=False).generate(
             prompts, max_new_tokens=6
         )
-    sampled = SpeculativeDecoder(target, DraftModelStrategy(draft, (1,) * 3), adaptive=False)
-    sampled.generate(prompts, max_new_tokens=6, temperature=1.0, seed=0)  # sampled chains keep their q
     trees = SpeculativeDecoder(target, DraftModelStrategy(draft, (2, 1)), adaptive=False)
     trees.generate(prompts, max_new_tokens=6)
     unfused = SpeculativeDecoder(target, DraftModelStrategy(draft, (1,) * 3, fused_chain=False), adaptive=False)

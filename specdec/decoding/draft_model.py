@@ -11,7 +11,8 @@ next draft.
 
 Chains decode K tokens one forward at a time, each sampled from the draft's own
 filtered distribution ``q`` (recorded for verification; one-hot for greedy
-requests; on the CPU a greedy chain runs as one C++ call, ``specdec.model.draft_chain_cpu``).
+requests; on the CPU a greedy chain runs as one C++ call and a sampled chain's forwards as one each,
+``specdec.model.draft_chain_cpu``).
 Trees grow level by level from a static template of branching factors: the
 first forward feeds the last committed token and the root; each later one feeds only the
 new level's nodes, as tree queries whose ancestors (the earlier levels) are already in the
@@ -35,7 +36,7 @@ from specdec.decoding.strategy import Prefill, StepContext, StepResult, check_sa
 from specdec.kernels import filtered_probs, sample_probs
 from specdec.kernels.sampling_params import RULES, SamplingParams
 from specdec.model.attention_metadata import AttentionMetadata, causal_positions
-from specdec.model.draft_chain_cpu import draft_chain_greedy, fused_chain_available
+from specdec.model.draft_chain_cpu import draft_chain_greedy, fused_chain_available, fused_forward
 
 DRAFT_SEED_SALT = 0x5DEECE66D  # keeps draft sampling independent of the verification uniforms
 
@@ -52,9 +53,9 @@ class DraftModelStrategy:
     rule : "stochastic" (children sampled i.i.d. from q; SpecInfer's multi-step speculative
         sampling) or "deterministic" (top-k children; zero-and-renormalise verification).
         Chains always sample their one child from q ("stochastic" is the chain rule).
-    fused_chain : greedy chain steps of a CPU draft run as one C++ call (``specdec.model.draft_chain_cpu``: the
-        same drafts up to float rounding, without the per-op and per-forward costs) when the extension has it;
-        False: every draft forward through ``LlamaModel.forward``.
+    fused_chain : a CPU draft's chain forwards run in C++ (``specdec.model.draft_chain_cpu``: the same logits up to
+        float rounding, without the per-op and per-forward costs) when the extension has it -- a greedy step as
+        one call, a sampled one as one call per draft; False: every draft forward through ``LlamaModel.forward``.
     """
 
     def __init__(
@@ -167,17 +168,24 @@ class DraftModelStrategy:
             return self._fused_chain(step, k), None
         feed = to_device([t for pair in zip(step.previous, step.roots) for t in pair], torch.int64, device)
         tokens, probs = [feed.view(rows, 2)[:, 1]], []
+        fused = self.fused_chain and fused_chain_available(self.draft)  # sampled: one fused forward per draft
+        slots = to_device(step.running, torch.int64, device) if fused else None
         for j in range(k):
             per_request = 2 if j == 0 else 1
             if j < 2:  # the same layout for every later draft token
                 counts = step.full_counts(per_request)
-                q_offsets = offsets_to_device(counts, device)
                 added = to_device(counts, torch.int32, device)  # committed on the device: no upload per token
-                uniform = per_request if len(self.lengths) == rows else None  # every slot running
-                last_rows = torch.arange(per_request - 1, rows * per_request, per_request, device=device)
+                if not fused:
+                    q_offsets = offsets_to_device(counts, device)
+                    uniform = per_request if len(self.lengths) == rows else None  # every slot running
+                    last_rows = torch.arange(per_request - 1, rows * per_request, per_request, device=device)
             self.cache.reserve(counts)
-            positions = causal_positions(q_offsets, self.cache.seq_lens, feed.numel(), per_request=uniform)
-            logits, _ = self.draft(feed, positions, AttentionMetadata(q_offsets), self.cache, logits_rows=last_rows)
+            if fused:
+                logits = fused_forward(self.draft, self.cache, feed.view(rows, per_request), slots)
+            else:
+                positions = causal_positions(q_offsets, self.cache.seq_lens, feed.numel(), per_request=uniform)
+                metadata = AttentionMetadata(q_offsets)
+                logits, _ = self.draft(feed, positions, metadata, self.cache, logits_rows=last_rows)
             self.cache.advance(added)
             if step.greedy:
                 feed = logits.argmax(-1)  # (a NaN row drafts some token; verification decides)

@@ -9,8 +9,9 @@ RoPE, the K/V write, causal attention over the cache, SwiGLU and the argmax are 
 Its logits equal ``LlamaModel.forward``'s up to float rounding, not bit for bit (other summation
 orders), so a near-tie may draft another token than the PyTorch path would. Drafts only propose: the
 target's verification decides what is emitted, so the output of speculative decoding does not change.
-The target never runs here. ``DraftModelStrategy`` uses it for greedy chain steps when
-``fused_chain_available``; ``SPECDEC_BACKEND=torch`` keeps every draft forward on the PyTorch path.
+The target never runs here. ``DraftModelStrategy`` uses it when ``fused_chain_available``: a greedy chain
+step is one call; a sampled chain calls ``fused_forward`` once per draft and samples from its logits in
+Python (the draft's ``q`` as before). ``SPECDEC_BACKEND=torch`` keeps every draft forward on the PyTorch path.
 """
 
 from __future__ import annotations
@@ -58,10 +59,11 @@ def draft_chain_greedy(
     Parameters
     ----------
     model : the draft, a CPU ``LlamaModel`` (``fused_chain_available``).
-    cache : its ``KVCache``; the caller reserves ``num_drafts + 1`` rows for each request in ``slots`` first
-        (``KVCache.reserve``) and commits them after (``KVCache.advance``): forward 0 writes the pair of
-        ``first_tokens`` at ``seq_lens[slot]`` and ``+ 1``, forward j > 0 draft j at ``+ 1 + j``.
-    first_tokens : ``[R, 2]`` int64: each request's last committed token and the chain's root.
+    cache : its ``KVCache``; the caller reserves ``n + num_drafts - 1`` rows for each request in ``slots`` first
+        (``KVCache.reserve``) and commits them after (``KVCache.advance``): forward 0 writes the ``n`` first
+        tokens at ``seq_lens[slot]`` .. ``+ n - 1``, forward j > 0 draft j at ``+ n - 1 + j``.
+    first_tokens : ``[R, n]`` int64, n >= 1: the first forward's causal rows per request (a chain step: the last
+        committed token and the root).
     slots : ``[R]`` int64 cache slots of the requests.
 
     Returns
@@ -80,6 +82,12 @@ def draft_chain_greedy(
     torch.ops.specdec.draft_chain_greedy_cpu(first_tokens, slots, num_drafts, *model_arguments(model, cache), drafts,
                                              logits)  # fmt: skip
     return drafts, logits
+
+
+def fused_forward(model, cache, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """One fused forward of ``tokens [R, n]`` (causal rows per request, written at ``seq_lens[slot]`` onwards; reserve
+    and commit them as for ``draft_chain_greedy``): the logits ``[R, vocab]`` of each request's last row."""
+    return draft_chain_greedy(model, cache, tokens, slots, 1)[1][0]
 
 
 def model_arguments(model, cache) -> tuple:
