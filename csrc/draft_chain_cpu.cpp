@@ -189,10 +189,9 @@ at::Tensor forward_rows(const at::Tensor& tokens, int64_t n, const std::vector<i
       }
     }
     at::Tensor down = at::linear(act, w[5], b[3]).contiguous();
-    const scalar_t* next_norm =
-        (l + 1 < g.layers ? weights[(l + 1) * kWeightsPerLayer] : final_norm).data_ptr<scalar_t>();
-    if (l + 1 < g.layers) {
-      add_rms_norm_rows(down.data_ptr<scalar_t>(), res, next_norm, nrm, T, H, eps);
+    if (l + 1 < g.layers) {  // the next layer's input norm
+      add_rms_norm_rows(down.data_ptr<scalar_t>(), res, weights[(l + 1) * kWeightsPerLayer].data_ptr<scalar_t>(), nrm,
+                        T, H, eps);
     } else {  // only the last row of each request goes on to the LM head
       const scalar_t* d = down.data_ptr<scalar_t>();
       for (int64_t t = 0; t < T * H; ++t)
@@ -221,7 +220,6 @@ void check_model(const at::Tensor& embed, const std::vector<at::Tensor>& weights
                     "layer_biases must hold 4 entries per layer, got ", biases.size());
   TORCH_CHECK_VALUE(cache.dim() == 6 && cache.is_contiguous() && cache.size(0) == g.layers && cache.size(1) == 2,
                     "cache must be a contiguous [L, 2, ., ., Hkv, D] tensor of the model's layers");
-  g.vocab = embed.size(0);
   g.hidden = embed.size(1);
   g.kv_heads = cache.size(4);
   g.head_dim = cache.size(5);
