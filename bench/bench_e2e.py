@@ -9,8 +9,8 @@ Greedy (temperature 0), batch 1, each held-out prompt decoded alone for N new to
 
 tokens/s = generated tokens / time summed over prompts (prefill included); on the CPU the time
 is the thread's CPU time with one intra-op thread (``common.clock``), on CUDA wall time;
-"unfused" = the same chain with every draft forward through ``LlamaModel.forward`` (``fused_chain=False``;
-on the CPU the chain row's draft forwards run in C++, ``specdec.model.draft_chain_cpu``);
+"unfused" = the same chain with every draft forward through ``LlamaModel.forward`` (``fused=False``;
+on the CPU the chain row's draft forwards run in C++, ``specdec.model.draft_forward_cpu``);
 tau = tokens per target forward (HF: counted with a forward hook on the target);
 "identical" = every prompt's tokens equal specdec's autoregressive greedy tokens.
 Then a temperature-1 run (specdec strategies, the unfused chain again, the tree on the stochastic rule, HF
@@ -494,7 +494,7 @@ def main() -> None:
     hf_target, hf_draft = load_hf(target_dir, device), load_hf(draft_dir, device)
     counter = ForwardCounter(hf_target)
     plan = [*strategies(draft), medusa_row(target)]
-    unfused = DraftModelStrategy(draft, (1,) * CHAIN, fused_chain=False)
+    unfused = DraftModelStrategy(draft, (1,) * CHAIN, fused=False)
     plan.insert(2, (f"draft chain K={CHAIN} unfused", unfused))  # the fused chain's peer, right after it
     hf_plan = [
         ("HF generate greedy", {"do_sample": False}),

@@ -12,7 +12,7 @@ next draft.
 Chains decode K tokens one forward at a time, each sampled from the draft's own
 filtered distribution ``q`` (recorded for verification; one-hot for greedy
 requests; on the CPU a greedy chain runs as one C++ call and a sampled chain's forwards as one each,
-``specdec.model.draft_chain_cpu``).
+``specdec.model.draft_forward_cpu``, as do a tree's levels).
 Trees grow level by level from a static template of branching factors: the
 first forward feeds the last committed token and the root; each later one feeds only the
 new level's nodes, as tree queries whose ancestors (the earlier levels) are already in the
@@ -36,7 +36,7 @@ from specdec.decoding.strategy import Prefill, StepContext, StepResult, check_sa
 from specdec.kernels import filtered_probs, sample_probs
 from specdec.kernels.sampling_params import RULES, SamplingParams
 from specdec.model.attention_metadata import AttentionMetadata, causal_positions
-from specdec.model.draft_chain_cpu import draft_chain_greedy, fused_chain_available, fused_forward
+from specdec.model.draft_forward_cpu import draft_chain_greedy, fused_available, fused_forward
 
 DRAFT_SEED_SALT = 0x5DEECE66D  # keeps draft sampling independent of the verification uniforms
 
@@ -53,9 +53,10 @@ class DraftModelStrategy:
     rule : "stochastic" (children sampled i.i.d. from q; SpecInfer's multi-step speculative
         sampling) or "deterministic" (top-k children; zero-and-renormalise verification).
         Chains always sample their one child from q ("stochastic" is the chain rule).
-    fused_chain : a CPU draft's chain forwards run in C++ (``specdec.model.draft_chain_cpu``: the same logits up to
-        float rounding, without the per-op and per-forward costs) when the extension has it -- a greedy step as
-        one call, a sampled one as one call per draft; False: every draft forward through ``LlamaModel.forward``.
+    fused : a CPU draft's forwards run in C++ (``specdec.model.draft_forward_cpu``: the same logits up to float
+        rounding, without the per-op and per-forward costs) when the extension has them -- a greedy chain step
+        as one call, a sampled chain as one call per draft, a tree as one per level; False: every draft forward
+        through ``LlamaModel.forward``.
     """
 
     def __init__(
@@ -65,7 +66,7 @@ class DraftModelStrategy:
         *,
         max_nodes: int = 64,
         rule: str = "stochastic",
-        fused_chain: bool = True,
+        fused: bool = True,
     ):
         branching = tuple(branching)
         if not branching or any(not isinstance(k, int) or k < 1 for k in branching):
@@ -74,10 +75,10 @@ class DraftModelStrategy:
             raise ValueError(f"max_nodes must be an int >= 2, got {max_nodes!r}")
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
-        if not isinstance(fused_chain, bool):
-            raise TypeError(f"fused_chain must be a bool, got {fused_chain!r}")
+        if not isinstance(fused, bool):
+            raise TypeError(f"fused must be a bool, got {fused!r}")
         self.draft = draft
-        self.fused_chain = fused_chain
+        self.fused = fused
         self.is_chain = all(k == 1 for k in branching)
         self.rule = "stochastic" if self.is_chain else rule
         self.parents = _template(branching, max_nodes)
@@ -164,11 +165,11 @@ class DraftModelStrategy:
         is one-hot at the draft's argmax), one forward per token."""
         device, rows = self.draft.device, len(step.running)
         self._catch_up(step)
-        if step.greedy and self.fused_chain and fused_chain_available(self.draft):
+        if step.greedy and self.fused and fused_available(self.draft):
             return self._fused_chain(step, k), None
         feed = to_device([t for pair in zip(step.previous, step.roots) for t in pair], torch.int64, device)
         tokens, probs = [feed.view(rows, 2)[:, 1]], []
-        fused = self.fused_chain and fused_chain_available(self.draft)  # sampled: one fused forward per draft
+        fused = self.fused and fused_available(self.draft)  # sampled: one fused forward per draft
         slots = to_device(step.running, torch.int64, device) if fused else None
         for j in range(k):
             per_request = 2 if j == 0 else 1
@@ -201,7 +202,7 @@ class DraftModelStrategy:
         return torch.stack(tokens, dim=1), torch.stack(probs, dim=1)
 
     def _fused_chain(self, step, k: int) -> torch.Tensor:
-        """``_draft_chain``'s greedy tokens from one C++ call (``specdec.model.draft_chain_cpu``): the same K + 1
+        """``_draft_chain``'s greedy tokens from one C++ call (``specdec.model.draft_forward_cpu``): the same K + 1
         cache rows per request, reserved and committed once instead of per forward."""
         device, rows = self.draft.device, len(step.running)
         counts = step.full_counts(k + 1)
@@ -225,15 +226,20 @@ class DraftModelStrategy:
         tokens[:, 0] = to_device(step.roots, torch.int64, device)
         sampled = self.rule == "stochastic" and not step.greedy  # greedy: every q is one-hot, no probs kept
         probs = torch.zeros(rows, n, self.draft.config.vocab_size, device=device) if sampled else None
+        fused = self.fused and fused_available(self.draft)  # one fused forward per level
+        slots = to_device(step.running, torch.int64, device) if fused else None
         # Level 0: the last committed token and the root, causal; they are committed text, so the cache keeps them.
         counts = step.full_counts(2)
-        q_offsets = offsets_to_device(counts, device)
         self.cache.reserve(counts)
         feed = to_device([t for pair in zip(step.previous, step.roots) for t in pair], torch.int64, device)
-        uniform = 2 if len(self.lengths) == rows else None  # every slot running
-        positions = causal_positions(q_offsets, self.cache.seq_lens, 2 * rows, per_request=uniform)
-        root_rows = torch.arange(1, 2 * rows, 2, device=device)
-        logits, _ = self.draft(feed, positions, AttentionMetadata(q_offsets), self.cache, logits_rows=root_rows)
+        if fused:
+            logits = fused_forward(self.draft, self.cache, feed.view(rows, 2), slots)
+        else:
+            q_offsets = offsets_to_device(counts, device)
+            uniform = 2 if len(self.lengths) == rows else None  # every slot running
+            positions = causal_positions(q_offsets, self.cache.seq_lens, 2 * rows, per_request=uniform)
+            root_rows = torch.arange(1, 2 * rows, 2, device=device)
+            logits, _ = self.draft(feed, positions, AttentionMetadata(q_offsets), self.cache, logits_rows=root_rows)
         self.cache.advance(counts)
         for b in step.running:
             self.lengths[b] += 2
@@ -247,13 +253,19 @@ class DraftModelStrategy:
             frontier = [i for i in range(n) if depth[i] == level]
             width = len(frontier)
             counts = step.full_counts(width)
-            q_offsets = offsets_to_device(counts, device)
             self.cache.reserve(counts)
             nodes = to_device(frontier, torch.int64, device)
             mask = masks.index_select(0, nodes - 1).repeat(rows, 1)
-            positions = (start + level - 1)[:, None].expand(rows, width).flatten()
-            metadata = AttentionMetadata(q_offsets, mask, tree_start=tree_start)
-            logits, _ = self.draft(tokens.index_select(1, nodes).flatten(), positions, metadata, self.cache)
+            positions = (start + level - 1)[:, None].expand(rows, width)
+            if fused:
+                level_tokens, kw = tokens.index_select(1, nodes), dict(tree_mask=mask, tree_start=tree_start)
+                logits = fused_forward(
+                    self.draft, self.cache, level_tokens, slots, positions=positions, kept=width, **kw
+                )
+            else:
+                metadata = AttentionMetadata(offsets_to_device(counts, device), mask, tree_start=tree_start)
+                level_tokens = tokens.index_select(1, nodes).flatten()
+                logits, _ = self.draft(level_tokens, positions.flatten(), metadata, self.cache)
             self.cache.advance(counts)
             self._expand(logits, step, frontier, parents, tokens, probs)
         self.cache.truncate(self.lengths)  # the levels go; verification decides which nodes are text

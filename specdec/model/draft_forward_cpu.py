@@ -1,17 +1,19 @@
-"""A greedy draft chain in one C++ call on the CPU: K draft forwards and their argmax feedback.
+"""A draft model's forwards in C++ on the CPU: a greedy chain in one call, or one forward of causal rows or of a
+token tree's newest level.
 
 A small draft's forward on the CPU is mostly per-op cost: a 1-layer, 128-wide model spends more time
 dispatching its ~40 small ops, planning the forward and keeping the cache's books than in its GEMMs,
 and a chain pays that K times per step. ``draft_chain_greedy`` runs the whole chain inside the
-extension (``csrc/draft_chain_cpu.cpp``): the GEMMs are the same ATen calls as ``F.linear``; RMSNorm,
+extension (``csrc/draft_forward_cpu.cpp``): the GEMMs are the same ATen calls as ``F.linear``; RMSNorm,
 RoPE, the K/V write, causal attention over the cache, SwiGLU and the argmax are loops over rows.
 
 Its logits equal ``LlamaModel.forward``'s up to float rounding, not bit for bit (other summation
 orders), so a near-tie may draft another token than the PyTorch path would. Drafts only propose: the
 target's verification decides what is emitted, so the output of speculative decoding does not change.
-The target never runs here. ``DraftModelStrategy`` uses it when ``fused_chain_available``: a greedy chain
+The target never runs here. ``DraftModelStrategy`` uses it when ``fused_available``: a greedy chain
 step is one call; a sampled chain calls ``fused_forward`` once per draft and samples from its logits in
-Python (the draft's ``q`` as before). ``SPECDEC_BACKEND=torch`` keeps every draft forward on the PyTorch path.
+Python (the draft's ``q`` as before); a tree calls it once per level and expands the nodes in Python.
+``SPECDEC_BACKEND=torch`` keeps every draft forward on the PyTorch path.
 """
 
 from __future__ import annotations
@@ -23,21 +25,30 @@ import torch
 from specdec import _backend
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+UNAVAILABLE = (
+    "the fused draft chain needs a CPU LlamaModel in float32/float16/bfloat16 and the extension's "
+    "draft_chain_greedy_cpu / draft_forward_cpu ops (pip install --no-build-isolation -e .), with SPECDEC_BACKEND "
+    "not 'torch'"
+)
+
+
+OPS = ("draft_chain_greedy_cpu", "draft_forward_cpu")
 
 
 @functools.cache
 def _has_op() -> bool:
-    """The loaded extension has the op (one built before it was added has not)."""
-    return _backend.extension_status()[0] is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
-        "specdec::draft_chain_greedy_cpu", "CPU"
+    """The loaded extension has the ops (one built before they were added has not)."""
+    return _backend.extension_status()[0] is not None and all(
+        torch._C._dispatch_has_kernel_for_dispatch_key(f"specdec::{op}", "CPU") for op in OPS
     )
 
 
-if _has_op():  # the op only writes its output buffers: what torch.compile and torch.library.opcheck need
-    torch.library.register_fake("specdec::draft_chain_greedy_cpu")(lambda *args: None)
+if _has_op():  # the ops only write their output buffers: what torch.compile and torch.library.opcheck need
+    for _op in OPS:
+        torch.library.register_fake(f"specdec::{_op}")(lambda *args: None)
 
 
-def fused_chain_available(model) -> bool:
+def fused_available(model) -> bool:
     """Whether ``draft_chain_greedy`` can run ``model`` (a CPU ``LlamaModel`` in a supported dtype, the extension
     built, the PyTorch path not forced)."""
     from specdec.model.llama import LlamaModel
@@ -58,7 +69,7 @@ def draft_chain_greedy(
 
     Parameters
     ----------
-    model : the draft, a CPU ``LlamaModel`` (``fused_chain_available``).
+    model : the draft, a CPU ``LlamaModel`` (``fused_available``).
     cache : its ``KVCache``; the caller reserves ``n + num_drafts - 1`` rows for each request in ``slots`` first
         (``KVCache.reserve``) and commits them after (``KVCache.advance``): forward 0 writes the ``n`` first
         tokens at ``seq_lens[slot]`` .. ``+ n - 1``, forward j > 0 draft j at ``+ n - 1 + j``.
@@ -71,11 +82,8 @@ def draft_chain_greedy(
     drafts ``[R, num_drafts]`` int64 (draft j + 1 is the argmax of the logits after draft j) and the logits
     ``[num_drafts, R, vocab]`` in the model dtype.
     """
-    if not fused_chain_available(model):
-        raise RuntimeError(
-            "the fused draft chain needs a CPU LlamaModel in float32/float16/bfloat16 and the extension's "
-            "draft_chain_greedy_cpu op (pip install --no-build-isolation -e .), with SPECDEC_BACKEND not 'torch'"
-        )
+    if not fused_available(model):
+        raise RuntimeError(UNAVAILABLE)
     rows, vocab = first_tokens.shape[0], model.config.vocab_size
     drafts = torch.empty(rows, num_drafts, dtype=torch.int64)
     logits = torch.empty(num_drafts, rows, vocab, dtype=model.dtype)
@@ -84,10 +92,30 @@ def draft_chain_greedy(
     return drafts, logits
 
 
-def fused_forward(model, cache, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """One fused forward of ``tokens [R, n]`` (causal rows per request, written at ``seq_lens[slot]`` onwards; reserve
-    and commit them as for ``draft_chain_greedy``): the logits ``[R, vocab]`` of each request's last row."""
-    return draft_chain_greedy(model, cache, tokens, slots, 1)[1][0]
+def fused_forward(
+    model,
+    cache,
+    tokens: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    positions: torch.Tensor | None = None,
+    tree_mask: torch.Tensor | None = None,
+    tree_start: torch.Tensor | None = None,
+    kept: int = 1,
+) -> torch.Tensor:
+    """One fused forward of ``tokens [R, n]``, written at ``seq_lens[slot]`` .. ``+ n - 1`` (reserve and commit them
+    as for ``draft_chain_greedy``); returns the logits ``[R * kept, vocab]`` of each request's last ``kept`` rows.
+
+    Causal rows by default; with ``tree_mask [R * n, words]`` int64, ``tree_start [B]`` int32 and ``positions
+    [R, n]`` int64, the rows are the newest level of token trees whose earlier nodes are cached from
+    ``tree_start`` on (``AttentionMetadata(tree_start=...)``'s rule)."""
+    if not fused_available(model):
+        raise RuntimeError(UNAVAILABLE)
+    logits = torch.empty(tokens.shape[0] * kept, model.config.vocab_size, dtype=model.dtype)
+    torch.ops.specdec.draft_forward_cpu(
+        tokens, slots, positions, tree_mask, tree_start, kept, *model_arguments(model, cache), logits
+    )
+    return logits
 
 
 def model_arguments(model, cache) -> tuple:

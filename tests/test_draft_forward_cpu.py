@@ -1,4 +1,4 @@
-"""The fused draft chain (csrc/draft_chain_cpu.cpp) against the PyTorch forwards it replaces: the logits of every
+"""The fused draft chain (csrc/draft_forward_cpu.cpp) against the PyTorch forwards it replaces: the logits of every
 draft position and the cache rows it writes, for both cache layouts, GQA and biases, several layers,
 float32/float16/bfloat16, requests that are not running, ragged lengths and any number of first rows; its
 argument checks; and a speculative decoder that drafts through it emitting exactly the target's greedy tokens
@@ -11,11 +11,12 @@ from helpers import random_model, random_prompts, tiny_config
 from specdec import _backend
 from specdec.decoding import DraftModelStrategy, SpeculativeDecoder
 from specdec.decoding.autoregressive import generate as autoregressive_generate
+from specdec.decoding.proposal import tree_metadata_on
 from specdec.model import AttentionMetadata, causal_positions
-from specdec.model.draft_chain_cpu import (
+from specdec.model.draft_forward_cpu import (
     _has_op,
     draft_chain_greedy,
-    fused_chain_available,
+    fused_available,
     fused_forward,
     model_arguments,
 )
@@ -89,7 +90,7 @@ CASES = [
 @pytest.mark.parametrize("overrides,dtype,tol", CASES)
 def test_fused_chain_matches_the_pytorch_forwards(layout, overrides, dtype, tol):
     model = random_model(tiny_config(**overrides), seed=11).to(dtype)
-    assert fused_chain_available(model)
+    assert fused_available(model)
     k = 5
     first = torch.tensor([[5, 9], [40, 41], [60, 2]])[[0, 2]]
     slots = torch.tensor([0, 2])  # slot 1 is not running: its rows must stay untouched
@@ -162,36 +163,79 @@ def test_the_strategy_uses_it_only_where_it_applies(monkeypatch):
     config = tiny_config()
     target, draft = random_model(config, seed=1), random_model(config, seed=2)
     calls = []
-    real = draft_chain_greedy
+    chain, forward = draft_chain_greedy, fused_forward
 
-    def counting(*args):
-        calls.append((args[2].shape[1], args[4]))  # (first rows, drafts)
-        return real(*args)
+    def counting_chain(*args):
+        calls.append(("chain", args[2].shape[1], args[4]))  # (first rows, drafts)
+        return chain(*args)
+
+    def counting_forward(*args, **kwargs):
+        calls.append(("forward", args[2].shape[1], kwargs.get("tree_mask") is not None))  # (rows, tree level)
+        return forward(*args, **kwargs)
 
     import specdec.decoding.draft_model as draft_model
-    import specdec.model.draft_chain_cpu as draft_chain_cpu
 
-    monkeypatch.setattr(draft_model, "draft_chain_greedy", counting)
-    monkeypatch.setattr(draft_chain_cpu, "draft_chain_greedy", counting)  # fused_forward's
+    monkeypatch.setattr(draft_model, "draft_chain_greedy", counting_chain)
+    monkeypatch.setattr(draft_model, "fused_forward", counting_forward)
     prompts = random_prompts([5, 4], config.vocab_size, seed=7)
-    SpeculativeDecoder(target, DraftModelStrategy(draft, (1,) * 3), adaptive=False).generate(prompts, max_new_tokens=6)
-    assert calls and set(calls) <= {(2, 1), (2, 2), (2, 3)}  # greedy: one call per step
-    calls.clear()
-    sampled = SpeculativeDecoder(target, DraftModelStrategy(draft, (1,) * 3), adaptive=False)
-    sampled.generate(prompts, max_new_tokens=6, temperature=1.0, seed=0)  # sampled: one forward per draft
-    assert calls and set(calls) == {(2, 1), (1, 1)}
-    calls.clear()
+
+    def decode(branching, **options):
+        calls.clear()
+        strategy = DraftModelStrategy(draft, branching, fused=options.pop("fused", True))
+        SpeculativeDecoder(target, strategy, adaptive=False).generate(prompts, max_new_tokens=6, **options)
+        return set(calls)
+
+    greedy = decode((1,) * 3)  # one call per step (shorter chains near the end)
+    assert ("chain", 2, 3) in greedy and greedy <= {("chain", 2, k) for k in (1, 2, 3)}
+    assert decode((1,) * 3, temperature=1.0, seed=0) == {("forward", 2, False), ("forward", 1, False)}  # sampled
+    assert decode((2, 1)) == {("forward", 2, False), ("forward", 2, True)}  # a tree: per level
+    assert decode((1,) * 3, fused=False) == set()
     with _backend.use_backend("torch"):  # the PyTorch path forced: every draft forward is LlamaModel.forward
-        SpeculativeDecoder(target, DraftModelStrategy(draft, (1,) * 3), adaptive=False).generate(
-            prompts, max_new_tokens=6
-        )
-    trees = SpeculativeDecoder(target, DraftModelStrategy(draft, (2, 1)), adaptive=False)
-    trees.generate(prompts, max_new_tokens=6)
-    unfused = SpeculativeDecoder(target, DraftModelStrategy(draft, (1,) * 3, fused_chain=False), adaptive=False)
-    unfused.generate(prompts, max_new_tokens=6)
-    assert calls == []
-    with pytest.raises(TypeError, match="fused_chain must be a bool"):
-        DraftModelStrategy(draft, (1,) * 3, fused_chain=1)
+        assert decode((1,) * 3) == set()
+        assert decode((2, 1)) == set()
+    with pytest.raises(TypeError, match="fused must be a bool"):
+        DraftModelStrategy(draft, (1,) * 3, fused=1)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_tree_levels_match_the_pytorch_forward(layout):
+    """Two levels of token trees over a cached prefix: each row sees the prefix and its marked ancestors."""
+    model = random_model(tiny_config(num_heads=4, num_kv_heads=2), seed=13)
+    slots = torch.tensor([0, 2])
+    fused_cache, torch_cache = prefilled(model, layout), prefilled(model, layout)
+    tree_start = fused_cache.seq_lens.clone()
+    _, masks = tree_metadata_on([[-1, -1, 0, 0, 2]], torch.device("cpu"))  # a forest of two trees, 5 nodes
+    start = tree_start.index_select(0, slots).long()
+    for level, nodes in enumerate(([0, 1, 2], [3, 4])):  # node 2 beside its parent: it sees it in the same forward
+        width, counts = len(nodes), [0] * 3
+        for s in slots.tolist():
+            counts[s] = width
+        tokens = torch.randint(0, 64, (2, width))
+        positions = (start + level)[:, None].expand(2, width)
+        mask = masks[nodes].repeat(2, 1)
+        fused_cache.reserve(counts)
+        fused = fused_forward(model, fused_cache, tokens, slots, positions=positions, tree_mask=mask,
+                              tree_start=tree_start, kept=width)  # fmt: skip
+        fused_cache.advance(counts)
+        offsets = torch.tensor([0, *counts], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        with _backend.use_backend("torch"):
+            torch_cache.reserve(counts)
+            metadata = AttentionMetadata(offsets, mask, tree_start=tree_start)
+            ref, _ = model(tokens.flatten(), positions.flatten(), metadata, torch_cache)
+            torch_cache.advance(counts)
+        assert (fused - ref).abs().max() <= 1e-5 * ref.abs().max(), level
+
+
+def test_a_decoder_drafting_trees_through_it_emits_the_targets_greedy_tokens():
+    config = tiny_config()
+    target, draft = random_model(config, seed=1), random_model(config, seed=2)
+    prompts = random_prompts([6, 3], config.vocab_size, seed=8)
+    expected = autoregressive_generate(target, prompts, max_new_tokens=12, eos_token_id=None)
+    strategy = DraftModelStrategy(draft, (2, 2, 1), rule="deterministic")
+    result = SpeculativeDecoder(target, strategy, adaptive=False).generate(
+        prompts, max_new_tokens=12, eos_token_id=None
+    )
+    assert result.tokens == expected
 
 
 def test_arguments_are_checked():
@@ -225,11 +269,11 @@ def test_arguments_are_checked():
 
 def test_refuses_models_it_cannot_run():
     model = random_model(tiny_config(), seed=1).double()
-    assert not fused_chain_available(model)
+    assert not fused_available(model)
     with pytest.raises(RuntimeError, match="fused draft chain needs"):
         draft_chain_greedy(model, None, torch.tensor([[1, 2]]), torch.tensor([0]), 2)
     with _backend.use_backend("torch"):
-        assert not fused_chain_available(random_model(tiny_config(), seed=1))
+        assert not fused_available(random_model(tiny_config(), seed=1))
 
 
 def test_opcheck():

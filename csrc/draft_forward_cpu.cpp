@@ -1,0 +1,475 @@
+// A small LLaMA-style draft model's forwards on the CPU without leaving C++ (specdec/model/draft_forward_cpu.py is
+// the Python side): a greedy chain's K forwards with their argmax feedback in one call, or one forward of causal
+// rows or of a token tree's newest level.
+//
+// Why: a 1-layer draft's forward is a few small GEMMs and ~40 tiny ops; from Python each op costs more to
+// dispatch than to compute, and the step around each forward (positions, the attention plan, the cache's
+// bookkeeping, the argmax) costs as much again. Here the GEMMs stay ATen calls (the same as F.linear) and the
+// rest -- RMSNorm, RoPE, the K/V write, attention over the cache, SwiGLU, the argmax feedback -- are
+// plain loops over rows, in float arithmetic, rounded to the model dtype where the PyTorch path rounds.
+// The results equal LlamaModel.forward's up to float rounding, not bit for bit: drafts only propose, the
+// target's verification decides, so the output of speculative decoding is the same either way.
+//
+// Shared arguments:
+//   slots         [R]    int64   cache slot of each running request
+//   embed         [V, H]; layer_weights: per layer input_norm [H], qkv [(Hq + 2 Hkv) D, H], o [H, Hq D],
+//                 post_norm [H], gate_up [2 I, H], down [H, I]; layer_biases: per layer qkv, o, gate_up, down
+//                 (None where the model has none); final_norm [H]; lm_head [V, H]
+//   rotary_table  [P, 2, 1, D]  cos and sin (sign folded in, specdec.kernels.rotary.rotary_table), P > every
+//                 position rotated
+//   cache         contiguous [L, 2, B, max_len, Hkv, D] or paged [L, 2, num_blocks, block_size, Hkv, D] with
+//                 block_tables [B, max_blocks] int32; seq_lens [B] int32 (read, not changed: the caller commits the
+//                 rows written, KVCache.advance)
+//
+// draft_chain_greedy_cpu(first_tokens [R, n] int64, slots, num_drafts K >= 1, ..., drafts [R, K] int64 out,
+//                        logits [K, R, V] out): forward 0 feeds the n first tokens (a chain step: the last committed
+//   token and the root) at positions seq_lens[slot] .. + n - 1, forward j > 0 draft j at + n - 1 + j, each draft the
+//   argmax of the logits before it: n + K - 1 cache rows per request.
+// draft_forward_cpu(tokens [R, n] int64, slots, positions?, tree_mask?, tree_start?, kept, ..., logits out): one
+//   forward writing its rows at seq_lens[slot] .. + n - 1; causal rows when tree_mask is None (rotated by their cache
+//   position unless positions [R, n] int64 is given); with tree_mask [R * n, words] int64 and tree_start [B] int32
+//   the rows are a token tree's newest level: each sees every position before tree_start and, after it, the ones
+//   its mask row marks (bit k: tree_start + k), rotated by positions. logits [R * kept, V]: the last `kept` rows of
+//   each request.
+
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace specdec {
+namespace {
+
+constexpr int64_t kWeightsPerLayer = 6;  // input_norm, qkv, o, post_norm, gate_up, down
+constexpr int64_t kBiasesPerLayer = 4;   // qkv, o, gate_up, down
+
+// Where the cache rows of one request live: row index of position p in the [rows, Hkv, D] view of a layer's K
+// (or V) plane.
+struct CacheRows {
+  int64_t max_len = 0;           // contiguous
+  int64_t block_size = 0;        // paged
+  const int32_t* table = nullptr;
+  int64_t table_stride = 0;
+
+  int64_t row(int64_t slot, int64_t pos) const {
+    if (table == nullptr) return slot * max_len + pos;
+    return int64_t{table[slot * table_stride + pos / block_size]} * block_size + pos % block_size;
+  }
+};
+
+// Where one forward's rows go and what they see. Row t = r * n + i (request r, i-th row) is written at cache position
+// write_start[r] + i and rotated by position[t]. Causal rows see positions 0 .. write_start[r] + i; the newest level
+// of token trees (tree_mask set) sees every position before tree_start[r] and, from there on, the positions whose
+// bit is set in its mask row ([T, words] int64: bit k stands for tree_start + k, as the attention op reads it).
+struct Rows {
+  int64_t n = 0;
+  std::vector<int64_t> write_start, position;
+  const int64_t* tree_mask = nullptr;
+  int64_t words = 0;
+  std::vector<int64_t> tree_start;
+
+  int64_t context(int64_t t) const {  // cache positions row t may read: 0 .. context - 1
+    const int64_t r = t / n;
+    return tree_mask == nullptr ? write_start[r] + t % n + 1 : write_start[r] + n;
+  }
+  bool sees(int64_t t, int64_t j) const {
+    if (tree_mask == nullptr || j < tree_start[t / n]) return true;
+    const int64_t bit = j - tree_start[t / n];
+    return bit < words * 64 && ((tree_mask[t * words + bit / 64] >> (bit % 64)) & 1);
+  }
+};
+
+struct Geometry {
+  int64_t hidden, heads, kv_heads, head_dim, inter, vocab, layers;
+  int64_t plane;  // elements of one layer's K (or V) plane
+};
+
+// out[t] = weight * rms_norm(x[t]) for rows `rows` of x [T, H] (normalised in float, rounded like the PyTorch path).
+template <typename scalar_t>
+void rms_norm_rows(const scalar_t* x, const scalar_t* weight, scalar_t* out, int64_t rows, int64_t hidden, double eps,
+                   const int64_t* row_ids = nullptr) {
+  using acc_t = at::opmath_type<scalar_t>;
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t t = row_ids == nullptr ? i : row_ids[i];
+    const scalar_t* h = x + t * hidden;
+    acc_t sum = 0;
+    for (int64_t c = 0; c < hidden; ++c) sum += static_cast<acc_t>(h[c]) * static_cast<acc_t>(h[c]);
+    const acc_t inv = acc_t(1) / std::sqrt(sum / static_cast<acc_t>(hidden) + static_cast<acc_t>(eps));
+    scalar_t* o = out + i * hidden;
+    for (int64_t c = 0; c < hidden; ++c) {
+      const scalar_t normed = static_cast<scalar_t>(static_cast<acc_t>(h[c]) * inv);
+      o[c] = static_cast<scalar_t>(static_cast<acc_t>(weight[c]) * static_cast<acc_t>(normed));
+    }
+  }
+}
+
+// residual += x, then out = weight * rms_norm(residual), row by row.
+template <typename scalar_t>
+void add_rms_norm_rows(const scalar_t* x, scalar_t* residual, const scalar_t* weight, scalar_t* out, int64_t rows,
+                       int64_t hidden, double eps) {
+  using acc_t = at::opmath_type<scalar_t>;
+  for (int64_t t = 0; t < rows * hidden; ++t)
+    residual[t] = static_cast<scalar_t>(static_cast<acc_t>(residual[t]) + static_cast<acc_t>(x[t]));
+  rms_norm_rows(residual, weight, out, rows, hidden, eps);
+}
+
+// x [D] rotated in place by the table row of its position: x * cos + roll(x, D / 2) * sin.
+template <typename scalar_t>
+void rotate_head(scalar_t* x, const scalar_t* cos, const scalar_t* sin, int64_t dim, float* scratch) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t half = dim / 2;
+  for (int64_t i = 0; i < dim; ++i) scratch[i] = static_cast<float>(x[i]);
+  for (int64_t i = 0; i < dim; ++i) {
+    const acc_t rolled = static_cast<acc_t>(static_cast<scalar_t>(scratch[(i + half) % dim]));
+    const scalar_t a = static_cast<scalar_t>(rolled * static_cast<acc_t>(sin[i]));
+    const scalar_t b = static_cast<scalar_t>(static_cast<acc_t>(static_cast<scalar_t>(scratch[i])) *
+                                             static_cast<acc_t>(cos[i]));
+    x[i] = static_cast<scalar_t>(static_cast<acc_t>(a) + static_cast<acc_t>(b));
+  }
+}
+
+// One forward of `rows_in.n` rows per request (Rows) through every layer; returns the final-normed last `kept` rows
+// of each request ([R * kept, H]).
+template <typename scalar_t>
+at::Tensor forward_rows(const at::Tensor& tokens, const Rows& rows_in, int64_t kept, const std::vector<int64_t>& slots,
+                        const at::Tensor& embed,
+                        const std::vector<at::Tensor>& weights, const std::vector<c10::optional<at::Tensor>>& biases,
+                        const at::Tensor& final_norm, const at::Tensor& rotary, scalar_t* cache, const CacheRows& rows,
+                        const Geometry& g, double eps, double scale) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t n = rows_in.n, R = static_cast<int64_t>(slots.size()), T = R * n, H = g.hidden, D = g.head_dim;
+  const int64_t Hq = g.heads, Hkv = g.kv_heads, group = Hq / Hkv, width = (Hq + 2 * Hkv) * D;
+  at::Tensor residual = at::embedding(embed, tokens).contiguous();  // [T, H], a new tensor
+  at::Tensor normed = at::empty_like(residual);
+  at::Tensor attn = at::empty({T, Hq * D}, residual.options());
+  at::Tensor act = at::empty({T, g.inter}, residual.options());
+  scalar_t* res = residual.data_ptr<scalar_t>();
+  scalar_t* nrm = normed.data_ptr<scalar_t>();
+  const scalar_t* table = rotary.data_ptr<scalar_t>();  // [P, 2, D]
+  rms_norm_rows(res, weights[0].data_ptr<scalar_t>(), nrm, T, H, eps);
+  int64_t max_context = 0;
+  for (int64_t t = 0; t < T; ++t) max_context = std::max(max_context, rows_in.context(t));
+  for (int64_t l = 0; l < g.layers; ++l) {
+    const at::Tensor* w = weights.data() + l * kWeightsPerLayer;
+    const c10::optional<at::Tensor>* b = biases.data() + l * kBiasesPerLayer;
+    at::Tensor qkv = at::linear(normed, w[1], b[0]).contiguous();  // [T, (Hq + 2 Hkv) D]
+    scalar_t* qkv_p = qkv.data_ptr<scalar_t>();
+    scalar_t* k_plane = cache + (l * 2) * g.plane;
+    scalar_t* v_plane = k_plane + g.plane;
+    // RoPE on q and k, then the K/V write: all rows of the layer are in the cache before any attends.
+    std::vector<float> scratch(D);
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t t = r * n + i;
+        const scalar_t* cos = table + rows_in.position[t] * 2 * D;
+        scalar_t* row = qkv_p + t * width;
+        for (int64_t h = 0; h < Hq + Hkv; ++h) rotate_head(row + h * D, cos, cos + D, D, scratch.data());
+        const int64_t cache_row = rows.row(slots[r], rows_in.write_start[r] + i);
+        std::copy(row + Hq * D, row + (Hq + Hkv) * D, k_plane + cache_row * Hkv * D);
+        std::copy(row + (Hq + Hkv) * D, row + width, v_plane + cache_row * Hkv * D);
+      }
+    }
+    // Attention over the positions each row sees (Rows); softmax in float.
+    scalar_t* attn_p = attn.data_ptr<scalar_t>();
+    at::parallel_for(0, T * Hq, 1, [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> p(max_context), o(D);
+      for (int64_t job = begin; job < end; ++job) {
+        const int64_t t = job / Hq, h = job % Hq, r = t / n, kv = h / group;
+        const int64_t context = rows_in.context(t);
+        const scalar_t* q = qkv_p + t * width + h * D;
+        constexpr acc_t hidden = -std::numeric_limits<acc_t>::infinity();
+        acc_t top = hidden;
+        for (int64_t j = 0; j < context; ++j) {
+          if (!rows_in.sees(t, j)) {
+            p[j] = hidden;
+            continue;
+          }
+          const scalar_t* k = k_plane + rows.row(slots[r], j) * Hkv * D + kv * D;
+          acc_t dot = 0;
+          for (int64_t d = 0; d < D; ++d) dot += static_cast<acc_t>(q[d]) * static_cast<acc_t>(k[d]);
+          p[j] = dot * static_cast<acc_t>(scale);
+          top = std::max(top, p[j]);
+        }
+        acc_t total = 0;
+        std::fill(o.begin(), o.end(), acc_t(0));
+        for (int64_t j = 0; j < context; ++j) {
+          if (p[j] == hidden) continue;
+          const acc_t e = std::exp(p[j] - top);
+          total += e;
+          const scalar_t* v = v_plane + rows.row(slots[r], j) * Hkv * D + kv * D;
+          for (int64_t d = 0; d < D; ++d) o[d] += e * static_cast<acc_t>(v[d]);
+        }
+        scalar_t* out = attn_p + t * Hq * D + h * D;  // a row that sees nothing gets 0, as the attention op's
+        for (int64_t d = 0; d < D; ++d) out[d] = static_cast<scalar_t>(total > 0 ? o[d] / total : acc_t(0));
+      }
+    });
+    at::Tensor o = at::linear(attn, w[2], b[1]).contiguous();
+    add_rms_norm_rows(o.data_ptr<scalar_t>(), res, w[3].data_ptr<scalar_t>(), nrm, T, H, eps);
+    at::Tensor gate_up = at::linear(normed, w[4], b[2]).contiguous();  // [T, 2 I]: gate | up
+    const scalar_t* gu = gate_up.data_ptr<scalar_t>();
+    scalar_t* a = act.data_ptr<scalar_t>();
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t c = 0; c < g.inter; ++c) {
+        const acc_t x = static_cast<acc_t>(gu[t * 2 * g.inter + c]);
+        const scalar_t silu = static_cast<scalar_t>(x / (acc_t(1) + std::exp(-x)));
+        a[t * g.inter + c] = static_cast<scalar_t>(static_cast<acc_t>(silu) *
+                                                   static_cast<acc_t>(gu[t * 2 * g.inter + g.inter + c]));
+      }
+    }
+    at::Tensor down = at::linear(act, w[5], b[3]).contiguous();
+    if (l + 1 < g.layers) {  // the next layer's input norm
+      add_rms_norm_rows(down.data_ptr<scalar_t>(), res, weights[(l + 1) * kWeightsPerLayer].data_ptr<scalar_t>(), nrm,
+                        T, H, eps);
+    } else {  // only the kept rows go on to the LM head
+      const scalar_t* d = down.data_ptr<scalar_t>();
+      for (int64_t t = 0; t < T * H; ++t)
+        res[t] = static_cast<scalar_t>(static_cast<acc_t>(res[t]) + static_cast<acc_t>(d[t]));
+    }
+  }
+  at::Tensor last = at::empty({R * kept, H}, residual.options());
+  std::vector<int64_t> kept_rows;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t i = n - kept; i < n; ++i) kept_rows.push_back(r * n + i);
+  rms_norm_rows(res, final_norm.data_ptr<scalar_t>(), last.data_ptr<scalar_t>(), R * kept, H, eps, kept_rows.data());
+  return last;
+}
+
+void check_model(const at::Tensor& embed, const std::vector<at::Tensor>& weights,
+                 const std::vector<c10::optional<at::Tensor>>& biases, const at::Tensor& final_norm,
+                 const at::Tensor& lm_head, const at::Tensor& rotary, const at::Tensor& cache, int64_t heads,
+                 Geometry& g) {
+  const auto dtype = embed.scalar_type();
+  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
+                   "draft_chain_greedy_cpu: the model must be float32, float16 or bfloat16, got ", dtype);
+  TORCH_CHECK_VALUE(embed.dim() == 2 && embed.is_contiguous(), "embed must be a contiguous [V, H] tensor");
+  TORCH_CHECK_VALUE(!weights.empty() && weights.size() % kWeightsPerLayer == 0,
+                    "layer_weights must hold 6 tensors per layer, got ", weights.size());
+  g.layers = static_cast<int64_t>(weights.size()) / kWeightsPerLayer;
+  TORCH_CHECK_VALUE(static_cast<int64_t>(biases.size()) == g.layers * kBiasesPerLayer,
+                    "layer_biases must hold 4 entries per layer, got ", biases.size());
+  TORCH_CHECK_VALUE(cache.dim() == 6 && cache.is_contiguous() && cache.size(0) == g.layers && cache.size(1) == 2,
+                    "cache must be a contiguous [L, 2, ., ., Hkv, D] tensor of the model's layers");
+  g.hidden = embed.size(1);
+  g.kv_heads = cache.size(4);
+  g.head_dim = cache.size(5);
+  g.heads = heads;
+  g.plane = cache.size(2) * cache.size(3) * g.kv_heads * g.head_dim;
+  TORCH_CHECK_VALUE(heads > 0 && heads % g.kv_heads == 0 && g.head_dim % 2 == 0,
+                    "num_heads must be a positive multiple of the cache's KV heads, and head_dim even");
+  g.inter = weights[5].size(1);
+  const int64_t H = g.hidden, D = g.head_dim, width = (heads + 2 * g.kv_heads) * D;
+  for (int64_t l = 0; l < g.layers; ++l) {
+    const at::Tensor* w = weights.data() + l * kWeightsPerLayer;
+    const std::vector<std::vector<int64_t>> shapes = {{H}, {width, H}, {H, heads * D}, {H}, {2 * g.inter, H},
+                                                      {H, g.inter}};
+    for (int64_t i = 0; i < kWeightsPerLayer; ++i) {
+      TORCH_CHECK_VALUE(w[i].sizes() == at::IntArrayRef(shapes[i]) && w[i].scalar_type() == dtype &&
+                            w[i].is_cpu() && w[i].is_contiguous(),
+                        "layer_weights[", l * kWeightsPerLayer + i, "] must be a contiguous CPU ", dtype, " tensor of ",
+                        at::IntArrayRef(shapes[i]), ", got ", w[i].sizes(), " ", w[i].scalar_type());
+    }
+  }
+  TORCH_CHECK_VALUE(final_norm.sizes() == at::IntArrayRef({H}) && final_norm.scalar_type() == dtype,
+                    "final_norm must be a [hidden] tensor of the model dtype");
+  TORCH_CHECK_VALUE(lm_head.dim() == 2 && lm_head.size(1) == H && lm_head.scalar_type() == dtype,
+                    "lm_head must be a [vocab, hidden] tensor of the model dtype");
+  g.vocab = lm_head.size(0);
+  TORCH_CHECK_VALUE(cache.scalar_type() == dtype && cache.is_cpu(), "cache must be a CPU tensor of the model dtype");
+  TORCH_CHECK_VALUE(rotary.dim() == 4 && rotary.size(1) == 2 && rotary.size(3) == D && rotary.is_contiguous() &&
+                        rotary.scalar_type() == dtype,
+                    "rotary_table must be a contiguous [P, 2, 1, head_dim] tensor of the model dtype");
+}
+
+// What both ops check and prepare: the model, the cache's rows, the running requests' slots and their lengths.
+struct Call {
+  std::vector<at::Tensor> weights;
+  std::vector<c10::optional<at::Tensor>> biases;
+  Geometry g{};
+  CacheRows rows;
+  at::Tensor seq_lens, block_tables;
+  std::vector<int64_t> slots, start;  // per running request: its slot, seq_lens[slot]
+};
+
+Call prepare(const at::Tensor& tokens, const at::Tensor& slots_in, int64_t written, const at::Tensor& embed,
+             at::TensorList layer_weights, const c10::List<c10::optional<at::Tensor>>& layer_biases,
+             const at::Tensor& final_norm, const at::Tensor& lm_head, const at::Tensor& rotary_table,
+             const at::Tensor& cache, const at::Tensor& seq_lens_in, const c10::optional<at::Tensor>& block_tables_in,
+             int64_t num_heads) {
+  Call c;
+  c.weights.assign(layer_weights.begin(), layer_weights.end());
+  for (const c10::optional<at::Tensor> b : layer_biases) c.biases.push_back(b);
+  check_model(embed, c.weights, c.biases, final_norm, lm_head, rotary_table, cache, num_heads, c.g);
+  TORCH_CHECK_TYPE(tokens.scalar_type() == at::kLong && slots_in.scalar_type() == at::kLong,
+                   "tokens and slots must be int64");
+  TORCH_CHECK_VALUE(tokens.dim() == 2 && tokens.size(1) >= 1 && slots_in.dim() == 1 &&
+                        slots_in.size(0) == tokens.size(0),
+                    "tokens must be [R, n >= 1] and slots [R], got ", tokens.sizes(), " and ", slots_in.sizes());
+  TORCH_CHECK_TYPE(seq_lens_in.scalar_type() == at::kInt, "seq_lens must be int32");
+  c.seq_lens = seq_lens_in.contiguous();
+  const int64_t batch = c.seq_lens.size(0), R = tokens.size(0);
+  if (block_tables_in.has_value()) {
+    c.block_tables = block_tables_in->contiguous();
+    TORCH_CHECK_VALUE(c.block_tables.scalar_type() == at::kInt && c.block_tables.dim() == 2 &&
+                          c.block_tables.size(0) == batch,
+                      "block_tables must be int32 [B, max_blocks]");
+    c.rows.table = c.block_tables.data_ptr<int32_t>();
+    c.rows.table_stride = c.block_tables.size(1);
+    c.rows.block_size = cache.size(3);
+  } else {
+    TORCH_CHECK_VALUE(cache.size(2) == batch, "a contiguous cache holds seq_lens' ", batch, " requests, got ",
+                      cache.size(2));
+    c.rows.max_len = cache.size(3);
+  }
+  const int64_t capacity = c.rows.table != nullptr ? c.rows.table_stride * c.rows.block_size : c.rows.max_len;
+  const at::Tensor slots_t = slots_in.contiguous();
+  const int64_t* slot_p = slots_t.data_ptr<int64_t>();
+  const int32_t* lens = c.seq_lens.data_ptr<int32_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t slot = slot_p[r];
+    TORCH_CHECK_VALUE(slot >= 0 && slot < batch, "slots[", r, "] = ", slot, " is not a request slot");
+    const int64_t first = lens[slot], last = first + written - 1;  // the positions written
+    TORCH_CHECK_VALUE(first >= 0 && last < capacity, "request ", slot, " would write position ", last,
+                      " past the cache's capacity of ", capacity);
+    if (c.rows.table != nullptr) {  // every block read or written is one of the pool's (KVCache.reserve)
+      for (int64_t blk = 0; blk <= last / c.rows.block_size; ++blk) {
+        const int32_t id = c.rows.table[slot * c.rows.table_stride + blk];
+        TORCH_CHECK_VALUE(id >= 0 && id < cache.size(2), "block_tables[", slot, ", ", blk, "] = ", id,
+                          " is not a block of the pool; reserve the step's rows first");
+      }
+    }
+    c.slots.push_back(slot);
+    c.start.push_back(first);
+  }
+  return c;
+}
+
+// Causal rows: n per request, written from `first[r]` on, rotated by their own positions.
+Rows causal_rows(int64_t n, const std::vector<int64_t>& first) {
+  Rows rows;
+  rows.n = n;
+  rows.write_start = first;
+  for (const int64_t f : first)
+    for (int64_t i = 0; i < n; ++i) rows.position.push_back(f + i);
+  return rows;
+}
+
+void check_positions(const Rows& rows, const at::Tensor& rotary_table) {
+  for (const int64_t pos : rows.position)
+    TORCH_CHECK_VALUE(pos >= 0 && pos < rotary_table.size(0), "position ", pos,
+                      " is outside the rotary table's ", rotary_table.size(0), " positions");
+}
+
+void draft_chain_greedy_cpu(const at::Tensor& first_tokens, const at::Tensor& slots, int64_t num_drafts,
+                            const at::Tensor& embed, at::TensorList layer_weights,
+                            const c10::List<c10::optional<at::Tensor>>& layer_biases, const at::Tensor& final_norm,
+                            const at::Tensor& lm_head, const at::Tensor& rotary_table, at::Tensor& cache,
+                            const at::Tensor& seq_lens, const c10::optional<at::Tensor>& block_tables,
+                            double eps, double softmax_scale, int64_t num_heads, at::Tensor& drafts,
+                            at::Tensor& logits) {
+  TORCH_CHECK_VALUE(num_drafts >= 1, "num_drafts must be >= 1, got ", num_drafts);
+  const int64_t first_rows = first_tokens.dim() == 2 ? first_tokens.size(1) : 0;
+  Call c = prepare(first_tokens, slots, first_rows + num_drafts - 1, embed, layer_weights, layer_biases, final_norm,
+                   lm_head, rotary_table, cache, seq_lens, block_tables, num_heads);
+  const int64_t R = first_tokens.size(0);
+  TORCH_CHECK_VALUE(drafts.scalar_type() == at::kLong && drafts.sizes() == at::IntArrayRef({R, num_drafts}),
+                    "drafts must be int64 [R, num_drafts]");
+  TORCH_CHECK_VALUE(logits.scalar_type() == embed.scalar_type() &&
+                        logits.sizes() == at::IntArrayRef({num_drafts, R, c.g.vocab}) && logits.is_contiguous(),
+                    "logits must be a contiguous [num_drafts, R, vocab] tensor of the model dtype");
+  std::vector<Rows> forwards;  // forward j: the first rows, then one draft per request
+  std::vector<int64_t> first(c.start);
+  for (int64_t j = 0; j < num_drafts; ++j) {
+    const int64_t n = j == 0 ? first_rows : 1;
+    forwards.push_back(causal_rows(n, first));
+    check_positions(forwards.back(), rotary_table);
+    for (int64_t& f : first) f += n;
+  }
+  if (R == 0) return;
+  at::Tensor feed = first_tokens.contiguous().view({-1});
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, embed.scalar_type(), "draft_chain_greedy_cpu", [&] {
+    scalar_t* cache_p = cache.data_ptr<scalar_t>();
+    for (int64_t j = 0; j < num_drafts; ++j) {
+      at::Tensor last = forward_rows<scalar_t>(feed, forwards[j], 1, c.slots, embed, c.weights, c.biases, final_norm,
+                                               rotary_table, cache_p, c.rows, c.g, eps, softmax_scale);
+      at::Tensor step_logits = logits.select(0, j);
+      at::mm_out(step_logits, last, lm_head.t());
+      at::Tensor next = drafts.select(1, j);
+      next.copy_(at::argmax(step_logits, -1));
+      feed = next.contiguous();
+    }
+  });
+}
+
+void draft_forward_cpu(const at::Tensor& tokens, const at::Tensor& slots, const c10::optional<at::Tensor>& positions,
+                       const c10::optional<at::Tensor>& tree_mask, const c10::optional<at::Tensor>& tree_start,
+                       int64_t kept, const at::Tensor& embed, at::TensorList layer_weights,
+                       const c10::List<c10::optional<at::Tensor>>& layer_biases, const at::Tensor& final_norm,
+                       const at::Tensor& lm_head, const at::Tensor& rotary_table, at::Tensor& cache,
+                       const at::Tensor& seq_lens, const c10::optional<at::Tensor>& block_tables, double eps,
+                       double softmax_scale, int64_t num_heads, at::Tensor& logits) {
+  const int64_t n = tokens.dim() == 2 ? tokens.size(1) : 0;
+  Call c = prepare(tokens, slots, n, embed, layer_weights, layer_biases, final_norm, lm_head, rotary_table, cache,
+                   seq_lens, block_tables, num_heads);
+  const int64_t R = tokens.size(0), T = R * n;
+  TORCH_CHECK_VALUE(kept >= 1 && kept <= n, "kept must be in [1, ", n, "], got ", kept);
+  TORCH_CHECK_VALUE(logits.scalar_type() == embed.scalar_type() &&
+                        logits.sizes() == at::IntArrayRef({R * kept, c.g.vocab}) && logits.is_contiguous(),
+                    "logits must be a contiguous [R * kept, vocab] tensor of the model dtype");
+  Rows rows = causal_rows(n, c.start);
+  at::Tensor mask;
+  if (positions.has_value()) {
+    TORCH_CHECK_VALUE(positions->scalar_type() == at::kLong && positions->sizes() == tokens.sizes(),
+                      "positions must be int64 shaped like tokens, got ", positions->sizes());
+    const at::Tensor pos = positions->contiguous();
+    rows.position.assign(pos.data_ptr<int64_t>(), pos.data_ptr<int64_t>() + T);
+  }
+  TORCH_CHECK_VALUE(tree_mask.has_value() == tree_start.has_value() && (!tree_mask.has_value() || positions.has_value()),
+                    "tree_mask and tree_start come together, with positions");
+  if (tree_mask.has_value()) {
+    TORCH_CHECK_VALUE(tree_mask->scalar_type() == at::kLong && tree_mask->dim() == 2 && tree_mask->size(0) == T,
+                      "tree_mask must be int64 [R * n, words]");
+    TORCH_CHECK_VALUE(tree_start->scalar_type() == at::kInt && tree_start->sizes() == c.seq_lens.sizes(),
+                      "tree_start must be int32 [B]");
+    mask = tree_mask->contiguous();
+    rows.tree_mask = mask.data_ptr<int64_t>();
+    rows.words = mask.size(1);
+    const at::Tensor starts = tree_start->contiguous();
+    for (const int64_t slot : c.slots) rows.tree_start.push_back(starts.data_ptr<int32_t>()[slot]);
+  }
+  check_positions(rows, rotary_table);
+  if (T == 0) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, embed.scalar_type(), "draft_forward_cpu", [&] {
+    at::Tensor out = forward_rows<scalar_t>(tokens.contiguous().view({-1}), rows, kept, c.slots, embed, c.weights,
+                                            c.biases, final_norm, rotary_table, cache.data_ptr<scalar_t>(), c.rows,
+                                            c.g, eps, softmax_scale);
+    at::mm_out(logits, out, lm_head.t());
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specdec, m) {
+  m.def(
+      "draft_chain_greedy_cpu(Tensor first_tokens, Tensor slots, int num_drafts, Tensor embed, "
+      "Tensor[] layer_weights, Tensor?[] layer_biases, Tensor final_norm, Tensor lm_head, Tensor rotary_table, "
+      "Tensor(a!) cache, Tensor seq_lens, Tensor? block_tables, float eps, float softmax_scale, int num_heads, "
+      "Tensor(b!) drafts, Tensor(c!) logits) -> ()");
+  m.def(
+      "draft_forward_cpu(Tensor tokens, Tensor slots, Tensor? positions, Tensor? tree_mask, Tensor? tree_start, "
+      "int kept, Tensor embed, Tensor[] layer_weights, Tensor?[] layer_biases, Tensor final_norm, Tensor lm_head, "
+      "Tensor rotary_table, Tensor(a!) cache, Tensor seq_lens, Tensor? block_tables, float eps, "
+      "float softmax_scale, int num_heads, Tensor(b!) logits) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("draft_chain_greedy_cpu", &draft_chain_greedy_cpu);
+  m.impl("draft_forward_cpu", &draft_forward_cpu);
+}
+
+}  // namespace specdec
