@@ -165,23 +165,22 @@ class DraftModelStrategy:
         is one-hot at the draft's argmax), one forward per token."""
         device, rows = self.draft.device, len(step.running)
         self._catch_up(step)
-        if step.greedy and self.fused and fused_available(self.draft):
-            return self._fused_chain(step, k), None
+        slots = self._fused_slots(step)  # sampled: one fused forward per draft
+        if step.greedy and slots is not None:
+            return self._fused_chain(step, k, slots), None
         feed = to_device([t for pair in zip(step.previous, step.roots) for t in pair], torch.int64, device)
         tokens, probs = [feed.view(rows, 2)[:, 1]], []
-        fused = self.fused and fused_available(self.draft)  # sampled: one fused forward per draft
-        slots = to_device(step.running, torch.int64, device) if fused else None
         for j in range(k):
             per_request = 2 if j == 0 else 1
             if j < 2:  # the same layout for every later draft token
                 counts = step.full_counts(per_request)
                 added = to_device(counts, torch.int32, device)  # committed on the device: no upload per token
-                if not fused:
+                if slots is None:
                     q_offsets = offsets_to_device(counts, device)
                     uniform = per_request if len(self.lengths) == rows else None  # every slot running
                     last_rows = torch.arange(per_request - 1, rows * per_request, per_request, device=device)
             self.cache.reserve(counts)
-            if fused:
+            if slots is not None:
                 logits = fused_forward(self.draft, self.cache, feed.view(rows, per_request), slots)
             else:
                 positions = causal_positions(q_offsets, self.cache.seq_lens, feed.numel(), per_request=uniform)
@@ -201,7 +200,13 @@ class DraftModelStrategy:
         probs.append(torch.zeros_like(probs[0]))  # the last draft token has no children
         return torch.stack(tokens, dim=1), torch.stack(probs, dim=1)
 
-    def _fused_chain(self, step, k: int) -> torch.Tensor:
+    def _fused_slots(self, step) -> torch.Tensor | None:
+        """The running requests' cache slots when this step's draft forwards run in C++ (``fused``), else None."""
+        if self.fused and fused_available(self.draft):
+            return to_device(step.running, torch.int64, self.draft.device)
+        return None
+
+    def _fused_chain(self, step, k: int, slots: torch.Tensor) -> torch.Tensor:
         """``_draft_chain``'s greedy tokens from one C++ call (``specdec.model.draft_forward_cpu``): the same K + 1
         cache rows per request, reserved and committed once instead of per forward."""
         device, rows = self.draft.device, len(step.running)
@@ -209,7 +214,6 @@ class DraftModelStrategy:
         self.cache.reserve(counts)
         first = to_device([t for pair in zip(step.previous, step.roots) for t in pair], torch.int64, device)
         first = first.view(rows, 2)
-        slots = to_device(step.running, torch.int64, device)
         drafts, _ = draft_chain_greedy(self.draft, self.cache, first, slots, k)
         self.cache.advance(to_device(counts, torch.int32, device))
         for b in step.running:
@@ -226,13 +230,12 @@ class DraftModelStrategy:
         tokens[:, 0] = to_device(step.roots, torch.int64, device)
         sampled = self.rule == "stochastic" and not step.greedy  # greedy: every q is one-hot, no probs kept
         probs = torch.zeros(rows, n, self.draft.config.vocab_size, device=device) if sampled else None
-        fused = self.fused and fused_available(self.draft)  # one fused forward per level
-        slots = to_device(step.running, torch.int64, device) if fused else None
+        slots = self._fused_slots(step)  # one fused forward per level
         # Level 0: the last committed token and the root, causal; they are committed text, so the cache keeps them.
         counts = step.full_counts(2)
         self.cache.reserve(counts)
         feed = to_device([t for pair in zip(step.previous, step.roots) for t in pair], torch.int64, device)
-        if fused:
+        if slots is not None:
             logits = fused_forward(self.draft, self.cache, feed.view(rows, 2), slots)
         else:
             q_offsets = offsets_to_device(counts, device)
@@ -257,11 +260,9 @@ class DraftModelStrategy:
             nodes = to_device(frontier, torch.int64, device)
             mask = masks.index_select(0, nodes - 1).repeat(rows, 1)
             positions = (start + level - 1)[:, None].expand(rows, width)
-            if fused:
-                level_tokens, kw = tokens.index_select(1, nodes), dict(tree_mask=mask, tree_start=tree_start)
-                logits = fused_forward(
-                    self.draft, self.cache, level_tokens, slots, positions=positions, kept=width, **kw
-                )
+            if slots is not None:
+                tree = dict(positions=positions, tree_mask=mask, tree_start=tree_start, kept=width)
+                logits = fused_forward(self.draft, self.cache, tokens.index_select(1, nodes), slots, **tree)
             else:
                 metadata = AttentionMetadata(offsets_to_device(counts, device), mask, tree_start=tree_start)
                 level_tokens = tokens.index_select(1, nodes).flatten()
