@@ -168,7 +168,7 @@ class DraftModelStrategy:
         slots = self._fused_slots(step)  # sampled: one fused forward per draft
         if step.greedy and slots is not None:
             return self._fused_chain(step, k, slots), None
-        feed = to_device([t for pair in zip(step.previous, step.roots) for t in pair], torch.int64, device)
+        feed = _start_pairs(step, device)
         tokens, probs = [feed.view(rows, 2)[:, 1]], []
         for j in range(k):
             per_request = 2 if j == 0 else 1
@@ -212,7 +212,7 @@ class DraftModelStrategy:
         device, rows = self.draft.device, len(step.running)
         counts = step.full_counts(k + 1)
         self.cache.reserve(counts)
-        first = to_device([t for pair in zip(step.previous, step.roots) for t in pair], torch.int64, device)
+        first = _start_pairs(step, device)
         first = first.view(rows, 2)
         drafts, _ = draft_chain_greedy(self.draft, self.cache, first, slots, k)
         self.cache.advance(to_device(counts, torch.int32, device))
@@ -234,7 +234,7 @@ class DraftModelStrategy:
         # Level 0: the last committed token and the root, causal; they are committed text, so the cache keeps them.
         counts = step.full_counts(2)
         self.cache.reserve(counts)
-        feed = to_device([t for pair in zip(step.previous, step.roots) for t in pair], torch.int64, device)
+        feed = _start_pairs(step, device)
         if slots is not None:
             logits = fused_forward(self.draft, self.cache, feed.view(rows, 2), slots)
         else:
@@ -333,6 +333,11 @@ class DraftModelStrategy:
         params = _draft_params(step)
         q = filtered_probs(logits, params).probs  # one-hot at the argmax for rows that cannot be sampled
         return q, sample_probs(q, params, counter=counter).long()
+
+
+def _start_pairs(step: StepContext, device: torch.device) -> torch.Tensor:
+    """``[2 R]`` int64: each running request's last committed token, then its root (a step's first draft rows)."""
+    return to_device([t for pair in zip(step.previous, step.roots) for t in pair], torch.int64, device)
 
 
 def _draft_params(step: StepContext) -> SamplingParams:

@@ -107,7 +107,7 @@ class CudaGraphs:
     def _capture(self, captured: _Captured, cache) -> None:
         """Warm up (compiles the Triton kernels, computes this forward), then record ``plan + run``."""
         model = self.model
-        capacity = cache.max_len if cache.block_tables is None else cache.block_tables.shape[1] * cache.block_size
+        capacity = cache.position_bound
         padded = captured.tokens.shape[0]
 
         def forward():

@@ -126,8 +126,7 @@ def model_arguments(model, cache) -> tuple:
         weights += [p.input_norm["weight"], p.qkv["weight"], p.o["weight"], p.post_norm["weight"],
                     p.gate_up["weight"], p.down["weight"]]  # fmt: skip
         biases += [p.qkv["bias"], p.o["bias"], p.gate_up["bias"], p.down["bias"]]
-    capacity = cache.max_len if cache.block_tables is None else cache.block_tables.shape[1] * cache.block_size
-    table = model._rotary.table(capacity, model.rope_inv_freq, model.dtype)
+    table = model._rotary.table(cache.position_bound, model.rope_inv_freq, model.dtype)
     return (
         model.model.embed_tokens.weight, weights, biases, model.model.norm.weight, model.lm_head_weight, table,
         cache.data, cache.seq_lens, cache.block_tables, config.rms_norm_eps, config.head_dim**-0.5, config.num_heads,

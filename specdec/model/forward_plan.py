@@ -121,7 +121,7 @@ def build_plan(
     ``max_context`` positions at most, ``per_request`` rows for every request (or None). Device ops only."""
     num_tokens, dtype = positions.shape[0], model.dtype
     q_offsets = metadata.q_offsets
-    capacity = cache.max_len if cache.block_tables is None else cache.block_tables.shape[1] * cache.block_size
+    capacity = cache.position_bound
     attention = build_attention_plan(
         q_offsets, cache.seq_lens, num_tokens=num_tokens, num_heads=model.config.num_heads,
         cache_shape=tuple(cache.data.shape[2:]), dtype=dtype, tree_mask=metadata.tree_mask,

@@ -153,6 +153,12 @@ class KVCache:
             raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {l!r}")
         return self.views[l]
 
+    @property
+    def position_bound(self) -> int:
+        """One past the last position any request's rows can address: ``max_len`` (contiguous) or the block
+        tables' width in tokens (paged), the bound of the rotary tables a forward over this cache reads."""
+        return self.max_len if self.block_tables is None else self.block_tables.shape[1] * self.block_size
+
     def room(self) -> list[int]:
         """Free slots each request is guaranteed (from the host bounds; no device sync)."""
         return [self.max_len - bound for bound in self._bound]
