@@ -267,6 +267,28 @@ def test_arguments_are_checked():
         call(cache=cache.data[:1])
 
 
+def test_forward_arguments_are_checked():
+    model = random_model(tiny_config(), seed=1)
+    cache = prefilled(model, "contiguous", max_len=32)
+    tokens, slots = torch.tensor([[1, 2]]), torch.tensor([0])
+    positions = torch.tensor([[7, 7]])
+    mask, start = torch.ones(2, 1, dtype=torch.int64), cache.seq_lens.clone()
+    with pytest.raises(ValueError, match="kept must be in"):
+        fused_forward(model, cache, tokens, slots, kept=3)
+    with pytest.raises(ValueError, match="positions must be int64"):
+        fused_forward(model, cache, tokens, slots, positions=positions.int())
+    with pytest.raises(ValueError, match="tree_mask and tree_start come together"):
+        fused_forward(model, cache, tokens, slots, positions=positions, tree_mask=mask)
+    with pytest.raises(ValueError, match="tree_mask must be int64"):
+        fused_forward(model, cache, tokens, slots, positions=positions, tree_mask=mask[:1], tree_start=start)
+    with pytest.raises(ValueError, match="tree_start must be int32"):
+        fused_forward(model, cache, tokens, slots, positions=positions, tree_mask=mask, tree_start=start.long())
+    with pytest.raises(ValueError, match="outside the rotary table"):
+        fused_forward(model, cache, tokens, slots, positions=positions + 100)
+    with pytest.raises(ValueError, match="past the cache's capacity"):
+        fused_forward(model, cache, torch.ones(1, 30, dtype=torch.int64), slots)
+
+
 def test_refuses_models_it_cannot_run():
     model = random_model(tiny_config(), seed=1).double()
     assert not fused_available(model)
