@@ -1,10 +1,11 @@
-"""CPU GEMMs: the model's linear layers through ``F.linear`` and through ``packed_linear`` (oneDNN,
-the weight packed once: ``specdec.model.cpu_linear``), interleaved in one run, one thread, float32.
+"""CPU GEMMs: the model's linear layers through ``F.linear``, ``packed_linear`` (oneDNN, the weight packed
+once) and ``skinny_linear`` (the extension's kernel for a few rows; ``specdec.model.cpu_linear``),
+interleaved in one run, one thread, float32.
 
 Shapes: the embedded target's qkv, o, fused gate/up, down and LM head, at the row counts of a decode
-(1), a chain or tree verification or a small batch (2, 6, 16) and a short prefill (64). The last
-column is the function ``linear_for`` picks for the shape (what the model runs). When vLLM's CPU
-build is importable (its own environment), its prepacked oneDNN GEMM (``onednn_mm``) is a third
+(1), a chain or tree verification or a small batch (2, 6, 8, 12, 16, 24) and a short prefill (64). The
+last column is the function ``linear_for`` picks for the shape (what the model runs). When vLLM's CPU
+build is importable (its own environment), its prepacked oneDNN GEMM (``onednn_mm``) is one more
 column: the engine peer's GEMM.
 
     python bench/bench_cpu_linear.py                 # CPU, the embedded target's shapes
@@ -22,7 +23,13 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Table, bench_args, cpu_threads, measure_many_us  # noqa: E402
 
-from specdec.model.cpu_linear import PACK_MIN_ELEMENTS, linear_for, packed_linear  # noqa: E402
+from specdec.model.cpu_linear import (  # noqa: E402
+    PACK_MIN_ELEMENTS,
+    linear_for,
+    packed_linear,
+    skinny_available,
+    skinny_linear,
+)
 
 # (layer, in features, out features) of the embedded target (hidden 256, 8 + 2 x 4 heads of 32, MLP 768, vocab 4096)
 SHAPES = (("qkv", 256, 512), ("o", 256, 256), ("gate/up", 256, 1536), ("down", 768, 256), ("LM head", 256, 4096))
@@ -43,24 +50,31 @@ def main() -> None:
     args = bench_args(__doc__.splitlines()[0])
     cpu_threads("cpu")
     peer = vllm_gemm()
-    rows_list = (1, 6) if args.quick else (1, 2, 6, 16, 64)
+    skinny = skinny_available()
+    rows_list = (1, 6) if args.quick else (1, 2, 6, 8, 12, 16, 24, 64)
     columns = ["layer", "K x N", "rows", "F.linear us", "packed us", "F.linear / packed"]
+    columns += ["skinny us", "F.linear / skinny", "packed / skinny"] if skinny else []
     columns += ["vLLM onednn_mm us", "F.linear / vLLM"] if peer else []
     table = Table("CPU linear layers, float32, one thread (median of interleaved calls)", columns + ["model runs"])
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen) for _, k, n in SHAPES]  # ordinary tensors (packs need a version)
+    names = {F.linear: "F.linear", packed_linear: "packed", skinny_linear: "skinny"}
     with torch.inference_mode():
         for (name, k, n), weight in zip(SHAPES, weights):
             handle = peer[0](weight) if peer else None
             for rows in rows_list:
                 x = torch.randn(rows, k, generator=gen)
                 fns = [lambda x=x, w=weight: F.linear(x, w), lambda x=x, w=weight: packed_linear(x, w)]
+                fns += [lambda x=x, w=weight: skinny_linear(x, w)] if skinny else []
                 fns += [lambda x=x, h=handle: peer[1](h, x)] if peer else []
                 times = [t[0] for t in measure_many_us(fns, "cpu", min_runs=20, budget_s=0.3)]
                 cells = [name, f"{k}x{n}", rows, times[0], times[1], f"{times[0] / times[1]:.2f}x"]
-                cells += [times[2], f"{times[0] / times[2]:.2f}x"] if peer else []
-                packs = linear_for(x) is packed_linear and weight.numel() >= PACK_MIN_ELEMENTS
-                table.add(*cells, "packed" if packs else "F.linear")
+                if skinny:
+                    cells += [times[2], f"{times[0] / times[2]:.2f}x", f"{times[1] / times[2]:.2f}x"]
+                cells += [times[-1], f"{times[0] / times[-1]:.2f}x"] if peer else []
+                runs = linear_for(x)
+                packs = runs is packed_linear and weight.numel() >= PACK_MIN_ELEMENTS
+                table.add(*cells, "packed" if packs else names[runs] if runs is not packed_linear else "F.linear")
     table.write(args.out, "cpu_linear")
 
 

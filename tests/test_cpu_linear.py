@@ -1,13 +1,20 @@
-"""Multi-row CPU linear layers through oneDNN with packed weights (``specdec.model.cpu_linear``)."""
+"""Multi-row CPU linear layers: the extension's skinny-GEMM kernel and oneDNN with packed weights
+(``specdec.model.cpu_linear``)."""
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from specdec import use_backend
 from specdec.model import cpu_linear
-from specdec.model.cpu_linear import PACK_MIN_ELEMENTS, linear_for, packed_linear
+from specdec.model.cpu_linear import PACK_MIN_ELEMENTS, linear_for, packed_linear, skinny_available, skinny_linear
 
 needs_onednn = pytest.mark.skipif(not cpu_linear.AVAILABLE, reason="this torch build has no oneDNN linear")
+needs_skinny = pytest.mark.skipif(not skinny_available(), reason="the extension (skinny_linear ops) is not built")
 BIG = (PACK_MIN_ELEMENTS // 256, 256)  # the smallest weight that is packed: [N, K]
 
 
@@ -48,13 +55,187 @@ def test_small_and_inference_weights_are_not_packed():
     assert not hasattr(small, "_specdec_onednn") and not hasattr(frozen, "_specdec_onednn")
 
 
-def test_linear_for_packs_only_multi_row_float32_cpu_inference():
-    x = torch.randn(3, 8)
+def test_linear_for_picks_by_rows_dtype_and_autograd():
+    x = torch.randn(3 * cpu_linear.SKINNY_MAX_ROWS, 8)
+    multi_row = packed_linear if cpu_linear.AVAILABLE else F.linear
+    few_rows = cpu_linear.few_rows_linear
     with torch.inference_mode():
-        assert linear_for(x) is (packed_linear if cpu_linear.AVAILABLE else F.linear)
-        assert linear_for(x[:1]) is F.linear  # one row: F.linear is faster
+        assert linear_for(x[:1]) is (few_rows if skinny_available() else F.linear)
+        assert linear_for(x[: cpu_linear.SKINNY_MAX_ROWS]) is (few_rows if skinny_available() else multi_row)
+        assert linear_for(x[: cpu_linear.SKINNY_MAX_ROWS + 1]) is multi_row
+        with use_backend("torch"):  # the PyTorch path: no extension op
+            assert linear_for(x[:2]) is multi_row and linear_for(x[:1]) is F.linear
         assert linear_for(x.half()) is F.linear
-    assert linear_for(x) is F.linear  # autograd on: the packed op has no backward
+    assert linear_for(x) is F.linear  # autograd on: the packed ops have no backward
+
+
+@needs_skinny
+def test_few_rows_linear_sends_large_weights_and_few_rows_to_the_skinny_kernel(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu_linear, "skinny_linear", lambda x, w, b=None: calls.append(x.shape[0]) or F.linear(x, w, b))
+    small, large = torch.randn(16, 8), torch.randn(PACK_MIN_ELEMENTS // 8, 8)
+    for rows in (1, 2, cpu_linear.SKINNY_ALL_ROWS, cpu_linear.SKINNY_ALL_ROWS + 1):
+        cpu_linear.few_rows_linear(torch.randn(rows, 8), small)
+    assert calls == [2, cpu_linear.SKINNY_ALL_ROWS]  # small weights: one row and past SKINNY_ALL_ROWS on F.linear
+    calls.clear()
+    for rows in (1, 2, cpu_linear.SKINNY_MAX_ROWS):
+        cpu_linear.few_rows_linear(torch.randn(rows, 8), large)
+    assert calls == [1, 2, cpu_linear.SKINNY_MAX_ROWS]
+
+
+def _assert_linear(got, x, weight, bias=None):
+    """``got`` is float32 ``F.linear(x, weight, bias)`` up to float32 rounding (against float64)."""
+    ref = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * x.shape[-1] ** 0.5)
+
+
+@needs_skinny
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 8, 9, 16, 17, 40])
+@pytest.mark.parametrize("out_features, in_features", [(512, 256), (13, 7), (8, 1), (4096, 64)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_skinny_linear_equals_float64_reference(rows, out_features, in_features, with_bias):
+    """Every row count (one pass of up to 8 rows, several passes, none), output widths that are not a multiple
+    of the 8-wide blocks, k sums split in 1-8 partial sums (in_features 1 and 7 leave remainders)."""
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    x = torch.randn(rows, in_features, generator=gen)
+    with torch.no_grad():
+        got = skinny_linear(x, weight, bias)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    _assert_linear(got, x, weight, bias)
+    assert hasattr(weight, "_specdec_skinny")  # packed, and kept on the weight
+
+
+@needs_skinny
+def test_skinny_linear_takes_strided_rows_and_leading_dims():
+    weight, wide = torch.randn(24, 32), torch.randn(5, 48)
+    x = wide[:, 8:40]  # rows 48 apart, unit stride along the features
+    with torch.no_grad():
+        _assert_linear(skinny_linear(x, weight), x, weight)
+        batched = torch.randn(2, 3, 32)
+        _assert_linear(skinny_linear(batched, weight), batched, weight)
+        columns = torch.randn(32, 4).t()  # unit stride along the rows: copied to rows first
+        _assert_linear(skinny_linear(columns, weight), columns, weight)
+
+
+@needs_skinny
+def test_skinny_pack_layout_and_refresh():
+    weight = torch.arange(10 * 3, dtype=torch.float32).view(10, 3)
+    packed = torch.ops.specdec.skinny_linear_pack(weight)
+    assert packed.shape == (2, 3, 8)
+    assert torch.equal(packed[0], weight[:8].t()) and torch.equal(packed[1, :, :2], weight[8:].t())
+    assert not packed[1, :, 2:].any()  # zero padding past the last feature
+    x = torch.randn(3, 3)
+    with torch.no_grad():
+        skinny_linear(x, weight)
+        weight.mul_(-2.0)  # in place: the version moves, the pack is made again
+        _assert_linear(skinny_linear(x, weight), x, weight)
+        weight.data = torch.randn(10, 3)  # new storage under the same tensor
+        _assert_linear(skinny_linear(x, weight), x, weight)
+
+
+@needs_skinny
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda p: torch.ops.specdec.skinny_linear(torch.randn(2, 4).double(), p, 10), "x must be a float32"),
+        (lambda p: torch.ops.specdec.skinny_linear(torch.randn(4), p, 10), "x must be a 2-D"),
+        (lambda p: torch.ops.specdec.skinny_linear(torch.randn(4, 2).t(), p, 10), "x must be a 2-D"),
+        (lambda p: torch.ops.specdec.skinny_linear(torch.randn(2, 5), p, 10), "x has 5 in_features"),
+        (lambda p: torch.ops.specdec.skinny_linear(torch.randn(2, 4), p, 17), "out_features=17"),
+        (lambda p: torch.ops.specdec.skinny_linear(torch.randn(2, 4), p, 8), "out_features=8"),
+        (lambda p: torch.ops.specdec.skinny_linear(torch.randn(2, 4), p[:, :, :4], 10), "packed must be"),
+        (lambda p: torch.ops.specdec.skinny_linear(torch.randn(2, 4), p, 10, torch.randn(9)), "bias must be"),
+        (lambda p: torch.ops.specdec.skinny_linear_pack(torch.randn(3)), "weight must be a non-empty 2-D"),
+        (lambda p: torch.ops.specdec.skinny_linear_pack(torch.randn(0, 3)), "weight must be a non-empty 2-D"),
+        (lambda p: torch.ops.specdec.skinny_linear_pack(torch.randn(3, 3).half()), "weight must be a float32"),
+    ],
+)
+def test_skinny_ops_name_the_bad_argument(call, match):
+    packed = torch.ops.specdec.skinny_linear_pack(torch.randn(10, 4))
+    with pytest.raises(ValueError, match=match):
+        call(packed)
+
+
+@needs_skinny
+def test_skinny_opcheck():
+    weight, bias = torch.randn(20, 16), torch.randn(20)
+    packed = torch.ops.specdec.skinny_linear_pack(weight)
+    torch.library.opcheck(torch.ops.specdec.skinny_linear_pack.default, (weight,))
+    for rows in (1, 6, 11):
+        x = torch.randn(rows, 16)
+        torch.library.opcheck(torch.ops.specdec.skinny_linear.default, (x, packed, 20, bias))
+        torch.library.opcheck(torch.ops.specdec.skinny_linear.default, (x, packed, 20, None))
+
+
+GENERIC_CHECK = """
+import torch, torch.nn.functional as F
+from specdec.model.cpu_linear import skinny_linear
+g = torch.Generator().manual_seed(0)
+for rows in (1, 2, 5, 8, 11):
+    w, b, x = torch.randn(37, 29, generator=g), torch.randn(37, generator=g), torch.randn(rows, 29, generator=g)
+    with torch.no_grad():
+        got = skinny_linear(x, w, b)
+    ref = F.linear(x.double(), w.double(), b.double())
+    assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-4), (rows, (got.double() - ref).abs().max())
+    print(got.numpy().tobytes().hex())
+"""
+
+
+def _has_avx2_fma() -> bool:
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return False
+    return "avx2" in flags and "fma" in flags
+
+
+@needs_skinny
+def test_skinny_generic_version_equals_reference():
+    """The version for CPUs without AVX2 + FMA (and every non-x86 CPU), forced by its environment switch in a fresh
+    process (the choice is made once per process). Where this CPU has AVX2 + FMA, the two versions must round
+    differently somewhere (fused multiply-adds against separate ones): the switch took effect."""
+    runs = {}
+    for generic in ("1", "0"):
+        env = {**os.environ, "SPECDEC_SKINNY_GENERIC": generic}
+        done = subprocess.run([sys.executable, "-c", GENERIC_CHECK], env=env, capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        runs[generic] = done.stdout.split()
+    assert len(runs["1"]) == 5
+    if _has_avx2_fma() and sys.platform.startswith("linux"):
+        assert runs["1"] != runs["0"], "SPECDEC_SKINNY_GENERIC=1 ran the same arithmetic as the AVX2 version"
+
+
+@needs_skinny
+def test_embedded_pair_decodes_the_same_with_and_without_the_skinny_kernel(monkeypatch):
+    """On a CPU's default path (the extension's ops; no Triton interpreter), batched decoding (6 rows) and chain
+    verification (5 rows) run the skinny kernel: the tokens are those of the oneDNN / F.linear GEMMs, and the
+    multi-row logits agree."""
+    from specdec.cli.demo import ASSETS, heldout_prompts, load_pair
+    from specdec.decoding import DraftModelStrategy, SpeculativeDecoder
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # what a CPU user runs (the interpreted kernels take minutes)
+
+    target, draft, tokenizer = load_pair("cpu")
+    prompts = [tokenizer.encode(p["text"]).ids for p in heldout_prompts(ASSETS)[:6]]
+    runs = {}
+    for skinny in (True, False):
+        monkeypatch.setattr(cpu_linear, "SKINNY_MAX_ROWS", 16 if skinny else 0)
+        for name, strategy, group in (("chain", DraftModelStrategy(draft, (1,) * 4), prompts[:1]),
+                                      ("batch", None, prompts)):  # fmt: skip
+            runs[name, skinny] = (
+                SpeculativeDecoder(target, strategy, adaptive=False)
+                .generate(group, max_new_tokens=24, eos_token_id=None)
+                .tokens
+            )
+    assert hasattr(target.model.layers[0].mlp.gate_up_proj.weight, "_specdec_skinny")
+    assert runs["chain", True] == runs["chain", False] and runs["batch", True] == runs["batch", False]
+    hidden = torch.randn(6, target.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    head = target.lm_head_weight
+    with torch.no_grad():
+        torch.testing.assert_close(skinny_linear(hidden, head), F.linear(hidden, head), rtol=1e-5, atol=1e-4)
 
 
 @needs_onednn
@@ -71,8 +252,10 @@ def test_embedded_pair_decodes_the_same_with_and_without_packing(monkeypatch, to
     for packing in (True, False):
         monkeypatch.setattr(cpu_linear, "AVAILABLE", packing)
         for name, strategy in (("chain", DraftModelStrategy(draft, (1,) * 4)), ("plain", None)):
-            runs[name, packing] = SpeculativeDecoder(target, strategy, adaptive=False).generate(
-                prompts, max_new_tokens=16, eos_token_id=None
-            ).tokens
+            runs[name, packing] = (
+                SpeculativeDecoder(target, strategy, adaptive=False)
+                .generate(prompts, max_new_tokens=16, eos_token_id=None)
+                .tokens
+            )
     assert hasattr(target.model.layers[0].mlp.gate_up_proj.weight, "_specdec_onednn")
     assert runs["chain", True] == runs["chain", False] and runs["plain", True] == runs["plain", False]

@@ -1,32 +1,84 @@
-"""Linear layers of multi-row forwards on the CPU: oneDNN with each weight packed once.
+"""Linear layers of multi-row forwards on the CPU: a skinny-GEMM kernel for a few rows, oneDNN for more.
 
-On the 2-core AMD EPYC this policy was chosen on, PyTorch's ``F.linear`` runs one row (decode at
-batch 1) well but a few rows poorly: at 6 rows the embedded target's fused gate/up GEMM takes 1.5x,
-and its LM head 2x, the time oneDNN takes with the weight reordered ("packed") for it. The gain is
-machine-dependent (bench/RESULTS.md, "CPU GEMMs": on an Intel Xeon with AVX-512 only the LM head
-gains, from 6 rows). Multi-row forwards are every verification of a chain or tree, a batch's decode and
-the prefill. One packed layout serves every row count from 2 up (packs made for 2 to 32 rows ran
-alike), and one row runs best unpacked, so ``linear_for`` picks, once per forward, either
-``F.linear`` or ``packed_linear``, which packs a weight on its first use and keeps the pack on the
-weight tensor itself: it lives as long as the weight and costs a second copy of it. The pack
-records the weight's version and storage, so a weight changed in place or swapped by loading is
-packed again, never served stale. Weights below ``PACK_MIN_ELEMENTS`` (there the call's own cost
-wins), float16/bfloat16, inference-mode weights (no version counter), autograd and
-``torch.compile`` (its graph keeps ``F.linear``) stay on ``F.linear``.
+Multi-row forwards are every verification of a chain or tree, a batch's decode, a draft level of a
+batch and the prefill. PyTorch's ``F.linear`` runs one row (decode at batch 1) well, but a few rows
+poorly on some CPUs: on the 2-core AMD EPYC these policies were chosen on, at 6 rows the embedded
+target's fused gate/up took 4-5x, and every other layer ~2x, the time of reading its weight once. So
+``linear_for`` picks, once per forward:
+
+* up to ``SKINNY_MAX_ROWS`` rows: ``few_rows_linear``, which sends a layer to ``skinny_linear``, the
+  extension's kernel (``csrc/skinny_linear_cpu.cpp``: it streams a packed copy of the weight once per 8
+  rows), where that kernel was measured faster: from 2 to 8 rows every layer, from 9 rows and at one
+  row the large weights (``PACK_MIN_ELEMENTS`` and up: the fused gate/up, the LM head); the rest stays on
+  ``F.linear`` (bench/RESULTS.md, "CPU GEMMs");
+* more rows, or without the extension (or with ``SPECDEC_BACKEND=torch``): ``packed_linear``, oneDNN with
+  the weight reordered ("packed") for it, which wins over ``F.linear`` on the larger weights of such
+  forwards (the gain is machine-dependent: on an Intel Xeon with AVX-512 only the LM head gains), and
+  ``F.linear`` for one row.
+
+Both packs are made on a weight's first use and kept on the weight tensor itself: a pack lives as long
+as the weight and costs a second copy of it. It records the weight's version and storage, so a weight
+changed in place or swapped by loading is packed again, never served stale. Inference-mode weights (no
+version counter), float16/bfloat16, autograd and ``torch.compile`` (its graph keeps ``F.linear``) stay
+on ``F.linear``; so do weights below ``PACK_MIN_ELEMENTS`` on the oneDNN path (there the call's own cost
+wins). Results agree with ``F.linear`` up to float rounding (other summation orders), not bit for bit.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from specdec import _backend
 
 # Measured at 6 rows, one thread, AMD EPYC: 256 x 256 to 768 x 256 weights ran alike or slower packed,
 # 256 x 1536 (the fused gate/up) 1.3-1.5x and 256 x 4096 (an LM head) 1.6-2x faster.
 PACK_MIN_ELEMENTS = 1 << 18
 PACK_ROWS = 32  # the row count the layout is packed for (any count >= 2 runs alike)
 AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+# The skinny kernel reads the weight once per pass of 8 rows: up to 8 rows it beat F.linear and oneDNN on every
+# layer of the embedded target, up to 16 on the large ones only, beyond that oneDNN's blocking wins (AMD EPYC).
+SKINNY_ALL_ROWS = 8
+SKINNY_MAX_ROWS = 16
+
+
+@functools.cache
+def skinny_available() -> bool:
+    """The loaded extension has the skinny-GEMM ops (one built before they were added has not)."""
+    return _backend.extension_status()[0] is not None and all(
+        torch._C._dispatch_has_kernel_for_dispatch_key(f"specdec::{op}", "CPU")
+        for op in ("skinny_linear", "skinny_linear_pack")
+    )
+
+
+if skinny_available():  # shapes for torch.compile and torch.library.opcheck
+
+    @torch.library.register_fake("specdec::skinny_linear_pack")
+    def _(weight):
+        return weight.new_empty(-(-weight.shape[0] // 8), weight.shape[1], 8)
+
+    @torch.library.register_fake("specdec::skinny_linear")
+    def _(x, packed, out_features, bias=None):
+        return x.new_empty(x.shape[0], out_features)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` through the extension's skinny-GEMM kernel with ``weight`` packed (float32 CPU
+    tensors, no autograd, the extension built; ``x`` of any leading shape)."""
+    if weight.is_inference():
+        return F.linear(x, weight, bias)
+    stamp = (weight._version, weight.data_ptr())
+    entry = getattr(weight, "_specdec_skinny", None)
+    if entry is None or entry[0] != stamp:
+        entry = (stamp, torch.ops.specdec.skinny_linear_pack(weight.detach()))
+        weight._specdec_skinny = entry
+    if x.dim() == 2 and x.stride(1) == 1:  # the model's activations: no reshaping
+        return torch.ops.specdec.skinny_linear(x, entry[1], weight.shape[0], bias)
+    out = torch.ops.specdec.skinny_linear(x.reshape(-1, x.shape[-1]).contiguous(), entry[1], weight.shape[0], bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -41,15 +93,19 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, entry[1], bias, "none", [], "")
 
 
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for ``x [rows, features]`` of at most ``SKINNY_MAX_ROWS`` rows: the skinny kernel from 2 to
+    ``SKINNY_ALL_ROWS`` rows and for large weights, ``F.linear`` otherwise (where each was measured faster)."""
+    if 1 < x.shape[0] <= SKINNY_ALL_ROWS or weight.numel() >= PACK_MIN_ELEMENTS:
+        return skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def linear_for(x: torch.Tensor) -> Callable[..., torch.Tensor]:
     """The linear function for a forward whose activations are ``x [rows, features]`` (a host decision)."""
-    if (
-        AVAILABLE
-        and x.shape[0] > 1
-        and x.dtype == torch.float32
-        and x.device.type == "cpu"
-        and not torch.is_grad_enabled()
-        and not torch.compiler.is_compiling()
-    ):
-        return packed_linear
-    return F.linear
+    rows = x.shape[0]
+    if x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return F.linear
+    if rows <= SKINNY_MAX_ROWS and skinny_available() and _backend.forced_backend() != "torch":
+        return few_rows_linear
+    return packed_linear if AVAILABLE and rows > 1 else F.linear

@@ -1,0 +1,180 @@
+// Linear layers of a few rows on the CPU: y [M, N] = x [M, K] . W^T (+ bias), float32, the weight packed once.
+//
+// A decode batch, a chain's verification or a draft level hands the linear layers 2 to ~16 rows. There the GEMM
+// should cost what reading the weight costs, but the BLAS and oneDNN paths of PyTorch's CPU build take several
+// times that on some CPUs (bench/RESULTS.md, "CPU GEMMs": 4-5x on the fused gate/up of the embedded target at 6
+// rows, on an AMD EPYC). This kernel reads each weight element once per 8 rows: the weight is packed as
+// [ceil(N / 8), K, 8] (8 output features interleaved per input feature, zero-padded), so one pass over k streams
+// the pack contiguously while up to 8 rows of x (a few KB, cache-resident) are broadcast against it and 8
+// accumulators per row stay in vector registers. Each output is a plain k = 0 .. K-1 sum in float32 (another
+// order than BLAS's: results agree up to rounding, not bit for bit).
+//
+// On x86-64 an AVX2 + FMA version is compiled beside the generic one and chosen at run time; elsewhere (or
+// without AVX2, or with SPECDEC_SKINNY_GENERIC=1 set when the process first calls it: how the tests reach it)
+// the generic version runs, in whatever vectors the compiler targets.
+
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cstdlib>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kLanes = 8;    // output features per packed block
+constexpr int64_t kMaxRows = 8;  // rows per pass over the pack
+
+typedef float lanes_t __attribute__((vector_size(kLanes * sizeof(float))));
+
+// Rows [0, M) of x against packed blocks [block_begin, block_end): out[m, n] for the features in those blocks.
+// Each row keeps S partial sums (k = s mod S): an FMA waits for the previous one on its accumulator, so a few rows
+// alone would leave the FMA units idle; S x M >= 6 independent chains keep them busy. Always inlined, so each
+// version below compiles it for its own instruction set (a generic copy called from the AVX2 one would split
+// the accumulators in two and spill them).
+template <int M>
+__attribute__((always_inline)) inline void blocks_kernel(const float* x, int64_t ldx, int64_t K, const float* packed,
+                                                          int64_t block_begin, int64_t block_end, const float* bias,
+                                                          float* out, int64_t ldo, int64_t N) {
+  constexpr int S = M == 1 ? 8 : M == 2 ? 4 : M <= 4 ? 2 : 1;
+  for (int64_t nb = block_begin; nb < block_end; ++nb) {
+    lanes_t acc[S][M];
+    for (int s = 0; s < S; ++s)
+      for (int m = 0; m < M; ++m) acc[s][m] = lanes_t{};
+    const float* w = packed + nb * K * kLanes;
+    int64_t k = 0;
+    for (; k + S <= K; k += S) {
+      for (int s = 0; s < S; ++s) {
+        lanes_t wk;
+        std::memcpy(&wk, w + (k + s) * kLanes, sizeof(wk));
+        for (int m = 0; m < M; ++m) acc[s][m] += x[m * ldx + k + s] * wk;
+      }
+    }
+    for (; k < K; ++k) {
+      lanes_t wk;
+      std::memcpy(&wk, w + k * kLanes, sizeof(wk));
+      for (int m = 0; m < M; ++m) acc[0][m] += x[m * ldx + k] * wk;
+    }
+    for (int sums = S; sums > 1; sums /= 2)  // pairwise: (0 + 1) + (2 + 3), ...
+      for (int s = 0; s < sums / 2; ++s)
+        for (int m = 0; m < M; ++m) acc[s][m] = acc[2 * s][m] + acc[2 * s + 1][m];
+    const int64_t n0 = nb * kLanes, width = std::min(kLanes, N - n0);
+    for (int m = 0; m < M; ++m) {
+      float lane[kLanes];
+      std::memcpy(lane, &acc[0][m], sizeof(lane));
+      if (bias != nullptr)
+        for (int64_t j = 0; j < width; ++j) lane[j] += bias[n0 + j];
+      std::memcpy(out + m * ldo + n0, lane, width * sizeof(float));
+    }
+  }
+}
+
+using BlocksFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, const float*, float*,
+                          int64_t, int64_t);
+
+template <int M>
+void blocks_generic(const float* x, int64_t ldx, int64_t K, const float* packed, int64_t b0, int64_t b1,
+                    const float* bias, float* out, int64_t ldo, int64_t N) {
+  blocks_kernel<M>(x, ldx, K, packed, b0, b1, bias, out, ldo, N);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define SPECDEC_HAVE_AVX2_VERSION 1
+template <int M>
+__attribute__((target("avx2,fma"))) void blocks_avx2(const float* x, int64_t ldx, int64_t K, const float* packed,
+                                                      int64_t b0, int64_t b1, const float* bias, float* out,
+                                                      int64_t ldo, int64_t N) {
+  blocks_kernel<M>(x, ldx, K, packed, b0, b1, bias, out, ldo, N);
+}
+#endif
+
+// SPECDEC_SKINNY_GENERIC set to anything but "" or "0".
+bool generic_forced() {
+  const char* value = std::getenv("SPECDEC_SKINNY_GENERIC");
+  return value != nullptr && *value != '\0' && std::strcmp(value, "0") != 0;
+}
+
+// The kernel for a pass of `rows` rows (1 .. kMaxRows), in the best version this CPU runs.
+BlocksFn kernel_for(int64_t rows) {
+#ifdef SPECDEC_HAVE_AVX2_VERSION
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && !generic_forced();
+  if (avx2) {
+    static constexpr BlocksFn table[kMaxRows] = {blocks_avx2<1>, blocks_avx2<2>, blocks_avx2<3>, blocks_avx2<4>,
+                                                 blocks_avx2<5>, blocks_avx2<6>, blocks_avx2<7>, blocks_avx2<8>};
+    return table[rows - 1];
+  }
+#endif
+  static constexpr BlocksFn table[kMaxRows] = {blocks_generic<1>, blocks_generic<2>, blocks_generic<3>,
+                                               blocks_generic<4>, blocks_generic<5>, blocks_generic<6>,
+                                               blocks_generic<7>, blocks_generic<8>};
+  return table[rows - 1];
+}
+
+void check_float_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor, got ",
+                    t.scalar_type(), " on ", t.device());
+}
+
+// weight [N, K] -> packed [ceil(N / 8), K, 8]: packed[b, k, j] = weight[8 b + j, k], 0 past N.
+at::Tensor skinny_linear_pack(const at::Tensor& weight) {
+  check_float_cpu(weight, "weight");
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(0) > 0 && weight.size(1) > 0,
+                    "weight must be a non-empty 2-D [out_features, in_features] tensor, got shape ", weight.sizes());
+  const int64_t N = weight.size(0), K = weight.size(1), blocks = (N + kLanes - 1) / kLanes;
+  at::Tensor padded = at::zeros({blocks * kLanes, K}, weight.options());
+  padded.narrow(0, 0, N).copy_(weight);
+  return padded.view({blocks, kLanes, K}).transpose(1, 2).contiguous();
+}
+
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                         const c10::optional<at::Tensor>& bias) {
+  check_float_cpu(x, "x");
+  check_float_cpu(packed, "packed");
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.stride(1) == 1, "x must be a 2-D [rows, in_features] tensor with unit stride "
+                    "along in_features, got shape ", x.sizes(), " and strides ", x.strides());
+  TORCH_CHECK_VALUE(packed.dim() == 3 && packed.size(2) == kLanes && packed.is_contiguous(),
+                    "packed must be a contiguous [blocks, in_features, 8] tensor from skinny_linear_pack, got shape ",
+                    packed.sizes());
+  const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0), N = out_features;
+  TORCH_CHECK_VALUE(packed.size(1) == K, "x has ", K, " in_features but packed was made for ", packed.size(1));
+  TORCH_CHECK_VALUE(N > (blocks - 1) * kLanes && N <= blocks * kLanes, "out_features=", N,
+                    " does not match packed's ", blocks, " blocks of ", kLanes, " features");
+  const float* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    check_float_cpu(*bias, "bias");
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous(),
+                      "bias must be a contiguous [", N, "] tensor, got shape ", bias->sizes());
+    bias_ptr = bias->data_ptr<float>();
+  }
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  // Threads split the output features. More than 8 rows take several passes; each pass runs over a slice of
+  // blocks small enough (~16 KB of pack) to stay in the L1 cache for the next pass.
+  const int64_t slice = std::max<int64_t>(1, 4096 / (K * kLanes));
+  at::parallel_for(0, blocks, /*grain_size=*/slice, [&](int64_t b0, int64_t b1) {
+    for (int64_t s0 = b0; s0 < b1; s0 += slice) {
+      const int64_t s1 = std::min(b1, s0 + slice);
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+        const int64_t rows = std::min(kMaxRows, M - m0);
+        kernel_for(rows)(xp + m0 * ldx, ldx, K, wp, s0, s1, bias_ptr, op + m0 * N, N, N);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specdec, m) {
+  m.def("skinny_linear_pack(Tensor weight) -> Tensor");
+  m.def("skinny_linear(Tensor x, Tensor packed, int out_features, Tensor? bias=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("skinny_linear_pack", &skinny_linear_pack);
+  m.impl("skinny_linear", &skinny_linear);
+}
