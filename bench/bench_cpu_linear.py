@@ -25,6 +25,8 @@ from common import Table, bench_args, cpu_threads, measure_many_us  # noqa: E402
 
 from specdec.model.cpu_linear import (  # noqa: E402
     PACK_MIN_ELEMENTS,
+    SKINNY_ALL_ROWS,
+    few_rows_linear,
     linear_for,
     packed_linear,
     skinny_available,
@@ -46,6 +48,14 @@ def vllm_gemm():
     return (lambda weight: ops.create_onednn_mm(weight.t(), 32)), (lambda handle, x: ops.onednn_mm(handle, x, None))
 
 
+def model_runs(x: torch.Tensor, weight: torch.Tensor) -> str:
+    """The GEMM the model runs for this layer at this row count (``linear_for``'s choice, then its own)."""
+    chosen, large = linear_for(x), weight.numel() >= PACK_MIN_ELEMENTS
+    if chosen is few_rows_linear:
+        return "skinny" if 1 < x.shape[0] <= SKINNY_ALL_ROWS or large else "F.linear"
+    return "packed" if chosen is packed_linear and large else "F.linear"
+
+
 def main() -> None:
     args = bench_args(__doc__.splitlines()[0])
     cpu_threads("cpu")
@@ -58,7 +68,6 @@ def main() -> None:
     table = Table("CPU linear layers, float32, one thread (median of interleaved calls)", columns + ["model runs"])
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen) for _, k, n in SHAPES]  # ordinary tensors (packs need a version)
-    names = {F.linear: "F.linear", packed_linear: "packed", skinny_linear: "skinny"}
     with torch.inference_mode():
         for (name, k, n), weight in zip(SHAPES, weights):
             handle = peer[0](weight) if peer else None
@@ -72,9 +81,7 @@ def main() -> None:
                 if skinny:
                     cells += [times[2], f"{times[0] / times[2]:.2f}x", f"{times[1] / times[2]:.2f}x"]
                 cells += [times[-1], f"{times[0] / times[-1]:.2f}x"] if peer else []
-                runs = linear_for(x)
-                packs = runs is packed_linear and weight.numel() >= PACK_MIN_ELEMENTS
-                table.add(*cells, "packed" if packs else names[runs] if runs is not packed_linear else "F.linear")
+                table.add(*cells, model_runs(x, weight))
     table.write(args.out, "cpu_linear")
 
 
