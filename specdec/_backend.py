@@ -75,6 +75,16 @@ def extension_status() -> tuple[object | None, str]:
     return module, "CPU and CUDA" if has_cuda else "CPU only"
 
 
+def extension_has_op(name: str, dispatch_key: str = "CPU") -> bool:
+    """The loaded extension defines ``specdec::name`` with a kernel for ``dispatch_key`` (an extension built
+    before the op was added has not: then its callers take their PyTorch paths)."""
+    return (
+        extension_status()[0] is not None
+        and hasattr(torch.ops.specdec, name)
+        and torch._C._dispatch_has_kernel_for_dispatch_key(f"specdec::{name}", dispatch_key)
+    )
+
+
 def extension_has_cuda() -> bool:
     module, _ = extension_status()
     return module is not None and torch._C._dispatch_has_kernel_for_dispatch_key("specdec::tree_metadata", "CUDA")

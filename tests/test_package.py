@@ -50,6 +50,13 @@ def test_import_and_ops_work_with_the_extension_hidden():
     assert "specdec._C hidden by the test" in result.stdout
 
 
+def test_extension_has_op_answers_for_ops_an_older_build_lacks():
+    """A missing op is False (a build from before it was added), never an error at import."""
+    assert not _backend.extension_has_op("an_op_no_build_has")
+    if _backend.extension_status()[0] is not None:
+        assert _backend.extension_has_op("tree_metadata")
+
+
 def test_info_lists_every_backend():
     result = run_python("from specdec.cli import main; main(['info'])")
     assert result.returncode == 0, result.stderr

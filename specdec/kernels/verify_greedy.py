@@ -143,9 +143,7 @@ _CPP_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 @functools.cache
 def _has_cpp_greedy() -> bool:
     """The loaded extension has the C++ bodies (an extension built before they were added has not)."""
-    return _backend.extension_status()[0] is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
-        "specdec::verify_tree_greedy_cpu", "CPU"
-    )
+    return all(_backend.extension_has_op(op) for op in ("verify_chain_greedy_cpu", "verify_tree_greedy_cpu"))
 
 
 def _register_cpp_fakes() -> None:

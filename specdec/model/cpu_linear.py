@@ -48,10 +48,7 @@ SKINNY_MAX_ROWS = 16
 @functools.cache
 def skinny_available() -> bool:
     """The loaded extension has the skinny-GEMM ops (one built before they were added has not)."""
-    return _backend.extension_status()[0] is not None and all(
-        torch._C._dispatch_has_kernel_for_dispatch_key(f"specdec::{op}", "CPU")
-        for op in ("skinny_linear", "skinny_linear_pack")
-    )
+    return all(_backend.extension_has_op(op) for op in ("skinny_linear", "skinny_linear_pack"))
 
 
 if skinny_available():  # shapes for torch.compile and torch.library.opcheck

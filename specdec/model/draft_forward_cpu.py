@@ -38,9 +38,7 @@ OPS = ("draft_chain_greedy_cpu", "draft_forward_cpu")
 @functools.cache
 def _has_op() -> bool:
     """The loaded extension has the ops (one built before they were added has not)."""
-    return _backend.extension_status()[0] is not None and all(
-        torch._C._dispatch_has_kernel_for_dispatch_key(f"specdec::{op}", "CPU") for op in OPS
-    )
+    return all(_backend.extension_has_op(op) for op in OPS)
 
 
 if _has_op():  # the ops only write their output buffers: what torch.compile and torch.library.opcheck need
