@@ -259,3 +259,17 @@ def test_embedded_pair_decodes_the_same_with_and_without_packing(monkeypatch, to
             )
     assert hasattr(target.model.layers[0].mlp.gate_up_proj.weight, "_specdec_onednn")
     assert runs["chain", True] == runs["chain", False] and runs["plain", True] == runs["plain", False]
+
+
+def test_the_gemm_benchmark_runs_and_names_what_the_model_runs(tmp_path):
+    """``bench/bench_cpu_linear.py --dry-run``: one timed call per cell, the table written, every row's last
+    column one of the three GEMMs (the skinny column only with the extension)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    done = subprocess.run([sys.executable, "bench/bench_cpu_linear.py", "--dry-run", "--out", str(tmp_path)], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    table = (tmp_path / "cpu_linear.md").read_text()
+    rows = [line.split("|")[1:-1] for line in table.splitlines() if line.startswith("| qkv")]
+    assert len(rows) == 2 and {cells[-1].strip() for cells in rows} <= {"F.linear", "packed", "skinny"}
+    assert ("skinny us" in table) == skinny_available()
