@@ -214,7 +214,6 @@ def test_embedded_pair_decodes_the_same_with_and_without_the_skinny_kernel(monke
     verification (5 rows) run the skinny kernel: the tokens are those of the oneDNN / F.linear GEMMs, and the
     multi-row logits agree."""
     from specdec.cli.demo import ASSETS, heldout_prompts, load_pair
-    from specdec.decoding import DraftModelStrategy, SpeculativeDecoder
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # what a CPU user runs (the interpreted kernels take minutes)
 
@@ -223,15 +222,9 @@ def test_embedded_pair_decodes_the_same_with_and_without_the_skinny_kernel(monke
     runs = {}
     for skinny in (True, False):
         monkeypatch.setattr(cpu_linear, "SKINNY_MAX_ROWS", 16 if skinny else 0)
-        for name, strategy, group in (("chain", DraftModelStrategy(draft, (1,) * 4), prompts[:1]),
-                                      ("batch", None, prompts)):  # fmt: skip
-            runs[name, skinny] = (
-                SpeculativeDecoder(target, strategy, adaptive=False)
-                .generate(group, max_new_tokens=24, eos_token_id=None)
-                .tokens
-            )
+        runs[skinny] = _chain_and_batch_tokens(target, draft, prompts[:1], prompts, 24)
     assert hasattr(target.model.layers[0].mlp.gate_up_proj.weight, "_specdec_skinny")
-    assert runs["chain", True] == runs["chain", False] and runs["batch", True] == runs["batch", False]
+    assert runs[True] == runs[False]
     hidden = torch.randn(6, target.config.hidden_size, generator=torch.Generator().manual_seed(0))
     head = target.lm_head_weight
     with torch.no_grad():
@@ -244,21 +237,27 @@ def test_embedded_pair_decodes_the_same_with_and_without_packing(monkeypatch, to
     batched decoding give the tokens of the unpacked GEMMs (on the PyTorch path the CPU runs: the
     interpreted attention kernel would only add minutes)."""
     from specdec.cli.demo import ASSETS, heldout_prompts, load_pair
-    from specdec.decoding import DraftModelStrategy, SpeculativeDecoder
 
     target, draft, tokenizer = load_pair("cpu")
     prompts = [tokenizer.encode(p["text"]).ids for p in heldout_prompts(ASSETS)[:2]]
     runs = {}
     for packing in (True, False):
         monkeypatch.setattr(cpu_linear, "AVAILABLE", packing)
-        for name, strategy in (("chain", DraftModelStrategy(draft, (1,) * 4)), ("plain", None)):
-            runs[name, packing] = (
-                SpeculativeDecoder(target, strategy, adaptive=False)
-                .generate(prompts, max_new_tokens=16, eos_token_id=None)
-                .tokens
-            )
+        runs[packing] = _chain_and_batch_tokens(target, draft, prompts, prompts, 16)
     assert hasattr(target.model.layers[0].mlp.gate_up_proj.weight, "_specdec_onednn")
-    assert runs["chain", True] == runs["chain", False] and runs["plain", True] == runs["plain", False]
+    assert runs[True] == runs[False]
+
+
+def _chain_and_batch_tokens(target, draft, chain_prompts, batch_prompts, new_tokens):
+    """Greedy tokens of a K=4 draft chain over ``chain_prompts`` and of plain decoding of ``batch_prompts`` in one
+    batch (fixed sizes: no controller)."""
+    from specdec.decoding import DraftModelStrategy, SpeculativeDecoder
+
+    return [
+        SpeculativeDecoder(target, strategy, adaptive=False).generate(prompts, max_new_tokens=new_tokens,
+                                                                     eos_token_id=None).tokens
+        for strategy, prompts in ((DraftModelStrategy(draft, (1,) * 4), chain_prompts), (None, batch_prompts))
+    ]  # fmt: skip
 
 
 def test_the_gemm_benchmark_runs_and_names_what_the_model_runs(tmp_path):
