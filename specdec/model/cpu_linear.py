@@ -10,7 +10,7 @@ target's fused gate/up took 4-5x, and every other layer ~2x, the time of reading
   extension's kernel (``csrc/skinny_linear_cpu.cpp``: it streams a packed copy of the weight once per 8
   rows), where that kernel was measured faster: from 2 to 8 rows every layer, from 9 rows and at one
   row the large weights (``PACK_MIN_ELEMENTS`` and up: the fused gate/up, the LM head); the rest stays on
-  ``F.linear`` (bench/RESULTS.md, "CPU GEMMs");
+  ``F.linear`` (bench/RESULTS.md, "A skinny-GEMM kernel for a few rows");
 * more rows, or without the extension (or with ``SPECDEC_BACKEND=torch``): ``packed_linear``, oneDNN with
   the weight reordered ("packed") for it, which wins over ``F.linear`` on the larger weights of such
   forwards (the gain is machine-dependent: on an Intel Xeon with AVX-512 only the LM head gains), and
@@ -62,19 +62,26 @@ if skinny_available():  # shapes for torch.compile and torch.library.opcheck
         return x.new_empty(x.shape[0], out_features)
 
 
+def _pack(weight: torch.Tensor, attribute: str, make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``make(weight)``, kept on the weight as ``attribute`` and made again when the weight's version or storage
+    moved (changed in place, or swapped by loading)."""
+    stamp = (weight._version, weight.data_ptr())
+    entry = getattr(weight, attribute, None)
+    if entry is None or entry[0] != stamp:
+        entry = (stamp, make(weight.detach()))
+        setattr(weight, attribute, entry)
+    return entry[1]
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through the extension's skinny-GEMM kernel with ``weight`` packed (float32 CPU
     tensors, no autograd, the extension built; ``x`` of any leading shape)."""
     if weight.is_inference():
         return F.linear(x, weight, bias)
-    stamp = (weight._version, weight.data_ptr())
-    entry = getattr(weight, "_specdec_skinny", None)
-    if entry is None or entry[0] != stamp:
-        entry = (stamp, torch.ops.specdec.skinny_linear_pack(weight.detach()))
-        weight._specdec_skinny = entry
+    packed = _pack(weight, "_specdec_skinny", torch.ops.specdec.skinny_linear_pack)
     if x.dim() == 2 and x.stride(1) == 1:  # the model's activations: no reshaping
-        return torch.ops.specdec.skinny_linear(x, entry[1], weight.shape[0], bias)
-    out = torch.ops.specdec.skinny_linear(x.reshape(-1, x.shape[-1]).contiguous(), entry[1], weight.shape[0], bias)
+        return torch.ops.specdec.skinny_linear(x, packed, weight.shape[0], bias)
+    out = torch.ops.specdec.skinny_linear(x.reshape(-1, x.shape[-1]).contiguous(), packed, weight.shape[0], bias)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -82,12 +89,8 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """``F.linear(x, weight, bias)`` through oneDNN with ``weight`` packed (float32 CPU tensors, no autograd)."""
     if weight.numel() < PACK_MIN_ELEMENTS or weight.is_inference():
         return F.linear(x, weight, bias)
-    stamp = (weight._version, weight.data_ptr())
-    entry = getattr(weight, "_specdec_onednn", None)
-    if entry is None or entry[0] != stamp:
-        entry = (stamp, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS))
-        weight._specdec_onednn = entry
-    return torch.ops.mkldnn._linear_pointwise(x, entry[1], bias, "none", [], "")
+    packed = _pack(weight, "_specdec_onednn", lambda w: torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS))
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
