@@ -120,6 +120,24 @@ def test_skinny_linear_takes_strided_rows_and_leading_dims():
 
 
 @needs_skinny
+def test_skinny_linear_splits_the_outputs_over_threads():
+    """With several intra-op threads each takes its own blocks of output features: the same result."""
+    gen = torch.Generator().manual_seed(3)
+    weight, x = torch.randn(1000, 64, generator=gen), torch.randn(11, 64, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            torch.set_num_threads(1)
+            one = skinny_linear(x, weight)
+            torch.set_num_threads(3)
+            several = skinny_linear(x, weight)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, several)  # each output is the same sum, whichever thread computes it
+    _assert_linear(several, x, weight)
+
+
+@needs_skinny
 def test_skinny_pack_layout_and_refresh():
     weight = torch.arange(10 * 3, dtype=torch.float32).view(10, 3)
     packed = torch.ops.specdec.skinny_linear_pack(weight)
