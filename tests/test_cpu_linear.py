@@ -55,11 +55,16 @@ def test_small_and_inference_weights_are_not_packed():
     assert not hasattr(small, "_specdec_onednn") and not hasattr(frozen, "_specdec_onednn")
 
 
-def test_linear_for_picks_by_rows_dtype_and_autograd():
+def test_linear_for_picks_by_rows_dtype_and_autograd(monkeypatch):
     x = torch.randn(3 * cpu_linear.SKINNY_MAX_ROWS, 8)
     multi_row = packed_linear if cpu_linear.AVAILABLE else F.linear
     few_rows = cpu_linear.few_rows_linear
     with torch.inference_mode():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreted Triton path stands in for a GPU: F.linear
+        assert linear_for(x[:2]) is F.linear and linear_for(x) is F.linear
+        with use_backend("torch"):  # unless the PyTorch path is forced
+            assert linear_for(x[:2]) is multi_row
+        monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU user's default
         assert linear_for(x[:1]) is (few_rows if skinny_available() else F.linear)
         assert linear_for(x[: cpu_linear.SKINNY_MAX_ROWS]) is (few_rows if skinny_available() else multi_row)
         assert linear_for(x[: cpu_linear.SKINNY_MAX_ROWS + 1]) is multi_row

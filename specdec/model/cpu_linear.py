@@ -16,6 +16,10 @@ target's fused gate/up took 4-5x, and every other layer ~2x, the time of reading
   forwards (the gain is machine-dependent: on an Intel Xeon with AVX-512 only the LM head gains), and
   ``F.linear`` for one row.
 
+Where Triton's interpreter runs the kernels on CPU tensors (``TRITON_INTERPRET=1``, the backend not forced
+to ``torch``), the forward stands in for a GPU's and keeps a GPU's GEMMs: ``F.linear`` throughout (what
+``tests/test_launches.py`` counts).
+
 Both packs are made on a weight's first use and kept on the weight tensor itself: a pack lives as long
 as the weight and costs a second copy of it. It records the weight's version and storage, so a weight
 changed in place or swapped by loading is packed again, never served stale. Inference-mode weights (no
@@ -103,9 +107,11 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 def linear_for(x: torch.Tensor) -> Callable[..., torch.Tensor]:
     """The linear function for a forward whose activations are ``x [rows, features]`` (a host decision)."""
-    rows = x.shape[0]
+    rows, own_ops = x.shape[0], _backend.forced_backend() != "torch"
     if x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled() or torch.compiler.is_compiling():
         return F.linear
-    if rows <= SKINNY_MAX_ROWS and skinny_available() and _backend.forced_backend() != "torch":
+    if own_ops and _backend.interpreter_enabled():  # Triton's interpreter stands in for a GPU: its GEMMs
+        return F.linear
+    if rows <= SKINNY_MAX_ROWS and own_ops and skinny_available():
         return few_rows_linear
     return packed_linear if AVAILABLE and rows > 1 else F.linear
