@@ -2,10 +2,10 @@
 //
 // A decode batch, a chain's verification or a draft level hands the linear layers 2 to ~16 rows. There the GEMM
 // should cost what reading the weight costs, but the BLAS and oneDNN paths of PyTorch's CPU build take several
-// times that on some CPUs (bench/RESULTS.md, "CPU GEMMs": 4-5x on the fused gate/up of the embedded target at 6
-// rows, on an AMD EPYC). This kernel reads each weight element once per 8 rows: the weight is packed as
-// [ceil(N / 8), K, 8] (8 output features interleaved per input feature, zero-padded), so one pass over k streams
-// the pack contiguously while up to 8 rows of x (a few KB, cache-resident) are broadcast against it and 8
+// times that on some CPUs (bench/RESULTS.md, "A skinny-GEMM kernel for a few rows": the fused gate/up of the
+// embedded target at 6 rows, on an AMD EPYC). This kernel reads each weight element once per 8 rows: the weight is
+// packed as [ceil(N / 8), K, 8] (8 output features interleaved per input feature, zero-padded), so one pass over k
+// streams the pack contiguously while up to 8 rows of x (a few KB, cache-resident) are broadcast against it and 8
 // accumulators per row stay in vector registers. Each output is a plain k = 0 .. K-1 sum in float32 (another
 // order than BLAS's: results agree up to rounding, not bit for bit).
 //
