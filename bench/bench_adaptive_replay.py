@@ -1,0 +1,147 @@
+"""The adaptive controller replayed on a recorded trace: its choices against fixed draft depths, without the noise
+of timing whole runs (issue 16).
+
+A run of the batch sweep (``bench_e2e.py --sweep-only``) times real decoding, so a controller loss of a few
+percent hides in the machine's drift. This benchmark records once what the sweep's runs depend on -- for every
+held-out prompt, how many of the draft's greedy tokens the target accepts at each position of its greedy text,
+and the step time of each step shape on this machine -- then replays the controller on that trace
+(``specdec.decoding.replay``): step times drawn with noise, every seed's exact cost in the recorded times, the
+fixed depths' costs alike. ``adaptive / best`` is the best fixed depth's (or plain decoding's) time over the
+controller's, per batch size, over seeds.
+
+    python bench/bench_adaptive_replay.py --record trace.json     # record (embedded pair, one thread, ~3 min)
+    python bench/bench_adaptive_replay.py --trace trace.json      # replay: a table per batch size
+    python bench/bench_adaptive_replay.py --record t.json --trace t.json --batches 1 2 --max-depth 2 --rounds 1
+                                                                  # a smoke run (tests/test_adaptive_replay.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+from common import Table, cpu_threads  # noqa: E402
+
+from specdec.decoding.replay import DEFAULT_NOISE, Trace, replay, replay_fixed  # noqa: E402
+
+BATCHES = (1, 2, 4, 8, 16, 32)
+MAX_DEPTH = 8
+NEW_TOKENS = 48
+
+
+def record(path: Path, rounds: int, batches: list[int], max_depth: int) -> None:
+    """Writes the trace of the embedded pair on this machine (CPU, one intra-op thread, fp32)."""
+    from specdec.cli.demo import ASSETS, heldout_prompts, load_pair
+    from specdec.decoding import AdaptiveSpeculation, DraftModelStrategy, SpeculativeDecoder
+
+    cpu_threads("cpu")
+    target, draft, tokenizer = load_pair("cpu", assets=ASSETS)
+    pool = [tokenizer.encode(p["text"]).ids for p in heldout_prompts(ASSETS)]
+    greedy = {"temperature": 0.0, "seed": 0, "eos_token_id": None}
+    texts = SpeculativeDecoder(target, None).generate(pool, max_new_tokens=NEW_TOKENS + max_depth, **greedy).tokens
+    matches = []
+    for prompt, text in zip(pool, texts):  # the draft's greedy chain from every position of the target's text
+        prefixes = [prompt + text[:p] for p in range(NEW_TOKENS)]
+        drafts = SpeculativeDecoder(draft, None).generate(prefixes, max_new_tokens=max_depth, **greedy).tokens
+        row = []
+        for p, chain in enumerate(drafts):
+            m = 0
+            while m < max_depth and chain[m] == text[p + m]:
+                m += 1
+            row.append(m)
+        matches.append(row)
+
+    class Forced(AdaptiveSpeculation):
+        """Drafts ``depths`` (one per request, within its limit) every step; records the full batch's step times."""
+
+        def __init__(self):
+            super().__init__(clock=time.thread_time)
+            self.depths, self.times = [], []
+
+        def choose(self, running, limits, contexts):
+            choice = [max(0, min(d, limit)) for d, limit in zip(self.depths, limits)]
+            self._started = self.clock()
+            return choice
+
+        def observe(self, running, nodes, depths, accepted, contexts):
+            if len(running) == len(self.depths) and list(depths) == self.depths:
+                self.times.append(self.clock() - self._started)
+
+    forced = Forced()
+    strategy = DraftModelStrategy(draft, (1,) * max_depth)
+    decoder = SpeculativeDecoder(target, strategy, adaptive=forced)
+    shapes = [
+        (b, d, h) for b in batches for d in range(max_depth + 1) for h in ((b,) if b == 1 or d == 0 else (b, b // 2))
+    ]
+    samples = {shape: [] for shape in shapes}
+    changes = []  # relative change between consecutive steps of one run: the step-to-step noise (the context drifts)
+    for r in range(rounds):  # every shape once a round, so the machine's drift falls on all of them alike
+        for b, d, h in shapes:
+            forced.depths, forced.times = [d] * h + [0] * (b - h), []
+            prompts = [pool[(r * b + i) % len(pool)] for i in range(b)]
+            decoder.generate(prompts, max_new_tokens=NEW_TOKENS // 2, **greedy)
+            times = forced.times[1:]  # the first step after the prefill runs colder
+            samples[b, d, h] += times
+            changes += [(y - x) / (x + y) * 2 for x, y in zip(times, times[1:])]
+        print(f"round {r + 1}/{rounds} recorded", flush=True)
+    costs = [[b, d, h, statistics.median(s)] for (b, d, h), s in samples.items()]
+    noise = statistics.pstdev(changes) / 2**0.5  # a difference of two steps has twice one step's variance
+    trace = {
+        "machine": "embedded pair, CPU, one intra-op thread, fp32, thread time",
+        "recorded": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "new_tokens": NEW_TOKENS,
+        "max_depth": max_depth,
+        "prompt_lengths": [len(p) for p in pool],
+        "matches": matches,
+        "costs": costs,
+        "relative_noise": noise,
+    }
+    path.write_text(json.dumps(trace))
+    print(f"trace written to {path} (step-time noise {noise:.1%} per step)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--record", type=Path, help="record a trace of the embedded pair to this JSON file")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of step-shape timings when recording")
+    parser.add_argument("--trace", type=Path, help="replay the controller on this trace")
+    parser.add_argument("--seeds", type=int, default=20, help="replays per batch size (the clock's noise seeds)")
+    parser.add_argument("--noise", type=float, default=None, help=f"relative step-time noise (default: the "
+                        f"trace's own, else {DEFAULT_NOISE})")  # fmt: skip
+    parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES), help="batch sizes recorded / replayed")
+    parser.add_argument("--max-depth", type=int, default=MAX_DEPTH, help="the longest draft recorded")
+    parser.add_argument("--out", type=Path, help="directory for the table (markdown and CSV)")
+    args = parser.parse_args()
+    if args.record:
+        record(args.record, args.rounds, args.batches, args.max_depth)
+    if not args.trace:
+        return
+    trace = Trace.load(args.trace)
+    noise = trace.relative_noise if args.noise is None else args.noise
+    table = Table(
+        f"Adaptive controller replayed on {args.trace.name} ({trace.machine}), {args.seeds} seeds, step-time noise "
+        f"{noise:.1%}: step seconds per run and ratios",
+        ["batch", "plain s", *(f"K={k}" for k in range(1, trace.max_depth + 1)), "best fixed",
+         "adaptive / best: mean", "min", "max", "mean depth"],
+    )  # fmt: skip
+    for batch in args.batches:
+        fixed = [replay_fixed(trace, batch, k) for k in range(trace.max_depth + 1)]
+        best = min(fixed)
+        runs = [replay(trace, batch, noise=noise, seed=s) for s in range(args.seeds)]
+        ratios = [best / r.seconds for r in runs]
+        table.add(
+            batch, f"{fixed[0]:.3f}", *(f"{fixed[0] / f:.2f}x" for f in fixed[1:]), f"K={fixed.index(best)}",
+            f"{statistics.mean(ratios):.3f}", f"{min(ratios):.3f}", f"{max(ratios):.3f}",
+            f"{statistics.mean(r.mean_depth for r in runs):.2f}",
+        )  # fmt: skip
+    table.write(args.out, "adaptive_replay")
+
+
+if __name__ == "__main__":
+    main()

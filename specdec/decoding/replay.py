@@ -1,0 +1,157 @@
+"""Replaying the adaptive controller on a recorded trace: its choices judged without timing whole runs.
+
+Timing real decoding cannot tell a controller loss of a few percent from a machine's drift. Greedy
+speculation with a draft chain is a function of two things the controller does not change: which draft
+tokens the target accepts (at text position p, the draft's greedy chain matches the target's next
+``matches[p]`` tokens, so a chain of depth d gets ``min(d, matches[p])`` accepted), and what each step
+shape costs. A ``Trace`` holds both, recorded once (``bench/bench_adaptive_replay.py --record``); ``replay``
+then runs the controller against a simulated clock whose step times are the recorded ones times noise,
+while the run is charged the recorded times themselves -- so every seed's result is exact, and fixed depths
+(``replay_fixed``) are charged the same way.
+
+The replay mirrors the batch sweep (``bench/bench_e2e.py --sweep-only``): per batch size B, ``max(1, 6 //
+B)`` groups of B prompts from the trace's pool (cycled), ``new_tokens`` each; one untimed pass warms the
+controller, then ``passes`` timed passes; a step's cost is looked up by its shape (running requests,
+draft levels, extra rows), interpolated between the recorded shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdec.decoding.adaptive import AdaptiveSpeculation
+
+DEFAULT_NOISE = 0.05  # relative step-time noise when a trace does not say
+GROUP_WORK = 6  # requests per batch-size's work, as in the sweep: max(1, 6 // B) groups of B
+
+
+@dataclass
+class Trace:
+    """A recorded trace: acceptance per prompt and position, step costs per shape.
+
+    ``matches[i][p]``: draft tokens the target accepts after prompt i's first p generated tokens (at most
+    ``max_depth``); ``costs``: rows ``[batch, levels, drafting requests, seconds]``, every request drafting
+    ``levels`` tokens or the first ``drafting requests`` of them and the rest none; ``relative_noise``: one
+    step's time's relative noise, from the recorded runs' consecutive steps."""
+
+    machine: str
+    new_tokens: int
+    max_depth: int
+    prompt_lengths: list[int]
+    matches: list[list[int]]
+    costs: list[list[float]]
+    relative_noise: float = DEFAULT_NOISE
+
+    @classmethod
+    def load(cls, path: str | Path) -> Trace:
+        data = json.loads(Path(path).read_text())
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+    def __post_init__(self):
+        self._table = {(round(b), round(d), round(h)): s for b, d, h, s in self.costs}
+        self._batches = sorted({b for b, _, _ in self._table})
+
+    def step_seconds(self, running: int, levels: int, extra_rows: int) -> float:
+        """A step's recorded cost: between the two recorded batch sizes around ``running``, each priced by a line
+        in the extra rows through its uniform and half-drafting shapes at ``levels``."""
+        if levels == 0:
+            extra_rows = 0
+        low = max((b for b in self._batches if b <= running), default=self._batches[0])
+        high = min((b for b in self._batches if b >= running), default=self._batches[-1])
+        w = 0.0 if high == low else (running - low) / (high - low)
+        return (1 - w) * self._at(low, levels, extra_rows * low / running) + w * self._at(
+            high, levels, extra_rows * high / running
+        )
+
+    def _at(self, batch: int, levels: int, extra_rows: float) -> float:
+        uniform = self._table[batch, levels, batch]
+        half = self._table.get((batch, levels, batch // 2))
+        if levels == 0 or half is None or batch < 2:
+            return uniform
+        slope = (uniform - half) / (levels * (batch - batch // 2))
+        return uniform + slope * (extra_rows - levels * batch)
+
+
+@dataclass
+class ReplayRun:
+    seconds: float  # recorded seconds of one timed pass (the mean over passes)
+    mean_depth: float  # mean chosen depth over the timed passes' request-steps
+
+
+class _NoisyClock:
+    """The controller's clock: advanced by each step's recorded cost times noise."""
+
+    def __init__(self, noise: float, seed: int):
+        self.now, self.noise, self.rng = 0.0, noise, random.Random(seed)
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds * max(0.5, 1.0 + self.noise * self.rng.gauss(0.0, 1.0))
+
+
+def _groups(trace: Trace, batch: int) -> list[list[int]]:
+    pool = len(trace.matches)
+    return [[(g * batch + i) % pool for i in range(batch)] for g in range(max(1, GROUP_WORK // batch))]
+
+
+def _run_group(trace: Trace, prompts: list[int], choose, observe) -> tuple[float, list[int]]:
+    """One batch decoded to ``new_tokens`` each; returns (recorded seconds, every request-step's depth)."""
+    generated = {r: 0 for r in range(len(prompts))}
+    seconds, depths_seen = 0.0, []
+    while generated:
+        running = list(generated)
+        limits = [trace.new_tokens - generated[r] - 1 for r in running]
+        contexts = [trace.prompt_lengths[prompts[r]] + generated[r] for r in running]
+        depths = choose(running, limits, contexts)
+        accepted = [min(d, trace.matches[prompts[r]][generated[r]]) for r, d in zip(running, depths)]
+        cost = trace.step_seconds(len(running), max(depths), sum(depths))
+        seconds += cost
+        observe(running, depths, accepted, contexts, cost)
+        depths_seen += depths
+        for r, a in zip(running, accepted):
+            generated[r] += a + 1
+            if generated[r] >= trace.new_tokens:
+                del generated[r]
+    return seconds, depths_seen
+
+
+def replay(
+    trace: Trace, batch: int, *, noise: float | None = None, seed: int = 0, passes: int = 5,
+    controller: Callable[[Callable[[], float]], AdaptiveSpeculation] | None = None,
+) -> ReplayRun:  # fmt: skip
+    """The adaptive controller (``controller(clock)``, default ``AdaptiveSpeculation(clock=clock)``) on ``batch``
+    requests at a time: recorded seconds per timed pass and the mean chosen depth."""
+    clock = _NoisyClock(trace.relative_noise if noise is None else noise, seed)
+    ctl = controller(clock) if controller is not None else AdaptiveSpeculation(clock=clock)
+    ctl.bind(trace.max_depth, trace.max_depth + 1)  # a chain: depth + 1 nodes
+
+    def observe(running, depths, accepted, contexts, cost):
+        clock.advance(cost)
+        ctl.observe(running, [d + 1 for d in depths], depths, accepted, contexts)
+
+    total, chosen = 0.0, []
+    for p in range(passes + 1):  # the first pass warms the controller, as the sweep's warm-up does
+        for prompts in _groups(trace, batch) if p else _groups(trace, batch)[:1]:
+            ctl.start()
+            seconds, depths = _run_group(trace, prompts, ctl.choose, observe)
+            if p:
+                total, chosen = total + seconds, chosen + depths
+    return ReplayRun(total / passes, sum(chosen) / max(len(chosen), 1))
+
+
+def replay_fixed(trace: Trace, batch: int, depth: int) -> float:
+    """Recorded seconds of one pass drafting ``depth`` tokens per request every step (0: plain decoding)."""
+    total = 0.0
+    for prompts in _groups(trace, batch):
+        seconds, _ = _run_group(
+            trace, prompts, lambda running, limits, contexts: [max(0, min(depth, x)) for x in limits],
+            lambda *args: None,
+        )  # fmt: skip
+        total += seconds
+    return total

@@ -1,0 +1,101 @@
+"""The adaptive controller on a recorded trace (``specdec.decoding.replay``): the replay's own arithmetic, the
+controller's choices against fixed depths under step-time noise.
+
+``data/adaptive_trace.json`` was recorded on the embedded pair by ``bench/bench_adaptive_replay.py --record``
+(a 2-core AMD EPYC, one thread). Replays are pure Python and deterministic per seed: no timing here.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specdec.decoding.adaptive import AdaptiveSpeculation
+from specdec.decoding.replay import Trace, replay, replay_fixed
+
+TRACE = Path(__file__).parent / "data" / "adaptive_trace.json"
+
+
+def tiny_trace(matches: list[list[int]], costs: list[list[float]], new_tokens: int = 6) -> Trace:
+    return Trace("test", new_tokens, 4, [5] * len(matches), matches, costs, 0.0)
+
+
+LINEAR_COSTS = [[b, d, h, 10.0 + b + h * d + 0.5 * d] for b in (1, 2, 4) for d in range(5) for h in {b, b // 2 or 1}]
+
+
+def test_step_costs_are_the_recorded_ones_and_lines_between():
+    trace = tiny_trace([[0] * 6], LINEAR_COSTS)
+    for b, d, h, seconds in LINEAR_COSTS:
+        assert trace.step_seconds(b, d, h * d) == pytest.approx(seconds)
+    assert trace.step_seconds(4, 3, 9) == pytest.approx(10 + 4 + 9 + 1.5)  # a ragged fill: on the line in rows
+    assert trace.step_seconds(3, 2, 6) == pytest.approx(10 + 3 + 6 + 1.0)  # between batch 2 and 4
+    assert trace.step_seconds(3, 0, 5) == trace.step_seconds(3, 0, 0)  # no levels, no extra rows
+
+
+def test_fixed_depths_are_charged_their_steps():
+    """One prompt (the sweep's work at batch 1: six groups of it), 6 tokens, the draft matching 2 tokens everywhere:
+    depth 2 emits 3 tokens a step (2 steps), depth 1 emits 2 (3 steps), plain decoding 1 (6 steps)."""
+    trace = tiny_trace([[2] * 6], LINEAR_COSTS)
+    assert replay_fixed(trace, 1, 0) == pytest.approx(6 * 6 * 11.0)
+    assert replay_fixed(trace, 1, 1) == pytest.approx(6 * 3 * (11.0 + 1.5))
+    assert replay_fixed(trace, 1, 2) == pytest.approx(6 * 2 * (11.0 + 3.0))
+    # depth 4 drafts 4 (2 accepted, 3 emitted), then 2 (the most the last 3 tokens leave to draft): 2 steps
+    assert replay_fixed(trace, 1, 4) == pytest.approx(6 * ((11.0 + 6.0) + (11.0 + 3.0)))
+
+
+def test_a_replay_is_deterministic_per_seed_and_noise_moves_it():
+    trace = Trace.load(TRACE)
+    first, again = replay(trace, 4, noise=0.04, seed=3), replay(trace, 4, noise=0.04, seed=3)
+    assert first == again
+    assert any(replay(trace, 4, noise=0.04, seed=s) != first for s in range(4, 8))
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4, 8, 16, 32])
+def test_the_controller_stays_near_the_best_fixed_depth_on_the_recorded_trace(batch):
+    """Step times noisy by 4% (this machine's step-to-step noise), 8 seeds: the mean of the best fixed depth's (or
+    plain decoding's) time over the controller's stays at or above the bound. A regression guard at what the
+    controller reaches (bench/RESULTS.md, the replay section), not the issue's 0.97 target."""
+    trace = Trace.load(TRACE)
+    best = min(replay_fixed(trace, batch, k) for k in range(trace.max_depth + 1))
+    ratios = [best / replay(trace, batch, noise=0.04, seed=s).seconds for s in range(8)]
+    assert sum(ratios) / len(ratios) >= BOUND[batch], ratios
+
+
+BOUND = {1: 0.97, 2: 0.97, 4: 0.94, 8: 0.955, 16: 0.965, 32: 0.965}  # about 2% under the 8-seed means
+
+
+def test_a_controller_that_always_drafts_its_longest_fails_the_bound():
+    """The bound can fail: a controller that never shortens its drafts is far below it at batch 32."""
+
+    class Longest(AdaptiveSpeculation):
+        def choose(self, running, limits, contexts):
+            self._started = self.clock()
+            return [max(0, min(self.max_depth, x)) for x in limits]
+
+    trace = Trace.load(TRACE)
+    best = min(replay_fixed(trace, 32, k) for k in range(trace.max_depth + 1))
+    assert best / replay(trace, 32, noise=0.04, controller=lambda clock: Longest(clock=clock)).seconds < BOUND[32]
+
+
+def test_the_benchmark_records_a_trace_and_replays_it(tmp_path):
+    """``bench/bench_adaptive_replay.py`` on the embedded pair, batches 1 and 2, depth 2, one round: a trace whose
+    matches are the draft's accepted tokens (within the depth) and whose costs cover every recorded shape, then
+    the replay's table."""
+    root = Path(__file__).resolve().parents[1]
+    trace_path = tmp_path / "trace.json"
+    args = ["--record", str(trace_path), "--trace", str(trace_path), "--batches", "1", "2", "--max-depth", "2",
+            "--rounds", "1", "--seeds", "2", "--out", str(tmp_path)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(root), "TRITON_INTERPRET": "0"}  # the CPU's own path, not the GPU stand-in
+    done = subprocess.run([sys.executable, "bench/bench_adaptive_replay.py", *args], cwd=root, capture_output=True,
+                          text=True, env=env, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    data = json.loads(trace_path.read_text())
+    assert all(len(row) == data["new_tokens"] and set(row) <= {0, 1, 2} for row in data["matches"])
+    assert {(b, d, h) for b, d, h, _ in data["costs"]} == {(1, 0, 1), (1, 1, 1), (1, 2, 1), (2, 0, 2), (2, 1, 2),
+                                                            (2, 1, 1), (2, 2, 2), (2, 2, 1)}  # fmt: skip
+    assert all(seconds > 0 for *_, seconds in data["costs"]) and data["relative_noise"] > 0
+    table = (tmp_path / "adaptive_replay.md").read_text()
+    assert [line.split("|")[1].strip() for line in table.splitlines() if line[:3] in ("| 1", "| 2")] == ["1", "2"]
