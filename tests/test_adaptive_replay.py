@@ -1,5 +1,5 @@
 """The adaptive controller on a recorded trace (``specdec.decoding.replay``): the replay's own arithmetic, the
-controller's choices against fixed depths under step-time noise.
+step-cost model's pooling of shapes, and the controller's choices against fixed depths under step-time noise.
 
 ``data/adaptive_trace.json`` was recorded on the embedded pair by ``bench/bench_adaptive_replay.py --record``
 (a 2-core AMD EPYC, one thread). Replays are pure Python and deterministic per seed: no timing here.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec.decoding.adaptive import AdaptiveSpeculation
+from specdec.decoding.adaptive import AdaptiveSpeculation, StepCostModel
 from specdec.decoding.replay import Trace, replay, replay_fixed
 
 TRACE = Path(__file__).parent / "data" / "adaptive_trace.json"
@@ -51,6 +51,17 @@ def test_a_replay_is_deterministic_per_seed_and_noise_moves_it():
     first, again = replay(trace, 4, noise=0.04, seed=3), replay(trace, 4, noise=0.04, seed=3)
     assert first == again
     assert any(replay(trace, 4, noise=0.04, seed=s) != first for s in range(4, 8))
+
+
+def test_ragged_fills_a_row_apart_share_one_measured_mean():
+    """Two steps of shapes (4 requests, 3 levels) with 11 and 12 extra rows are one shape to the cost model; a fill
+    whose mean depth rounds elsewhere (6 extra rows) is another. The first step counts no more than the next."""
+    model = StepCostModel()
+    for seconds, rows in ((10.0, 12), (20.0, 11), (30.0, 6)):
+        model.observe(StepCostModel.features(4, rows, 3, 400.0), seconds)
+    assert set(model.shape_mean) == {(4, 3, 3), (4, 3, 2)}
+    seconds, _, rows, _ = model.shape_mean[4, 3, 3]
+    assert seconds == pytest.approx((0.7 * 10 + 20) / 1.7) and rows == pytest.approx((0.7 * 12 + 11) / 1.7)
 
 
 @pytest.mark.parametrize("batch", [1, 2, 4, 8, 16, 32])

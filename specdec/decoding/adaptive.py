@@ -15,8 +15,11 @@ controller measures both as it goes and re-decides every step:
   first measured step, so directions the data has not explored stay sensible. Costs are not linear
   in rows (one CPU thread: GEMV against GEMM shapes; a GPU: tiles), so each level count L also
   keeps a running residual (measured minus predicted) added to the predictions at that L, and a
-  step shape that was measured -- (requests, extra rows, levels) -- is priced by its own running
-  mean (moved by the fitted context term to the context at hand), not by the fit.
+  step shape that was measured -- (requests, levels, mean depth rounded) -- is priced by its own
+  running mean (moved by the fitted row and context terms to the extra rows and context at hand),
+  not by the fit. Ragged fills a row or two apart share one mean: the choice between depths turns
+  on a few percent, each step's time is noisy by about as much, and fills counted apart were each
+  priced from one or two steps (``specdec.decoding.replay`` measures what that cost).
 * **Acceptance** (``AcceptanceModel``): per request and draft position i, the chance that node i is
   accepted given that i - 1 were, a running estimate (recent steps count more) seeded with the
   pooled estimate of every request so far, whose own prior is ``prior_acceptance`` at position 1
@@ -60,7 +63,8 @@ PRIOR_WEIGHTS = (0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 20.0)
 RESIDUAL_DECAY = 0.7  # weight of a level count's earlier residuals when it is measured again
 SHAPE_DECAY = 0.7  # weight of a shape's earlier times when it is measured again
 CONTEXT = FEATURES.index("context")
-SHAPE = tuple(FEATURES.index(f) for f in ("requests", "extra rows", "draft levels"))  # a step's shape's features
+ROWS = FEATURES.index("extra rows")
+SHAPE = tuple(FEATURES.index(f) for f in ("requests", "draft levels"))  # a step's shape's features
 EXPLORE_MARGIN = 0.8  # explore a variant predicted at no less than this share of the choice's tokens per second
 # Explorations the margin skips in a row before one goes ahead anyway: acceptance moves with the text, and
 # only drafting measures it.
@@ -83,7 +87,8 @@ class StepCostModel:
         self.prior_precision: list[float] = [0.0] * n
         self.theta: list[float] | None = None  # None until a step was measured
         self.residual: dict[int, float] = {}  # per draft-level count: running (measured - predicted)
-        self.shape_mean: dict[tuple[int, int, int], list[float]] = {}  # per shape: running [seconds, context]
+        # Per shape: running means [seconds, context, extra rows] and the weight of the steps behind them.
+        self.shape_mean: dict[tuple[int, int, int], list[float]] = {}
         self.steps = 0
 
     @staticmethod
@@ -101,9 +106,10 @@ class StepCostModel:
         if self.theta is not None:  # the out-of-sample error of the linear part, at this level count
             error = seconds - sum(t * v for t, v in zip(self.theta, x))
             self.residual[levels] = RESIDUAL_DECAY * self.residual.get(levels, error) + (1 - RESIDUAL_DECAY) * error
-        mean = self.shape_mean.setdefault(shape, [seconds, x[CONTEXT]])
-        for i, v in enumerate((seconds, x[CONTEXT])):
-            mean[i] = SHAPE_DECAY * mean[i] + (1 - SHAPE_DECAY) * v
+        mean = self.shape_mean.setdefault(shape, [0.0, 0.0, 0.0, 0.0])
+        mean[3] = SHAPE_DECAY * mean[3] + 1.0  # weights fade, then normalise: a first step counts no more than the next
+        for i, v in enumerate((seconds, x[CONTEXT], x[ROWS])):
+            mean[i] += (v - mean[i]) / mean[3]
         decay = self.decay
         self.moment = [decay * m + v * seconds for m, v in zip(self.moment, x)]
         self.gram = [[decay * g + v * w for g, w in zip(row, x)] for row, v in zip(self.gram, x)]
@@ -111,20 +117,22 @@ class StepCostModel:
         self.theta = self._solve()
 
     def predict(self, x: Sequence[float]) -> float:
-        """A measured shape (requests, extra rows, levels) at its own running mean; any other at the linear part
-        plus its level count's running residual. Shapes' costs jump with tiles and GEMM kernels that no linear
-        term follows, and a residual against a moving fit goes stale; a shape's own mean does not."""
+        """A measured shape (requests, levels, mean depth) at its own running mean; any other at the linear part
+        plus its level count's running residual. Shapes' costs jump with tiles and GEMM kernels that no linear term
+        follows, and a residual against a moving fit goes stale; a shape's own mean does not."""
         levels, shape = self._keys(x)
         mean = self.shape_mean.get(shape)
-        if mean is not None:  # measured: its own mean, moved by the fitted context term to this context
-            return mean[0] + max(self.theta[CONTEXT], 0.0) * (x[CONTEXT] - mean[1])
+        if mean is not None:  # measured: its own mean, moved by the fitted terms to these extra rows and context
+            theta = self.theta
+            rows, context = x[ROWS] - mean[2], x[CONTEXT] - mean[1]
+            return mean[0] + max(theta[ROWS], 0.0) * rows + max(theta[CONTEXT], 0.0) * context
         return sum(t * v for t, v in zip(self.theta, x)) + self.residual.get(levels, 0.0)
 
     @staticmethod
     def _keys(x: Sequence[float]) -> tuple[int, tuple[int, int, int]]:
-        """A step's level count, and its shape: (requests, extra rows, levels)."""
-        shape = (round(x[SHAPE[0]]), round(x[SHAPE[1]]), round(x[SHAPE[2]]))
-        return shape[2], shape
+        """A step's level count, and its shape: (requests, levels, mean depth rounded)."""
+        requests, levels = round(x[SHAPE[0]]), round(x[SHAPE[1]])
+        return levels, (requests, levels, round(x[ROWS] / max(requests, 1)))
 
     def _solve(self) -> list[float]:
         """(gram + diag(precision)) theta = moment + precision * prior_mean, by Gaussian elimination."""
