@@ -35,6 +35,15 @@ def test_step_costs_are_the_recorded_ones_and_lines_between():
     assert trace.step_seconds(3, 0, 5) == trace.step_seconds(3, 0, 0)  # no levels, no extra rows
 
 
+def test_a_trace_missing_what_a_replay_needs_is_refused():
+    with pytest.raises(ValueError, match="matches"):
+        tiny_trace([[0] * 5], LINEAR_COSTS)
+    with pytest.raises(ValueError, match="uniform shapes"):
+        tiny_trace([[0] * 6], [c for c in LINEAR_COSTS if c[1] != 3])
+    with pytest.raises(ValueError, match="batch"):
+        replay(tiny_trace([[0] * 6], LINEAR_COSTS), 0)
+
+
 def test_fixed_depths_are_charged_their_steps():
     """One prompt (the sweep's work at batch 1: six groups of it), 6 tokens, the draft matching 2 tokens everywhere:
     depth 2 emits 3 tokens a step (2 steps), depth 1 emits 2 (3 steps), plain decoding 1 (6 steps)."""

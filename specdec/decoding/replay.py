@@ -52,8 +52,15 @@ class Trace:
         return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
     def __post_init__(self):
+        if any(len(row) < self.new_tokens for row in self.matches) or len(self.prompt_lengths) != len(self.matches):
+            raise ValueError(f"matches must hold new_tokens ({self.new_tokens}) entries per prompt, one prompt per "
+                             "prompt_lengths entry")  # fmt: skip
         self._table = {(round(b), round(d), round(h)): s for b, d, h, s in self.costs}
         self._batches = sorted({b for b, _, _ in self._table})
+        missing = [(b, d) for b in self._batches for d in range(self.max_depth + 1) if (b, d, b) not in self._table]
+        if missing:
+            raise ValueError(f"costs lack the uniform shapes (batch, levels) {missing[:4]} (every batch recorded needs "
+                             f"levels 0 .. max_depth = {self.max_depth})")  # fmt: skip
 
     def step_seconds(self, running: int, levels: int, extra_rows: int) -> float:
         """A step's recorded cost: between the two recorded batch sizes around ``running``, each priced by a line
@@ -127,6 +134,8 @@ def replay(
 ) -> ReplayRun:  # fmt: skip
     """The adaptive controller (``controller(clock)``, default ``AdaptiveSpeculation(clock=clock)``) on ``batch``
     requests at a time: recorded seconds per timed pass and the mean chosen depth."""
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be an int >= 1, got {batch!r}")
     clock = _NoisyClock(trace.relative_noise if noise is None else noise, seed)
     ctl = controller(clock) if controller is not None else AdaptiveSpeculation(clock=clock)
     ctl.bind(trace.max_depth, trace.max_depth + 1)  # a chain: depth + 1 nodes
