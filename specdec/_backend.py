@@ -86,8 +86,7 @@ def extension_has_op(name: str, dispatch_key: str = "CPU") -> bool:
 
 
 def extension_has_cuda() -> bool:
-    module, _ = extension_status()
-    return module is not None and torch._C._dispatch_has_kernel_for_dispatch_key("specdec::tree_metadata", "CUDA")
+    return extension_has_op("tree_metadata", "CUDA")
 
 
 def forced_backend() -> str:
