@@ -65,8 +65,6 @@ class Trace:
     def step_seconds(self, running: int, levels: int, extra_rows: int) -> float:
         """A step's recorded cost: between the two recorded batch sizes around ``running``, each priced by a line
         in the extra rows through its uniform and half-drafting shapes at ``levels``."""
-        if levels == 0:
-            extra_rows = 0
         low = max((b for b in self._batches if b <= running), default=self._batches[0])
         high = min((b for b in self._batches if b >= running), default=self._batches[-1])
         w = 0.0 if high == low else (running - low) / (high - low)
@@ -144,9 +142,9 @@ def replay(
         clock.advance(cost)
         ctl.observe(running, [d + 1 for d in depths], depths, accepted, contexts)
 
-    total, chosen = 0.0, []
+    groups, total, chosen = _groups(trace, batch), 0.0, []
     for p in range(passes + 1):  # the first pass warms the controller, as the sweep's warm-up does
-        for prompts in _groups(trace, batch) if p else _groups(trace, batch)[:1]:
+        for prompts in groups if p else groups[:1]:
             ctl.start()
             seconds, depths = _run_group(trace, prompts, ctl.choose, observe)
             if p:
