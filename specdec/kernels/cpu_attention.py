@@ -1,0 +1,53 @@
+"""Tree attention's padded batch on the CPU through the extension's kernel (``csrc/padded_attention_cpu.cpp``).
+
+``tree_attention_torch`` runs one masked ``scaled_dot_product_attention`` over the padded batch. On the CPU
+that is torch's flash-attention kernel, built for long blocks of queries: a decode step (1 query per
+request) or a chain's verification (K + 1) with a few small heads ran it at under 2 GFLOP/s. The
+extension's ``padded_attention`` takes the same operands (q ``[B * n, Hq, D]``, the caches, the additive
+mask ``[B, 1, n, L]``) and writes ``out`` in place: per request it reads each K and V row once for all
+the queries and query heads that use it, and never reads the positions the mask hides from every query
+of the request.
+
+``applies`` says when the kernel runs: float32 CPU tensors, the extension built with the op, the
+backend not forced to ``torch`` (``SPECDEC_BACKEND=torch`` keeps plain PyTorch, as for the skinny
+GEMMs), and eager mode (a ``torch.compile`` graph keeps SDPA). ``tree_attention_torch`` asks it only for
+the plan's view layout (uniform query counts, a finite contiguous cache: what decoding and chains run);
+gathered layouts and the log-sum-exp stay on SDPA. Results agree with SDPA up to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from specdec import _backend
+
+
+@functools.cache
+def available() -> bool:
+    """The loaded extension has the op (one built before it was added has not)."""
+    return _backend.extension_has_op("padded_attention")
+
+
+if available():  # for torch.compile and torch.library.opcheck: the op only writes ``out``
+
+    @torch.library.register_fake("specdec::padded_attention")
+    def _(q, k_cache, v_cache, attn_bias, scale, out):
+        return None
+
+
+def applies(q: torch.Tensor) -> bool:
+    """The kernel runs for queries ``q`` (the caches and mask share its dtype and device in a plan); not inside
+    ``torch.compile`` (its graph keeps SDPA), so nothing here is traced."""
+    if torch.compiler.is_compiling() or q.dtype != torch.float32 or q.device.type != "cpu":
+        return False
+    return _backend.forced_backend() != "torch" and available()
+
+
+def padded_attention(q, k_cache, v_cache, attn_bias, scale: float, out) -> None:
+    """Row ``b * n + i`` of ``out [B * n, Hq, D]``: ``softmax(scale q.k^T + attn_bias[b, 0, i]) v`` over positions
+    ``0 .. L-1`` of cache row b, per query head (KV head ``h // (Hq / Hkv)``); q ``[B * n, Hq, D]``, caches
+    ``[rows >= B, max_len >= L, Hkv, D]``, attn_bias ``[B, 1, n, L]`` (-inf hides), float32 CPU, last dims
+    contiguous. A query that sees nothing gets 0."""
+    torch.ops.specdec.padded_attention(q, k_cache, v_cache, attn_bias, scale, out)

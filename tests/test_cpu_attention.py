@@ -1,0 +1,193 @@
+"""Tree attention's padded batch on the CPU through the extension's kernel (``specdec.kernels.cpu_attention``,
+``csrc/padded_attention_cpu.cpp``): the op against float64, the generic version, threads, bad arguments."""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import assert_close
+
+from specdec.kernels import cpu_attention
+
+needs_kernel = pytest.mark.skipif(not cpu_attention.available(), reason="the extension (padded_attention) is not built")
+ATOL, RTOL = 2e-5, 2e-5  # float32 against float64: a softmax-weighted mean of values ~1
+
+
+def padded_reference(q, k_cache, v_cache, attn_bias, scale):
+    """float64 ``out [B * n, Hq, D]`` of the op: a plain softmax over ``scale q.k + bias`` per row."""
+    batch, _, n, length = attn_bias.shape
+    heads, head_dim = q.shape[1], q.shape[2]
+    group = heads // k_cache.shape[2]
+    qb = q.double().view(batch, n, heads, head_dim).transpose(1, 2)  # [B, Hq, n, D]
+    k = k_cache[:batch, :length].double().repeat_interleave(group, 2).transpose(1, 2)  # [B, Hq, L, D]
+    v = v_cache[:batch, :length].double().repeat_interleave(group, 2).transpose(1, 2)
+    scores = qb @ k.transpose(-1, -2) * scale + attn_bias.double()
+    weights = torch.softmax(scores, -1).nan_to_num(0.0)  # a row that sees nothing: 0
+    return (weights @ v).transpose(1, 2).reshape(batch * n, heads, head_dim)
+
+
+def causal_bias(contexts, n, length, gen=None):
+    """[B, 1, n, L]: query i of request b (context c_b) sees positions up to c_b - n + i; with ``gen`` the visible
+    scores also get random finite offsets (the op adds any bias, not only 0)."""
+    pos, i = torch.arange(length), torch.arange(n)
+    last = torch.tensor(contexts)[:, None] - n + i  # [B, n]
+    visible = pos <= last[:, :, None]
+    bias = torch.zeros(len(contexts), 1, n, length)
+    if gen is not None:
+        bias.normal_(generator=gen)
+    return bias.masked_fill_(~visible[:, None], -math.inf)
+
+
+def operands(batch, n, heads, kv_heads, head_dim, contexts, gen, spare_rows=1, spare_len=5):
+    """q as a slice of a fused qkv (strided rows), caches with spare rows and positions (NaN past every request's
+    context: the kernel must never read them), out poisoned with NaN."""
+    length = max(contexts)
+    qkv = torch.randn(batch * n, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    q = qkv[:, : heads * head_dim].view(batch * n, heads, head_dim)
+    shape = (batch + spare_rows, length + spare_len, kv_heads, head_dim)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    for b, context in enumerate(contexts):
+        k_cache[b, context:] = math.nan
+        v_cache[b, context:] = math.nan
+    out = torch.full((batch * n, heads, head_dim), math.nan)
+    return q, k_cache, v_cache, out
+
+
+@needs_kernel
+@pytest.mark.parametrize("batch, n", [(1, 1), (6, 1), (1, 6), (3, 4)])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 4), (8, 2), (4, 1)])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 20])
+def test_op_equals_float64(batch, n, heads, kv_heads, head_dim):
+    """Decode (n = 1) and chains (causal n x n blocks), ragged contexts in one batch (masked tails of NaN), GQA
+    groups 1 / 2 / 4 / 4, head dims on the 8-wide vector path and one off it (20), a random finite bias."""
+    gen = torch.Generator().manual_seed(batch * 1000 + n * 100 + heads * 10 + head_dim)
+    contexts = [n + int(torch.randint(0, 90, (1,), generator=gen)) for _ in range(batch)]
+    contexts[0] = n + 97  # L not a multiple of 8
+    q, k_cache, v_cache, out = operands(batch, n, heads, kv_heads, head_dim, contexts, gen)
+    bias = causal_bias(contexts, n, max(contexts), gen)
+    scale = head_dim**-0.5
+    cpu_attention.padded_attention(q, k_cache, v_cache, bias, scale, out)
+    expected = padded_reference(q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0), bias, scale)
+    assert_close(out, expected, ATOL, RTOL, f"B={batch} n={n} Hq={heads} Hkv={kv_heads} D={head_dim}")
+
+
+@needs_kernel
+def test_tree_masks_skip_hidden_positions_and_empty_rows_get_zero():
+    """Positions hidden from every query of a request (NaN there) are never read, however they interleave with
+    visible ones; positions hidden from some queries only weigh 0 for them; a row that sees nothing gets 0."""
+    gen = torch.Generator().manual_seed(7)
+    batch, n, heads, kv_heads, head_dim, length = 2, 5, 8, 2, 32, 70
+    q, k_cache, v_cache, out = operands(batch, n, heads, kv_heads, head_dim, [length, length], gen)
+    visible = torch.rand(batch, n, length, generator=gen) < 0.4
+    visible[0, 2] = False  # request 0, query 2 sees nothing
+    unseen = ~visible.any(1)  # [B, L]: hidden from every query
+    k_cache[:batch, :length][unseen] = math.nan
+    v_cache[:batch, :length][unseen] = math.nan
+    bias = torch.zeros(batch, 1, n, length).masked_fill_(~visible[:, None], -math.inf)
+    cpu_attention.padded_attention(q, k_cache, v_cache, bias, 0.3, out)
+    expected = padded_reference(q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0), bias, 0.3)
+    assert_close(out, expected, ATOL, RTOL, "tree masks")
+    assert torch.equal(out.view(batch, n, heads, head_dim)[0, 2], torch.zeros(heads, head_dim))
+
+
+@needs_kernel
+def test_several_threads_give_the_same_result():
+    """Work items (requests, slot and head chunks) split over threads: each row is the same sum whichever thread
+    computes it, at a size large enough to go parallel."""
+    gen = torch.Generator().manual_seed(11)
+    q, k_cache, v_cache, out = operands(2, 3, 32, 8, 128, [300, 200], gen)
+    bias = causal_bias([300, 200], 3, 300)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        cpu_attention.padded_attention(q, k_cache, v_cache, bias, 0.1, out)
+        one = out.clone()
+        torch.set_num_threads(3)
+        cpu_attention.padded_attention(q, k_cache, v_cache, bias, 0.1, out)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, out)
+
+
+GENERIC_CHECK = """
+import math, sys, torch
+sys.path.insert(0, "tests")
+from test_cpu_attention import causal_bias, operands, padded_reference
+from specdec.kernels import cpu_attention
+g = torch.Generator().manual_seed(0)
+for n, heads, kv_heads, head_dim in ((1, 8, 4, 32), (6, 8, 2, 64), (3, 4, 4, 20)):
+    contexts = [n + 50, n + 23]
+    q, k, v, out = operands(2, n, heads, kv_heads, head_dim, contexts, g)
+    bias = causal_bias(contexts, n, max(contexts), g)
+    cpu_attention.padded_attention(q, k, v, bias, 0.2, out)
+    ref = padded_reference(q, k.nan_to_num(0.0), v.nan_to_num(0.0), bias, 0.2)
+    assert torch.allclose(out.double(), ref, rtol=2e-5, atol=2e-5), (n, head_dim, (out.double() - ref).abs().max())
+    print(out.numpy().tobytes().hex())
+"""
+
+
+def _has_avx2_fma() -> bool:
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return False
+    return "avx2" in flags and "fma" in flags
+
+
+@needs_kernel
+def test_generic_version_equals_reference():
+    """The version for CPUs without AVX2 + FMA, forced by its environment switch in a fresh process (chosen once per
+    process). Where this CPU has AVX2 + FMA the two must round differently somewhere: the switch took effect."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    runs = {}
+    for generic in ("1", "0"):
+        env = {**os.environ, "SPECDEC_ATTENTION_GENERIC": generic, "PYTHONPATH": root}
+        done = subprocess.run([sys.executable, "-c", GENERIC_CHECK], env=env, cwd=root, capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        runs[generic] = done.stdout.split()
+    assert len(runs["1"]) == 3
+    if _has_avx2_fma() and sys.platform.startswith("linux"):
+        assert runs["1"] != runs["0"], "SPECDEC_ATTENTION_GENERIC=1 ran the same arithmetic as the AVX2 version"
+
+
+def _good():
+    q, k = torch.randn(6, 8, 32), torch.randn(4, 20, 4, 32)
+    return q, k, k.clone(), torch.zeros(3, 1, 2, 16), torch.empty(6, 8, 32)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "index, bad, match",
+    [
+        (0, torch.randn(6, 8, 32).double(), "q must be a float32"),
+        (0, torch.randn(6, 256), "q must be a \\[B \\* n, Hq, D\\]"),
+        (0, torch.randn(6, 32, 8).transpose(1, 2), "q must be a .* unit stride"),
+        (0, torch.randn(5, 8, 32), "q must have B \\* n = 6 rows"),
+        (1, torch.randn(2, 20, 4, 32), "k_cache must be \\[rows >= B=3"),
+        (1, torch.randn(4, 15, 4, 32), "max_len >= L=16"),
+        (1, torch.randn(4, 20, 3, 32), "Hkv dividing Hq=8"),
+        (1, torch.randn(4, 20, 4, 16), "D=32"),
+        (2, torch.randn(4, 20, 4, 32).half(), "v_cache must be a float32"),
+        (2, torch.randn(4, 21, 4, 32), "v_cache must have k_cache's shape"),
+        (3, torch.zeros(3, 2, 2, 16), "attn_bias must be \\[B, 1, n, L\\]"),
+        (3, torch.zeros(3, 2, 16), "attn_bias must be a \\[B, 1, n, L\\]"),
+        (4, torch.empty(6, 8, 31), "out must have q's shape"),
+        (4, torch.empty(6, 8, 32, dtype=torch.float64), "out must be a float32 CPU tensor"),
+    ],
+)
+def test_bad_arguments_are_named(index, bad, match):
+    args = list(_good())
+    args[index] = bad
+    with pytest.raises(ValueError, match=match):
+        torch.ops.specdec.padded_attention(*args[:4], 0.1, args[4])
+
+
+@needs_kernel
+def test_opcheck():
+    q, k_cache, v_cache, bias, out = _good()
+    for b in (bias, causal_bias([16, 9, 12], 2, 16)):
+        torch.library.opcheck(torch.ops.specdec.padded_attention.default, (q, k_cache, v_cache, b, 0.2, out))
