@@ -1,5 +1,6 @@
 """Tree attention's padded batch on the CPU through the extension's kernel (``specdec.kernels.cpu_attention``,
-``csrc/padded_attention_cpu.cpp``): the op against float64, the generic version, threads, bad arguments."""
+``csrc/padded_attention_cpu.cpp``): the op against float64, the switch in ``tree_attention_torch`` and where it
+stays on SDPA, the generic version, threads, bad arguments, and the embedded pair's greedy tokens."""
 
 import math
 import os
@@ -10,7 +11,9 @@ import pytest
 import torch
 from helpers import assert_close
 
-from specdec.kernels import cpu_attention
+from specdec import use_backend
+from specdec.kernels import build_tree_metadata, cpu_attention, plan_attention, run_attention
+from specdec.kernels.tree_attention_torch import tree_attention_reference
 
 needs_kernel = pytest.mark.skipif(not cpu_attention.available(), reason="the extension (padded_attention) is not built")
 ATOL, RTOL = 2e-5, 2e-5  # float32 against float64: a softmax-weighted mean of values ~1
@@ -91,6 +94,79 @@ def test_tree_masks_skip_hidden_positions_and_empty_rows_get_zero():
     expected = padded_reference(q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0), bias, 0.3)
     assert_close(out, expected, ATOL, RTOL, "tree masks")
     assert torch.equal(out.view(batch, n, heads, head_dim)[0, 2], torch.zeros(heads, head_dim))
+
+
+def _plan(prefixes, n, cache, *, tree_mask=None, finite=True):
+    batch = len(prefixes)
+    return plan_attention(
+        torch.arange(0, batch * n + 1, n, dtype=torch.int32), torch.tensor(prefixes, dtype=torch.int32),
+        num_tokens=batch * n, num_heads=8, cache_shape=tuple(cache.shape), dtype=cache.dtype, tree_mask=tree_mask,
+        causal=tree_mask is None, uniform_queries=True, finite_cache=finite,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def cpu_default(monkeypatch):
+    """A CPU user's default path: no Triton interpreter, so the plan takes the PyTorch body."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    calls = []
+    real = cpu_attention.padded_attention
+    monkeypatch.setattr(cpu_attention, "padded_attention", lambda *args: calls.append(args[0].shape) or real(*args))
+    return calls
+
+
+@needs_kernel
+@pytest.mark.parametrize("tree", [None, [-1, 0, 0, 1, 2, 2], [-1, 0, 1, 2, 3, 4]])
+def test_tree_attention_takes_the_kernel_for_views(cpu_default, kernel_calls, tree):
+    """The model's layout (uniform query counts, a contiguous finite cache) on float32 CPU tensors runs the kernel:
+    ragged prefixes, causal, tree and chain masks, against the float64 oracle."""
+    gen = torch.Generator().manual_seed(3)
+    prefixes, n = [40, 17, 63], 6
+    cache_shape = (4, 80, 4, 32)
+    k_cache, v_cache = torch.randn(cache_shape, generator=gen), torch.randn(cache_shape, generator=gen)
+    q = torch.randn(len(prefixes) * n, 8, 32, generator=gen)
+    mask = None
+    if tree is not None:
+        parents = torch.tensor(tree * len(prefixes), dtype=torch.int32)
+        offsets = torch.arange(0, len(prefixes) * n + 1, n, dtype=torch.int32)
+        mask = build_tree_metadata(parents, offsets).ancestor_mask
+    plan = _plan(prefixes, n, k_cache, tree_mask=mask)
+    assert plan.backend == "torch" and plan.query_rows is None and plan.kv_rows is None
+    out = run_attention(q, k_cache, v_cache, plan, torch.full_like(q, math.nan))
+    assert kernel_calls == [q.shape]
+    offsets = torch.arange(0, len(prefixes) * n + 1, n, dtype=torch.int32)
+    expected, _ = tree_attention_reference(q, k_cache, v_cache, offsets, torch.tensor(prefixes, dtype=torch.int32),
+                                           mask, None, 32**-0.5)  # fmt: skip
+    assert_close(out, expected, ATOL, RTOL, f"tree={tree}")
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", ["lse", "bfloat16", "gathered", "torch backend"])
+def test_where_the_kernel_does_not_apply_sdpa_runs(cpu_default, kernel_calls, case):
+    """The log-sum-exp, another dtype, a gathered layout (a cache not known finite) and a forced PyTorch backend
+    stay on the SDPA code, and are right."""
+    gen = torch.Generator().manual_seed(5)
+    prefixes, n = [30, 12], 2
+    dtype = torch.bfloat16 if case == "bfloat16" else torch.float32
+    k_cache = torch.randn(3, 40, 4, 32, generator=gen).to(dtype)
+    v_cache = torch.randn(3, 40, 4, 32, generator=gen).to(dtype)
+    q = torch.randn(len(prefixes) * n, 8, 32, generator=gen).to(dtype)
+    plan = _plan(prefixes, n, k_cache, finite=case != "gathered")
+    lse = torch.empty(q.shape[:2]) if case == "lse" else None
+    with use_backend("torch" if case == "torch backend" else "auto"):
+        out = run_attention(q, k_cache, v_cache, plan, torch.full_like(q, math.nan), lse)
+    assert kernel_calls == []
+    offsets = torch.arange(0, len(prefixes) * n + 1, n, dtype=torch.int32)
+    prefix_lens = torch.tensor(prefixes, dtype=torch.int32)
+    expected, expected_lse = tree_attention_reference(q, k_cache, v_cache, offsets, prefix_lens, None, None, 32**-0.5)
+    tol = 2e-2 if dtype == torch.bfloat16 else ATOL
+    assert_close(out, expected, tol, tol, case)
+    if lse is not None:
+        assert_close(lse, expected_lse, ATOL, RTOL, "lse")
 
 
 @needs_kernel
@@ -191,3 +267,25 @@ def test_opcheck():
     q, k_cache, v_cache, bias, out = _good()
     for b in (bias, causal_bias([16, 9, 12], 2, 16)):
         torch.library.opcheck(torch.ops.specdec.padded_attention.default, (q, k_cache, v_cache, b, 0.2, out))
+
+
+@needs_kernel
+def test_embedded_pair_decodes_the_same_with_and_without_the_kernel(cpu_default, kernel_calls, monkeypatch):
+    """On a CPU's default path, batched decoding (6 requests, 1 query each) and a K=4 chain's verification (5
+    queries) run the kernel: their greedy tokens are those of SDPA."""
+    from specdec.cli.demo import ASSETS, heldout_prompts, load_pair
+    from specdec.decoding import DraftModelStrategy, SpeculativeDecoder
+
+    target, draft, tokenizer = load_pair("cpu")
+    prompts = [tokenizer.encode(p["text"]).ids for p in heldout_prompts(ASSETS)[:6]]
+    runs = {}
+    real_applies = cpu_attention.applies
+    for kernel in (True, False):
+        monkeypatch.setattr(cpu_attention, "applies", real_applies if kernel else lambda q: False)
+        runs[kernel] = [
+            SpeculativeDecoder(target, strategy, adaptive=False).generate(ps, max_new_tokens=24,
+                                                                         eos_token_id=None).tokens
+            for strategy, ps in ((DraftModelStrategy(draft, (1,) * 4), prompts[:1]), (None, prompts))
+        ]  # fmt: skip
+    assert {shape[0] for shape in kernel_calls} >= {5, 6}  # chain verification (1 x 5) and batched decode (6 x 1)
+    assert runs[True] == runs[False]

@@ -10,6 +10,8 @@ real rows back into ``out``. ``n_max`` and ``L_max`` are host bounds, so every s
 from host sizes and the plan needs no device read. Where the caller knows more, the gathers
 go: with uniform query counts the padded layout is q itself (a view), and a finite
 contiguous cache is read as a view of its first ``L_max`` positions (``attention_plan``).
+In that view layout float32 CPU tensors run the extension's kernel instead of SDPA
+(``cpu_attention``: torch's CPU flash kernel is slow at a few queries per request).
 
 A request whose context is shorter than ``L_max`` re-reads its own last position in the
 padding (never stale or uninitialised cache memory, whose NaN bits would poison the
@@ -26,6 +28,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from specdec.kernels import cpu_attention
 from specdec.kernels.tree_metadata import MASK_WORD_BITS, unpack_mask_rows
 
 # scaled_dot_product_attention's enable_gqa (torch >= 2.5); older versions repeat the KV heads
@@ -109,12 +112,16 @@ def tree_attention_torch(q, k_cache, v_cache, q_offsets, prefix_lens, tree_start
     """The op's PyTorch body (positional arguments of ``torch.ops.specdec.tree_attention``).
 
     Uses only the plan's padded-batch tensors; the layout tensors went into them already.
-    Without ``lse``: fused SDPA. With ``lse``: the same masked softmax written out in float32.
+    Without ``lse``: fused SDPA, or on float32 CPU tensors laid out as views (no gathers) the
+    extension's kernel (``cpu_attention``). With ``lse``: the same masked softmax written out in float32.
     """
     if q.shape[0] == 0:
         return
     if attn_bias is None:
         raise RuntimeError("this attention plan was built for the triton backend; plan again for torch")
+    if lse is None and query_rows is None and kv_rows is None and cpu_attention.applies(q):  # views: the C++ kernel
+        cpu_attention.padded_attention(q, k_cache, v_cache, attn_bias, softmax_scale, out)
+        return
     batch, _, n_max, length = attn_bias.shape
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[2]
