@@ -289,3 +289,16 @@ def test_embedded_pair_decodes_the_same_with_and_without_the_kernel(cpu_default,
         ]  # fmt: skip
     assert {shape[0] for shape in kernel_calls} >= {5, 6}  # chain verification (1 x 5) and batched decode (6 x 1)
     assert runs[True] == runs[False]
+
+
+@needs_kernel
+def test_the_attention_benchmark_runs(tmp_path):
+    """``bench/bench_cpu_attention.py --dry-run``: one timed call per cell (both paths checked equal), the table
+    written with a warm and a cold row per shape."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    done = subprocess.run([sys.executable, "bench/bench_cpu_attention.py", "--dry-run", "--out", str(tmp_path)],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in (tmp_path / "cpu_attention.md").read_text().splitlines() if line.startswith("| 2 ")]
+    assert [row.split("|")[5].strip() for row in rows] == ["warm", "cold"]
