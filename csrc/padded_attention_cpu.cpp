@@ -94,22 +94,36 @@ __attribute__((always_inline)) inline lanes_t exp_nonpositive(lanes_t x) {
   return out;
 }
 
-// The sums of each of 8 vectors' lanes, as one vector: three rounds of adding lanes paired by shuffles (what
-// AVX's horizontal adds do), in portable vector code so both versions compile it for their own instructions.
-__attribute__((always_inline)) inline lanes_t pair_sum(lanes_t a, lanes_t b, ilanes_t first, ilanes_t second) {
-  return __builtin_shuffle(a, b, first) + __builtin_shuffle(a, b, second);
+// Lanes of (a, b) by index (0-7 from a, 8-15 from b); GCC and Clang spell vector shuffles differently.
+#if defined(__clang__)
+#define SPECDEC_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SPECDEC_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, ilanes_t{__VA_ARGS__})
+#endif
+
+// Within each 128-bit half (one instruction each on AVX): lanes 0 + 1, 2 + 3 of a, then of b.
+__attribute__((always_inline)) inline lanes_t add_pairs(lanes_t a, lanes_t b) {
+  return SPECDEC_SHUFFLE(a, b, 0, 2, 8, 10, 4, 6, 12, 14) + SPECDEC_SHUFFLE(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
 }
 
+// The low halves of a and b, and their high halves.
+__attribute__((always_inline)) inline lanes_t low_halves(lanes_t a, lanes_t b) {
+  return SPECDEC_SHUFFLE(a, b, 0, 1, 2, 3, 8, 9, 10, 11);
+}
+
+__attribute__((always_inline)) inline lanes_t high_halves(lanes_t a, lanes_t b) {
+  return SPECDEC_SHUFFLE(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// The sums of each of 8 vectors' lanes, as one vector: three rounds of adding lanes paired by shuffles (what
+// AVX's horizontal adds do), in portable vector code so both versions compile it for their own instructions.
 __attribute__((always_inline)) inline lanes_t sum8(const lanes_t* a) {
-  // Within each 128-bit half (one instruction each on AVX): lanes 0, 2 of x, 0, 2 of y; then lanes 1, 3.
-  const ilanes_t even = {0, 2, 8, 10, 4, 6, 12, 14}, odd = {1, 3, 9, 11, 5, 7, 13, 15};
-  const ilanes_t low_halves = {0, 1, 2, 3, 8, 9, 10, 11}, high_halves = {4, 5, 6, 7, 12, 13, 14, 15};
   // u0 = [a0 lanes 01, 23, a1 lanes 01, 23 | a0 lanes 45, 67, a1 lanes 45, 67], ...
-  const lanes_t u0 = pair_sum(a[0], a[1], even, odd), u1 = pair_sum(a[2], a[3], even, odd);
-  const lanes_t u2 = pair_sum(a[4], a[5], even, odd), u3 = pair_sum(a[6], a[7], even, odd);
+  const lanes_t u0 = add_pairs(a[0], a[1]), u1 = add_pairs(a[2], a[3]);
+  const lanes_t u2 = add_pairs(a[4], a[5]), u3 = add_pairs(a[6], a[7]);
   // w0 = [a0..a3 over lanes 0-3 | a0..a3 over lanes 4-7], w1 the same for a4..a7
-  const lanes_t w0 = pair_sum(u0, u1, even, odd), w1 = pair_sum(u2, u3, even, odd);
-  return pair_sum(w0, w1, low_halves, high_halves);
+  const lanes_t w0 = add_pairs(u0, u1), w1 = add_pairs(u2, u3);
+  return low_halves(w0, w1) + high_halves(w0, w1);
 }
 
 struct Problem {
@@ -183,11 +197,9 @@ __attribute__((always_inline)) inline void score_block(const Rows& rows, int64_t
         }
         half[hh] = sum8(acc);  // [row r: 4 positions | row r + 1: 4 positions]
       }
-      const ilanes_t first = {0, 1, 2, 3, 8, 9, 10, 11}, second = {4, 5, 6, 7, 12, 13, 14, 15};
-      put_scores(scores + r * V + j0, __builtin_shuffle(half[0], half[1], first), rows.bias[r], vis + j0, width,
+      put_scores(scores + r * V + j0, low_halves(half[0], half[1]), rows.bias[r], vis + j0, width, in_a_row, P);
+      put_scores(scores + (r + 1) * V + j0, high_halves(half[0], half[1]), rows.bias[r + 1], vis + j0, width,
                  in_a_row, P);
-      put_scores(scores + (r + 1) * V + j0, __builtin_shuffle(half[0], half[1], second), rows.bias[r + 1], vis + j0,
-                 width, in_a_row, P);
     }
     for (; r < r1; ++r) {
       lanes_t acc[kLanes];
