@@ -78,6 +78,20 @@ def test_op_equals_float64(batch, n, heads, kv_heads, head_dim):
 
 
 @needs_kernel
+@pytest.mark.parametrize("batch, n, heads, kv_heads", [(2, 20, 8, 4), (2, 3, 128, 1), (1, 2, 96, 1)])
+def test_many_rows_per_request(batch, n, heads, kv_heads):
+    """More query rows per request than one work item takes (64): slots split into chunks, and a group of more
+    than 64 query heads on one KV head taken whole."""
+    gen = torch.Generator().manual_seed(n * heads)
+    contexts = [n + 41, n + 3][:batch]
+    q, k_cache, v_cache, out = operands(batch, n, heads, kv_heads, 16, contexts, gen)
+    bias = causal_bias(contexts, n, max(contexts), gen)
+    cpu_attention.padded_attention(q, k_cache, v_cache, bias, 0.2, out)
+    expected = padded_reference(q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0), bias, 0.2)
+    assert_close(out, expected, ATOL, RTOL, f"n={n} Hq={heads} Hkv={kv_heads}")
+
+
+@needs_kernel
 def test_tree_masks_skip_hidden_positions_and_empty_rows_get_zero():
     """Positions hidden from every query of a request (NaN there) are never read, however they interleave with
     visible ones; positions hidden from some queries only weigh 0 for them; a row that sees nothing gets 0."""
