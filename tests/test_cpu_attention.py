@@ -16,6 +16,9 @@ from specdec.kernels import build_tree_metadata, cpu_attention, plan_attention, 
 from specdec.kernels.tree_attention_torch import tree_attention_reference
 
 needs_kernel = pytest.mark.skipif(not cpu_attention.available(), reason="the extension (padded_attention) is not built")
+uses_kernel = pytest.mark.skipif(
+    not (cpu_attention.available() and cpu_attention.vector_cpu()), reason="tree attention uses the kernel on AVX2 CPUs"
+)
 ATOL, RTOL = 2e-5, 2e-5  # float32 against float64: a softmax-weighted mean of values ~1
 
 
@@ -133,7 +136,7 @@ def kernel_calls(monkeypatch):
     return calls
 
 
-@needs_kernel
+@uses_kernel
 @pytest.mark.parametrize("tree", [None, [-1, 0, 0, 1, 2, 2], [-1, 0, 1, 2, 3, 4]])
 def test_tree_attention_takes_the_kernel_for_views(cpu_default, kernel_calls, tree):
     """The model's layout (uniform query counts, a contiguous finite cache) on float32 CPU tensors runs the kernel:
@@ -159,10 +162,12 @@ def test_tree_attention_takes_the_kernel_for_views(cpu_default, kernel_calls, tr
 
 
 @needs_kernel
-@pytest.mark.parametrize("case", ["lse", "bfloat16", "gathered", "torch backend"])
-def test_where_the_kernel_does_not_apply_sdpa_runs(cpu_default, kernel_calls, case):
-    """The log-sum-exp, another dtype, a gathered layout (a cache not known finite) and a forced PyTorch backend
-    stay on the SDPA code, and are right."""
+@pytest.mark.parametrize("case", ["lse", "bfloat16", "gathered", "torch backend", "no AVX2"])
+def test_where_the_kernel_does_not_apply_sdpa_runs(cpu_default, kernel_calls, monkeypatch, case):
+    """The log-sum-exp, another dtype, a gathered layout (a cache not known finite), a forced PyTorch backend and a
+    CPU without the kernel's AVX2 version stay on the SDPA code, and are right."""
+    if case == "no AVX2":
+        monkeypatch.setattr(cpu_attention, "vector_cpu", lambda: False)
     gen = torch.Generator().manual_seed(5)
     prefixes, n = [30, 12], 2
     dtype = torch.bfloat16 if case == "bfloat16" else torch.float32
@@ -283,7 +288,7 @@ def test_opcheck():
         torch.library.opcheck(torch.ops.specdec.padded_attention.default, (q, k_cache, v_cache, b, 0.2, out))
 
 
-@needs_kernel
+@uses_kernel
 def test_embedded_pair_decodes_the_same_with_and_without_the_kernel(cpu_default, kernel_calls, monkeypatch):
     """On a CPU's default path, batched decoding (6 requests, 1 query each) and a K=4 chain's verification (5
     queries) run the kernel: their greedy tokens are those of SDPA."""
