@@ -4,7 +4,8 @@
 //
 // Why: a 1-layer draft's forward is a few small GEMMs and ~40 tiny ops; from Python each op costs more to
 // dispatch than to compute, and the step around each forward (positions, the attention plan, the cache's
-// bookkeeping, the argmax) costs as much again. Here the GEMMs stay ATen calls (the same as F.linear) and the
+// bookkeeping, the argmax) costs as much again. Here the GEMMs are ATen calls (the same as F.linear), or the
+// skinny-GEMM kernel where the caller packed a weight for it (the model's own policy, cpu_linear.py), and the
 // rest -- RMSNorm, RoPE, the K/V write, attention over the cache, SwiGLU, the argmax feedback -- are
 // plain loops over rows, in float arithmetic, rounded to the model dtype where the PyTorch path rounds.
 // The results equal LlamaModel.forward's up to float rounding, not bit for bit: drafts only propose, the
@@ -15,6 +16,8 @@
 //   embed         [V, H]; layer_weights: per layer input_norm [H], qkv [(Hq + 2 Hkv) D, H], o [H, Hq D],
 //                 post_norm [H], gate_up [2 I, H], down [H, I]; layer_biases: per layer qkv, o, gate_up, down
 //                 (None where the model has none); final_norm [H]; lm_head [V, H]
+//   packs, pack_rows  the skinny-GEMM kernel's packed weights (skinny_linear.h) of a float32 model's linear layers and
+//                 the row counts [lo, hi] each is used at (struct Packs); empty: ATen's GEMMs throughout
 //   rotary_table  [P, 2, 1, D]  cos and sin (sign folded in, specdec.kernels.rotary.rotary_table), P > every
 //                 position rotated
 //   cache         contiguous [L, 2, B, max_len, Hkv, D] or paged [L, 2, num_blocks, block_size, Hkv, D] with
@@ -32,6 +35,8 @@
 //   its mask row marks (bit k: tree_start + k), rotated by positions. logits [R * kept, V]: the last `kept` rows of
 //   each request.
 
+#include "skinny_linear.h"
+
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -48,6 +53,41 @@ namespace {
 
 constexpr int64_t kWeightsPerLayer = 6;  // input_norm, qkv, o, post_norm, gate_up, down
 constexpr int64_t kBiasesPerLayer = 4;   // qkv, o, gate_up, down
+constexpr int64_t kLinearsPerLayer = 4;  // qkv, o, gate_up, down: the packs' order, the LM head's last
+
+// The skinny-GEMM packs of float32 linear layers (skinny_linear.h), per layer qkv, o, gate_up, down, then the LM
+// head, each used at the row counts [lo, hi] where the caller measured the kernel faster than ATen's GEMM; none
+// given (an empty list, or None for a layer): ATen's.
+struct Packs {
+  std::vector<c10::optional<at::Tensor>> packed;
+  std::vector<int64_t> rows;  // lo, hi per pack
+
+  const at::Tensor* at_rows(int64_t index, int64_t m) const {
+    if (packed.empty() || !packed[index].has_value()) return nullptr;
+    return m >= rows[2 * index] && m <= rows[2 * index + 1] ? &*packed[index] : nullptr;
+  }
+};
+
+// x . w^T (+ b) as a new contiguous [rows, out] tensor: linear `index`'s pack where it applies, else ATen.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b, const Packs& packs,
+                  int64_t index) {
+  const at::Tensor* pack = packs.at_rows(index, x.size(0));
+  if (pack == nullptr) return at::linear(x, w, b).contiguous();
+  at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
+  skinny_linear_into(x, *pack, b, out);
+  return out;
+}
+
+// logits [rows, vocab] = x . lm_head^T, in place.
+void lm_head_into(at::Tensor& logits, const at::Tensor& x, const at::Tensor& lm_head, const Packs& packs,
+                  int64_t layers) {
+  const at::Tensor* pack = packs.at_rows(layers * kLinearsPerLayer, x.size(0));
+  if (pack == nullptr) {
+    at::mm_out(logits, x, lm_head.t());
+  } else {
+    skinny_linear_into(x, *pack, c10::nullopt, logits);
+  }
+}
 
 // Where the cache rows of one request live: row index of position p in the [rows, Hkv, D] view of a layer's K
 // (or V) plane.
@@ -140,8 +180,8 @@ template <typename scalar_t>
 at::Tensor forward_rows(const at::Tensor& tokens, const Rows& rows_in, int64_t kept, const std::vector<int64_t>& slots,
                         const at::Tensor& embed,
                         const std::vector<at::Tensor>& weights, const std::vector<c10::optional<at::Tensor>>& biases,
-                        const at::Tensor& final_norm, const at::Tensor& rotary, scalar_t* cache, const CacheRows& rows,
-                        const Geometry& g, double eps, double scale) {
+                        const Packs& packs, const at::Tensor& final_norm, const at::Tensor& rotary, scalar_t* cache,
+                        const CacheRows& rows, const Geometry& g, double eps, double scale) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t n = rows_in.n, R = static_cast<int64_t>(slots.size()), T = R * n, H = g.hidden, D = g.head_dim;
   const int64_t Hq = g.heads, Hkv = g.kv_heads, group = Hq / Hkv, width = (Hq + 2 * Hkv) * D;
@@ -158,7 +198,8 @@ at::Tensor forward_rows(const at::Tensor& tokens, const Rows& rows_in, int64_t k
   for (int64_t l = 0; l < g.layers; ++l) {
     const at::Tensor* w = weights.data() + l * kWeightsPerLayer;
     const c10::optional<at::Tensor>* b = biases.data() + l * kBiasesPerLayer;
-    at::Tensor qkv = at::linear(normed, w[1], b[0]).contiguous();  // [T, (Hq + 2 Hkv) D]
+    const int64_t li = l * kLinearsPerLayer;
+    at::Tensor qkv = linear(normed, w[1], b[0], packs, li);  // [T, (Hq + 2 Hkv) D]
     scalar_t* qkv_p = qkv.data_ptr<scalar_t>();
     scalar_t* k_plane = cache + (l * 2) * g.plane;
     scalar_t* v_plane = k_plane + g.plane;
@@ -209,9 +250,9 @@ at::Tensor forward_rows(const at::Tensor& tokens, const Rows& rows_in, int64_t k
         for (int64_t d = 0; d < D; ++d) out[d] = static_cast<scalar_t>(total > 0 ? o[d] / total : acc_t(0));
       }
     });
-    at::Tensor o = at::linear(attn, w[2], b[1]).contiguous();
+    at::Tensor o = linear(attn, w[2], b[1], packs, li + 1);
     add_rms_norm_rows(o.data_ptr<scalar_t>(), res, w[3].data_ptr<scalar_t>(), nrm, T, H, eps);
-    at::Tensor gate_up = at::linear(normed, w[4], b[2]).contiguous();  // [T, 2 I]: gate | up
+    at::Tensor gate_up = linear(normed, w[4], b[2], packs, li + 2);  // [T, 2 I]: gate | up
     const scalar_t* gu = gate_up.data_ptr<scalar_t>();
     scalar_t* a = act.data_ptr<scalar_t>();
     for (int64_t t = 0; t < T; ++t) {
@@ -222,7 +263,7 @@ at::Tensor forward_rows(const at::Tensor& tokens, const Rows& rows_in, int64_t k
                                                    static_cast<acc_t>(gu[t * 2 * g.inter + g.inter + c]));
       }
     }
-    at::Tensor down = at::linear(act, w[5], b[3]).contiguous();
+    at::Tensor down = linear(act, w[5], b[3], packs, li + 3);
     if (l + 1 < g.layers) {  // the next layer's input norm
       add_rms_norm_rows(down.data_ptr<scalar_t>(), res, weights[(l + 1) * kWeightsPerLayer].data_ptr<scalar_t>(), nrm,
                         T, H, eps);
@@ -294,17 +335,49 @@ struct Call {
   CacheRows rows;
   at::Tensor seq_lens, block_tables;
   std::vector<int64_t> slots, start;  // per running request: its slot, seq_lens[slot]
+  Packs packs;
 };
+
+// packs: empty, or one per linear layer (Packs' order) and the LM head, each None or weight's skinny_linear_pack;
+// pack_rows: [lo, hi] per pack.
+Packs check_packs(const c10::List<c10::optional<at::Tensor>>& packs_in, at::IntArrayRef pack_rows,
+                  const std::vector<at::Tensor>& weights, const at::Tensor& lm_head, const Geometry& g) {
+  Packs packs;
+  for (const c10::optional<at::Tensor> p : packs_in) packs.packed.push_back(p);
+  packs.rows.assign(pack_rows.begin(), pack_rows.end());
+  const int64_t count = static_cast<int64_t>(packs.packed.size());
+  TORCH_CHECK_VALUE(count == 0 || count == g.layers * kLinearsPerLayer + 1, "packs must be empty or hold ",
+                    g.layers * kLinearsPerLayer + 1, " entries (", kLinearsPerLayer,
+                    " per layer and the LM head), got ", count);
+  TORCH_CHECK_VALUE(static_cast<int64_t>(packs.rows.size()) == 2 * count, "pack_rows must hold [lo, hi] per pack: ",
+                    2 * count, " values, got ", packs.rows.size());
+  for (int64_t i = 0; i < count; ++i) {
+    if (!packs.packed[i].has_value()) continue;
+    const int64_t layer = i / kLinearsPerLayer;
+    static constexpr int64_t kWeightOf[kLinearsPerLayer] = {1, 2, 4, 5};  // qkv, o, gate_up, down among its weights
+    const at::Tensor& w =
+        layer < g.layers ? weights[layer * kWeightsPerLayer + kWeightOf[i % kLinearsPerLayer]] : lm_head;
+    const at::Tensor& p = *packs.packed[i];
+    TORCH_CHECK_VALUE(w.scalar_type() == at::kFloat && p.scalar_type() == at::kFloat && p.is_cpu() && p.dim() == 3 &&
+                          p.size(0) == (w.size(0) + 7) / 8 && p.size(1) == w.size(1) && p.size(2) == 8 &&
+                          p.is_contiguous(),
+                      "packs[", i, "] must be skinny_linear_pack of a float32 model's weight [", w.size(0), ", ",
+                      w.size(1), "], got shape ", p.sizes(), " of ", p.scalar_type());
+  }
+  return packs;
+}
 
 Call prepare(const at::Tensor& tokens, const at::Tensor& slots_in, int64_t written, const at::Tensor& embed,
              at::TensorList layer_weights, const c10::List<c10::optional<at::Tensor>>& layer_biases,
-             const at::Tensor& final_norm, const at::Tensor& lm_head, const at::Tensor& rotary_table,
-             const at::Tensor& cache, const at::Tensor& seq_lens_in, const c10::optional<at::Tensor>& block_tables_in,
-             int64_t num_heads) {
+             const at::Tensor& final_norm, const at::Tensor& lm_head,
+             const c10::List<c10::optional<at::Tensor>>& packs, at::IntArrayRef pack_rows,
+             const at::Tensor& rotary_table, const at::Tensor& cache, const at::Tensor& seq_lens_in,
+             const c10::optional<at::Tensor>& block_tables_in, int64_t num_heads) {
   Call c;
   c.weights.assign(layer_weights.begin(), layer_weights.end());
   for (const c10::optional<at::Tensor> b : layer_biases) c.biases.push_back(b);
   check_model(embed, c.weights, c.biases, final_norm, lm_head, rotary_table, cache, num_heads, c.g);
+  c.packs = check_packs(packs, pack_rows, c.weights, lm_head, c.g);
   TORCH_CHECK_TYPE(tokens.scalar_type() == at::kLong && slots_in.scalar_type() == at::kLong,
                    "tokens and slots must be int64");
   TORCH_CHECK_VALUE(tokens.dim() == 2 && tokens.size(1) >= 1 && slots_in.dim() == 1 &&
@@ -368,14 +441,15 @@ void check_positions(const Rows& rows, const at::Tensor& rotary_table) {
 void draft_chain_greedy_cpu(const at::Tensor& first_tokens, const at::Tensor& slots, int64_t num_drafts,
                             const at::Tensor& embed, at::TensorList layer_weights,
                             const c10::List<c10::optional<at::Tensor>>& layer_biases, const at::Tensor& final_norm,
-                            const at::Tensor& lm_head, const at::Tensor& rotary_table, at::Tensor& cache,
+                            const at::Tensor& lm_head, const c10::List<c10::optional<at::Tensor>>& packs,
+                            at::IntArrayRef pack_rows, const at::Tensor& rotary_table, at::Tensor& cache,
                             const at::Tensor& seq_lens, const c10::optional<at::Tensor>& block_tables,
                             double eps, double softmax_scale, int64_t num_heads, at::Tensor& drafts,
                             at::Tensor& logits) {
   TORCH_CHECK_VALUE(num_drafts >= 1, "num_drafts must be >= 1, got ", num_drafts);
   const int64_t first_rows = first_tokens.dim() == 2 ? first_tokens.size(1) : 0;
   Call c = prepare(first_tokens, slots, first_rows + num_drafts - 1, embed, layer_weights, layer_biases, final_norm,
-                   lm_head, rotary_table, cache, seq_lens, block_tables, num_heads);
+                   lm_head, packs, pack_rows, rotary_table, cache, seq_lens, block_tables, num_heads);
   const int64_t R = first_tokens.size(0);
   TORCH_CHECK_VALUE(drafts.scalar_type() == at::kLong && drafts.sizes() == at::IntArrayRef({R, num_drafts}),
                     "drafts must be int64 [R, num_drafts]");
@@ -395,10 +469,10 @@ void draft_chain_greedy_cpu(const at::Tensor& first_tokens, const at::Tensor& sl
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, embed.scalar_type(), "draft_chain_greedy_cpu", [&] {
     scalar_t* cache_p = cache.data_ptr<scalar_t>();
     for (int64_t j = 0; j < num_drafts; ++j) {
-      at::Tensor last = forward_rows<scalar_t>(feed, forwards[j], 1, c.slots, embed, c.weights, c.biases, final_norm,
-                                               rotary_table, cache_p, c.rows, c.g, eps, softmax_scale);
+      at::Tensor last = forward_rows<scalar_t>(feed, forwards[j], 1, c.slots, embed, c.weights, c.biases, c.packs,
+                                               final_norm, rotary_table, cache_p, c.rows, c.g, eps, softmax_scale);
       at::Tensor step_logits = logits.select(0, j);
-      at::mm_out(step_logits, last, lm_head.t());
+      lm_head_into(step_logits, last, lm_head, c.packs, c.g.layers);
       at::Tensor next = drafts.select(1, j);
       next.copy_(at::argmax(step_logits, -1));
       feed = next.contiguous();
@@ -410,12 +484,13 @@ void draft_forward_cpu(const at::Tensor& tokens, const at::Tensor& slots, const 
                        const c10::optional<at::Tensor>& tree_mask, const c10::optional<at::Tensor>& tree_start,
                        int64_t kept, const at::Tensor& embed, at::TensorList layer_weights,
                        const c10::List<c10::optional<at::Tensor>>& layer_biases, const at::Tensor& final_norm,
-                       const at::Tensor& lm_head, const at::Tensor& rotary_table, at::Tensor& cache,
+                       const at::Tensor& lm_head, const c10::List<c10::optional<at::Tensor>>& packs,
+                       at::IntArrayRef pack_rows, const at::Tensor& rotary_table, at::Tensor& cache,
                        const at::Tensor& seq_lens, const c10::optional<at::Tensor>& block_tables, double eps,
                        double softmax_scale, int64_t num_heads, at::Tensor& logits) {
   const int64_t n = tokens.dim() == 2 ? tokens.size(1) : 0;
-  Call c = prepare(tokens, slots, n, embed, layer_weights, layer_biases, final_norm, lm_head, rotary_table, cache,
-                   seq_lens, block_tables, num_heads);
+  Call c = prepare(tokens, slots, n, embed, layer_weights, layer_biases, final_norm, lm_head, packs, pack_rows,
+                   rotary_table, cache, seq_lens, block_tables, num_heads);
   const int64_t R = tokens.size(0), T = R * n;
   TORCH_CHECK_VALUE(kept >= 1 && kept <= n, "kept must be in [1, ", n, "], got ", kept);
   TORCH_CHECK_VALUE(logits.scalar_type() == embed.scalar_type() &&
@@ -446,9 +521,9 @@ void draft_forward_cpu(const at::Tensor& tokens, const at::Tensor& slots, const 
   if (T == 0) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, embed.scalar_type(), "draft_forward_cpu", [&] {
     at::Tensor out = forward_rows<scalar_t>(tokens.contiguous().view({-1}), rows, kept, c.slots, embed, c.weights,
-                                            c.biases, final_norm, rotary_table, cache.data_ptr<scalar_t>(), c.rows,
-                                            c.g, eps, softmax_scale);
-    at::mm_out(logits, out, lm_head.t());
+                                            c.biases, c.packs, final_norm, rotary_table, cache.data_ptr<scalar_t>(),
+                                            c.rows, c.g, eps, softmax_scale);
+    lm_head_into(logits, out, lm_head, c.packs, c.g.layers);
   });
 }
 
@@ -457,14 +532,14 @@ void draft_forward_cpu(const at::Tensor& tokens, const at::Tensor& slots, const 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def(
       "draft_chain_greedy_cpu(Tensor first_tokens, Tensor slots, int num_drafts, Tensor embed, "
-      "Tensor[] layer_weights, Tensor?[] layer_biases, Tensor final_norm, Tensor lm_head, Tensor rotary_table, "
-      "Tensor(a!) cache, Tensor seq_lens, Tensor? block_tables, float eps, float softmax_scale, int num_heads, "
-      "Tensor(b!) drafts, Tensor(c!) logits) -> ()");
+      "Tensor[] layer_weights, Tensor?[] layer_biases, Tensor final_norm, Tensor lm_head, Tensor?[] packs, "
+      "int[] pack_rows, Tensor rotary_table, Tensor(a!) cache, Tensor seq_lens, Tensor? block_tables, float eps, "
+      "float softmax_scale, int num_heads, Tensor(b!) drafts, Tensor(c!) logits) -> ()");
   m.def(
       "draft_forward_cpu(Tensor tokens, Tensor slots, Tensor? positions, Tensor? tree_mask, Tensor? tree_start, "
       "int kept, Tensor embed, Tensor[] layer_weights, Tensor?[] layer_biases, Tensor final_norm, Tensor lm_head, "
-      "Tensor rotary_table, Tensor(a!) cache, Tensor seq_lens, Tensor? block_tables, float eps, "
-      "float softmax_scale, int num_heads, Tensor(b!) logits) -> ()");
+      "Tensor?[] packs, int[] pack_rows, Tensor rotary_table, Tensor(a!) cache, Tensor seq_lens, "
+      "Tensor? block_tables, float eps, float softmax_scale, int num_heads, Tensor(b!) logits) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {

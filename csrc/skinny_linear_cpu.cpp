@@ -13,6 +13,8 @@
 // without AVX2, or with SPECDEC_SKINNY_GENERIC=1 set when the process first calls it: how the tests reach it)
 // the generic version runs, in whatever vectors the compiler targets.
 
+#include "skinny_linear.h"
+
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -128,14 +130,30 @@ at::Tensor skinny_linear_pack(const at::Tensor& weight) {
 
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                          const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK_VALUE(x.dim() == 2, "x must be a 2-D [rows, in_features] tensor, got shape ", x.sizes());
+  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+  specdec::skinny_linear_into(x, packed, bias, out);
+  return out;
+}
+
+}  // namespace
+
+namespace specdec {
+
+void skinny_linear_into(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                        at::Tensor& out) {
   check_float_cpu(x, "x");
   check_float_cpu(packed, "packed");
+  check_float_cpu(out, "out");
   TORCH_CHECK_VALUE(x.dim() == 2 && x.stride(1) == 1, "x must be a 2-D [rows, in_features] tensor with unit stride "
                     "along in_features, got shape ", x.sizes(), " and strides ", x.strides());
+  TORCH_CHECK_VALUE(out.dim() == 2 && out.size(0) == x.size(0) && out.stride(1) == 1, "out must be a 2-D [",
+                    x.size(0), ", out_features] tensor with unit stride along out_features, got shape ", out.sizes(),
+                    " and strides ", out.strides());
   TORCH_CHECK_VALUE(packed.dim() == 3 && packed.size(2) == kLanes && packed.is_contiguous(),
                     "packed must be a contiguous [blocks, in_features, 8] tensor from skinny_linear_pack, got shape ",
                     packed.sizes());
-  const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0), N = out_features;
+  const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0), N = out.size(1);
   TORCH_CHECK_VALUE(packed.size(1) == K, "x has ", K, " in_features but packed was made for ", packed.size(1));
   TORCH_CHECK_VALUE(N > (blocks - 1) * kLanes && N <= blocks * kLanes, "out_features=", N,
                     " does not match packed's ", blocks, " blocks of ", kLanes, " features");
@@ -146,12 +164,11 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
                       "bias must be a contiguous [", N, "] tensor, got shape ", bias->sizes());
     bias_ptr = bias->data_ptr<float>();
   }
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0) return out;
+  if (M == 0) return;
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t ldx = x.stride(0);
+  const int64_t ldx = x.stride(0), ldo = out.stride(0);
   // Threads split the output features. More than 8 rows take several passes; each pass runs over a slice of
   // blocks small enough (~16 KB of pack) to stay in the L1 cache for the next pass.
   const int64_t slice = std::max<int64_t>(1, 4096 / (K * kLanes));
@@ -160,14 +177,13 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
       const int64_t s1 = std::min(b1, s0 + slice);
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
         const int64_t rows = std::min(kMaxRows, M - m0);
-        kernel_for(rows)(xp + m0 * ldx, ldx, K, wp, s0, s1, bias_ptr, op + m0 * N, N, N);
+        kernel_for(rows)(xp + m0 * ldx, ldx, K, wp, s0, s1, bias_ptr, op + m0 * ldo, ldo, N);
       }
     }
   });
-  return out;
 }
 
-}  // namespace
+}  // namespace specdec
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("skinny_linear_pack(Tensor weight) -> Tensor");

@@ -12,7 +12,7 @@ from specdec import _backend
 from specdec.decoding import DraftModelStrategy, SpeculativeDecoder
 from specdec.decoding.autoregressive import generate as autoregressive_generate
 from specdec.decoding.proposal import tree_metadata_on
-from specdec.model import AttentionMetadata, causal_positions
+from specdec.model import AttentionMetadata, causal_positions, cpu_linear
 from specdec.model.draft_forward_cpu import (
     _has_op,
     draft_chain_greedy,
@@ -249,8 +249,9 @@ def test_arguments_are_checked():
         args = dict(first_tokens=first, slots=slots, num_drafts=2, cache=cache.data, drafts=drafts, logits=logits)
         args.update(change)
         model_args = model_arguments(model, cache)
-        op(args["first_tokens"], args["slots"], args["num_drafts"], *model_args[:6], args["cache"], *model_args[7:],
-           args["drafts"], args["logits"])  # fmt: skip
+        at = CACHE_ARGUMENT
+        op(args["first_tokens"], args["slots"], args["num_drafts"], *model_args[:at], args["cache"],
+           *model_args[at + 1 :], args["drafts"], args["logits"])  # fmt: skip
 
     call()  # well-formed
     with pytest.raises(ValueError, match="num_drafts"):
@@ -265,6 +266,66 @@ def test_arguments_are_checked():
         call(num_drafts=30, drafts=torch.empty(1, 30, dtype=torch.int64), logits=torch.empty(30, 1, 64))
     with pytest.raises(ValueError, match="cache must be"):
         call(cache=cache.data[:1])
+
+
+PACKS_ARGUMENT, CACHE_ARGUMENT = 5, 8  # positions in model_arguments' tuple
+
+
+def chain_with_packs(model, packs, pack_rows, slots, first, k):
+    """The fused chain's drafts and logits with the given skinny-kernel packs (``[]``: ATen's GEMMs throughout)."""
+    cache = prefilled(model, "paged")
+    counts = [0] * len(LENGTHS)
+    for s in slots.tolist():
+        counts[s] = first.shape[1] + k - 1
+    cache.reserve(counts)
+    args = list(model_arguments(model, cache))
+    args[PACKS_ARGUMENT : PACKS_ARGUMENT + 2] = [packs, pack_rows]
+    drafts, logits = torch.empty(len(slots), k, dtype=torch.int64), torch.empty(k, len(slots), model.config.vocab_size)
+    torch.ops.specdec.draft_chain_greedy_cpu(first, slots, k, *args, drafts, logits)
+    return drafts, logits
+
+
+@pytest.mark.skipif(not cpu_linear.skinny_available(), reason="specdec._C without the skinny-GEMM ops")
+@pytest.mark.parametrize("running", [1, 3])
+def test_skinny_packs_give_atens_logits(running):
+    """A float32 draft's GEMMs through the skinny kernel (every layer at every row count here: 1 row, several, and
+    more than one pass of 8) equal ATen's up to float rounding; the model's own packs and row ranges are passed by
+    default, none for other dtypes."""
+    config = tiny_config(num_heads=4, num_kv_heads=2, qkv_bias=True)
+    model, half = random_model(config, seed=13), random_model(config, seed=13).half()
+    args = model_arguments(model, prefilled(model, "paged"))
+    packs, pack_rows = args[PACKS_ARGUMENT], args[PACKS_ARGUMENT + 1]
+    assert len(packs) == 2 * 4 + 1 and all(p is not None for p in packs)
+    assert pack_rows == [n for w in packs for n in (2, cpu_linear.SKINNY_ALL_ROWS)]  # tiny weights: 2 .. 8 rows
+    assert model_arguments(half, prefilled(half, "paged"))[PACKS_ARGUMENT] == []
+    packs = [cpu_linear.skinny_pack(w) for w in linear_weights(model)]
+    slots = torch.tensor([0, 1, 2][:running])
+    first = torch.tensor([[5, 9, 3, 1, 7], [40, 41, 1, 2, 3], [60, 2, 8, 8, 8]])[:running]  # up to 15 rows: 2 passes
+    drafts, logits = chain_with_packs(model, packs, [1, 64] * len(packs), slots, first, 3)
+    ref_drafts, ref_logits = chain_with_packs(model, [], [], slots, first, 3)
+    assert (logits - ref_logits).abs().max() <= 1e-5 * ref_logits.abs().max()
+    assert torch.equal(drafts, ref_drafts)
+
+
+def linear_weights(model):
+    """The draft's linear layers in the packs' order: per layer qkv, o, gate_up, down, then the LM head."""
+    layers = [[p.qkv["weight"], p.o["weight"], p.gate_up["weight"], p.down["weight"]] for p in model._layer_params]
+    return [w for layer in layers for w in layer] + [model.lm_head_weight]
+
+
+@pytest.mark.skipif(not cpu_linear.skinny_available(), reason="specdec._C without the skinny-GEMM ops")
+def test_bad_packs_are_refused():
+    model = random_model(tiny_config(), seed=1)
+    packs = [cpu_linear.skinny_pack(w) for w in linear_weights(model)]
+    rows = [1, 8] * len(packs)
+    slots, first = torch.tensor([0]), torch.tensor([[1, 2]])
+    with pytest.raises(ValueError, match="packs must be empty or hold 9 entries"):
+        chain_with_packs(model, packs[:-1], rows[:-2], slots, first, 2)
+    with pytest.raises(ValueError, match="pack_rows must hold"):
+        chain_with_packs(model, packs, rows[:-1], slots, first, 2)
+    with pytest.raises(ValueError, match=r"packs\[1\] must be skinny_linear_pack"):
+        chain_with_packs(model, [packs[0], packs[0], *packs[2:]], rows, slots, first, 2)
+    assert chain_with_packs(model, [None] * len(packs), rows, slots, first, 2)[0].shape == (1, 2)  # None: ATen's
 
 
 def test_forward_arguments_are_checked():

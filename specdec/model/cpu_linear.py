@@ -77,12 +77,26 @@ def _pack(weight: torch.Tensor, attribute: str, make: Callable[[torch.Tensor], t
     return entry[1]
 
 
+def skinny_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight``'s pack for the skinny kernel (made once, kept on the weight), or None for an inference-mode weight
+    (no version counter: a pack could go stale unseen)."""
+    if weight.is_inference():
+        return None
+    return _pack(weight, "_specdec_skinny", torch.ops.specdec.skinny_linear_pack)
+
+
+def skinny_row_range(weight: torch.Tensor) -> tuple[int, int]:
+    """The row counts ``(lo, hi)`` at which the skinny kernel runs ``weight``'s layer: where it was measured faster
+    than ``F.linear`` (every layer from 2 to ``SKINNY_ALL_ROWS`` rows, large weights from 1 to ``SKINNY_MAX_ROWS``)."""
+    return (1, SKINNY_MAX_ROWS) if weight.numel() >= PACK_MIN_ELEMENTS else (2, SKINNY_ALL_ROWS)
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through the extension's skinny-GEMM kernel with ``weight`` packed (float32 CPU
     tensors, no autograd, the extension built; ``x`` of any leading shape)."""
-    if weight.is_inference():
+    packed = skinny_pack(weight)
+    if packed is None:
         return F.linear(x, weight, bias)
-    packed = _pack(weight, "_specdec_skinny", torch.ops.specdec.skinny_linear_pack)
     if x.dim() == 2 and x.stride(1) == 1:  # the model's activations: no reshaping
         return torch.ops.specdec.skinny_linear(x, packed, weight.shape[0], bias)
     out = torch.ops.specdec.skinny_linear(x.reshape(-1, x.shape[-1]).contiguous(), packed, weight.shape[0], bias)
@@ -98,9 +112,10 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for ``x [rows, features]`` of at most ``SKINNY_MAX_ROWS`` rows: the skinny kernel from 2 to
-    ``SKINNY_ALL_ROWS`` rows and for large weights, ``F.linear`` otherwise (where each was measured faster)."""
-    if 1 < x.shape[0] <= SKINNY_ALL_ROWS or weight.numel() >= PACK_MIN_ELEMENTS:
+    """``F.linear`` for ``x [rows, features]`` of at most ``SKINNY_MAX_ROWS`` rows: the skinny kernel within
+    ``skinny_row_range``, ``F.linear`` otherwise (where each was measured faster)."""
+    lo, hi = skinny_row_range(weight)
+    if lo <= x.shape[0] <= hi:
         return skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 

@@ -4,7 +4,8 @@ token tree's newest level.
 A small draft's forward on the CPU is mostly per-op cost: a 1-layer, 128-wide model spends more time
 dispatching its ~40 small ops, planning the forward and keeping the cache's books than in its GEMMs,
 and a chain pays that K times per step. ``draft_chain_greedy`` runs the whole chain inside the
-extension (``csrc/draft_forward_cpu.cpp``): the GEMMs are the same ATen calls as ``F.linear``; RMSNorm,
+extension (``csrc/draft_forward_cpu.cpp``): the GEMMs are those of the model's own forward (``cpu_linear``'s
+skinny kernel at the row counts where it runs a float32 layer, ATen's ``F.linear`` elsewhere); RMSNorm,
 RoPE, the K/V write, causal attention over the cache, SwiGLU and the argmax are loops over rows.
 
 Its logits equal ``LlamaModel.forward``'s up to float rounding, not bit for bit (other summation
@@ -23,6 +24,7 @@ import functools
 import torch
 
 from specdec import _backend
+from specdec.model import cpu_linear
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 UNAVAILABLE = (
@@ -117,15 +119,22 @@ def fused_forward(
 
 
 def model_arguments(model, cache) -> tuple:
-    """The op's arguments from ``embed`` to ``num_heads``: the model's current weights, its rotary table over the
-    cache's capacity, the cache's tensors and the config's constants."""
-    config, weights, biases = model.config, [], []
+    """The op's arguments from ``embed`` to ``num_heads``: the model's current weights and their skinny-kernel packs,
+    its rotary table over the cache's capacity, the cache's tensors and the config's constants."""
+    config, weights, biases, linears = model.config, [], [], []
     for p in model._layer_params:
         weights += [p.input_norm["weight"], p.qkv["weight"], p.o["weight"], p.post_norm["weight"],
                     p.gate_up["weight"], p.down["weight"]]  # fmt: skip
         biases += [p.qkv["bias"], p.o["bias"], p.gate_up["bias"], p.down["bias"]]
+        linears += [p.qkv["weight"], p.o["weight"], p.gate_up["weight"], p.down["weight"]]
+    linears.append(model.lm_head_weight)
+    packs, pack_rows = [], []
+    if model.dtype == torch.float32 and cpu_linear.skinny_available():  # the model's own GEMM policy, in C++
+        packs = [cpu_linear.skinny_pack(w) for w in linears]
+        pack_rows = [n for w in linears for n in cpu_linear.skinny_row_range(w)]
     table = model._rotary.table(cache.position_bound, model.rope_inv_freq, model.dtype)
     return (
-        model.model.embed_tokens.weight, weights, biases, model.model.norm.weight, model.lm_head_weight, table,
-        cache.data, cache.seq_lens, cache.block_tables, config.rms_norm_eps, config.head_dim**-0.5, config.num_heads,
+        model.model.embed_tokens.weight, weights, biases, model.model.norm.weight, model.lm_head_weight, packs,
+        pack_rows, table, cache.data, cache.seq_lens, cache.block_tables, config.rms_norm_eps, config.head_dim**-0.5,
+        config.num_heads,
     )  # fmt: skip
