@@ -1,6 +1,9 @@
 """Helpers shared by the tests (import as ``from helpers import ...``): assertions, small models, checkpoints."""
 
 import math
+import os
+import subprocess
+import sys
 
 import torch
 
@@ -32,6 +35,32 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def i32(*values, device="cpu") -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+def generic_version_runs(script: str, switch: str) -> dict[str, list[str]]:
+    """The words ``script`` prints in a fresh Python process (run from the repository root) with the environment
+    switch ``switch`` at "1" (a C++ kernel's generic version forced; the choice is made once per process) and at
+    "0". Where this CPU has AVX2 + FMA (Linux), the two runs must round differently somewhere (fused multiply-adds
+    against separate ones): the switch took effect."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    runs = {}
+    for generic in ("1", "0"):
+        env = {**os.environ, switch: generic, "PYTHONPATH": root}
+        done = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        runs[generic] = done.stdout.split()
+    if _has_avx2_fma() and sys.platform.startswith("linux"):
+        assert runs["1"] != runs["0"], f"{switch}=1 ran the same arithmetic as the AVX2 version"
+    return runs
+
+
+def _has_avx2_fma() -> bool:
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return False
+    return "avx2" in flags and "fma" in flags
 
 
 # ---- small random models ----------------------------------------------------------------------------

