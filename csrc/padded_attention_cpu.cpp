@@ -25,6 +25,8 @@
 // AVX2, or with SPECDEC_ATTENTION_GENERIC=1 set when the process first calls it: how the tests reach it) the
 // generic version runs. The 8-wide vector code needs D % 8 == 0; other head dims take scalar loops.
 
+#include "cpu_version.h"
+
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -33,14 +35,9 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <vector>
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#define SPECDEC_HAVE_AVX2_VERSION 1
-#endif
 
 #pragma GCC diagnostic ignored "-Wpsabi"  // 32-byte vectors by value: only between inlined helpers
 
@@ -431,15 +428,9 @@ __attribute__((target("avx2,fma"))) void attend_avx2(const Problem& P, int64_t b
 }
 #endif
 
-// SPECDEC_ATTENTION_GENERIC set to anything but "" or "0".
-bool generic_forced() {
-  const char* value = std::getenv("SPECDEC_ATTENTION_GENERIC");
-  return value != nullptr && *value != '\0' && std::strcmp(value, "0") != 0;
-}
-
 AttendFn attend_fn() {
 #ifdef SPECDEC_HAVE_AVX2_VERSION
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && !generic_forced();
+  static const bool avx2 = specdec::runs_avx2_fma("SPECDEC_ATTENTION_GENERIC");
   if (avx2) return attend_avx2;
 #endif
   return attend_generic;

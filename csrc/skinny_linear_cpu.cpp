@@ -13,13 +13,13 @@
 // without AVX2, or with SPECDEC_SKINNY_GENERIC=1 set when the process first calls it: how the tests reach it)
 // the generic version runs, in whatever vectors the compiler targets.
 
+#include "cpu_version.h"
 #include "skinny_linear.h"
 
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#include <cstdlib>
 #include <cstring>
 
 namespace {
@@ -80,8 +80,7 @@ void blocks_generic(const float* x, int64_t ldx, int64_t K, const float* packed,
   blocks_kernel<M>(x, ldx, K, packed, b0, b1, bias, out, ldo, N);
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#define SPECDEC_HAVE_AVX2_VERSION 1
+#ifdef SPECDEC_HAVE_AVX2_VERSION
 template <int M>
 __attribute__((target("avx2,fma"))) void blocks_avx2(const float* x, int64_t ldx, int64_t K, const float* packed,
                                                       int64_t b0, int64_t b1, const float* bias, float* out,
@@ -90,16 +89,10 @@ __attribute__((target("avx2,fma"))) void blocks_avx2(const float* x, int64_t ldx
 }
 #endif
 
-// SPECDEC_SKINNY_GENERIC set to anything but "" or "0".
-bool generic_forced() {
-  const char* value = std::getenv("SPECDEC_SKINNY_GENERIC");
-  return value != nullptr && *value != '\0' && std::strcmp(value, "0") != 0;
-}
-
 // The kernel for a pass of `rows` rows (1 .. kMaxRows), in the best version this CPU runs.
 BlocksFn kernel_for(int64_t rows) {
 #ifdef SPECDEC_HAVE_AVX2_VERSION
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && !generic_forced();
+  static const bool avx2 = specdec::runs_avx2_fma("SPECDEC_SKINNY_GENERIC");
   if (avx2) {
     static constexpr BlocksFn table[kMaxRows] = {blocks_avx2<1>, blocks_avx2<2>, blocks_avx2<3>, blocks_avx2<4>,
                                                  blocks_avx2<5>, blocks_avx2<6>, blocks_avx2<7>, blocks_avx2<8>};
