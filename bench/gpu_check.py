@@ -13,7 +13,7 @@ Result table gives each stage's seconds).
 2. extension     waits for the build, then checks the CUDA op; a failed build is reported and the
                  run goes on without the extension (pure Python, its tests skip)
 3. tests         the gpu-marked tests, then every kernel test's Triton path, compiled
-4. benchmarks    tree attention, verification, KV rollback, the 8B-shaped model step, model
+4. benchmarks    the 8B-shaped model step (the G-step line), tree attention, verification, KV rollback, model
                  ops, end to end; each row names the kernel configurations it ran. Decode
                  throughput against transformers (bench_model) is optional: only with --stages
 
@@ -63,10 +63,10 @@ STAGES = [  # (name, expected s on an H200, limit s, expected s in a dry run on 
     Stage("extension", 20, 150, 5, "wait for the build, check the CUDA tree_metadata op"),
     Stage("tests-gpu", 40, 90, 20, "pytest -m gpu (bf16, LLaMA shapes, large caches, the CUDA op)"),
     Stage("tests-triton", 90, 120, 30, "every kernel test's Triton path, compiled (pytest -k triton)"),
+    Stage("bench_step", 60, 100, 10, "8B-shaped model step, CUDA graphs off/on"),  # issue 12's G-step line
     Stage("bench_tree_attention", 75, 120, 15, "tree attention vs SDPA+mask, FlexAttention, eager"),
     Stage("bench_verify", 45, 90, 10, "verify_chain / verify_tree vs eager PyTorch"),
     Stage("bench_kv_rollback", 25, 60, 5, "KV compaction vs an eager per-layer loop"),
-    Stage("bench_step", 60, 100, 10, "8B-shaped model step, CUDA graphs off/on"),
     Stage("bench_model_ops", 25, 60, 5, "RMSNorm, RoPE, SwiGLU vs eager composites"),
     Stage("bench_model", 40, 90, 15, "decode throughput vs transformers", optional=True),
     Stage("bench_sampling", 20, 60, 5, "sample, filtered_probs, kv_append vs eager", optional=True),
