@@ -107,7 +107,7 @@ def random_heads(target: LlamaModel, seed: int, num_heads: int = 3) -> MedusaHea
     heads = MedusaHeads(config.hidden_size, config.vocab_size, num_heads).requires_grad_(False)
     for p in heads.parameters():
         p.copy_(torch.randn(p.shape, generator=gen) * 2 / math.sqrt(p.shape[-1]))
-    return heads.to(target.dtype).eval()
+    return heads.to(device=target.device, dtype=target.dtype).eval()
 
 
 def random_eagle_head(target: LlamaModel, seed: int) -> EagleHead:

@@ -95,6 +95,27 @@ def test_row_counts_share_buckets():
     assert sorted(key[0] for key in graphs._graphs[cache]) == [2, 4, 8]
 
 
+@pytest.mark.gpu
+def test_a_new_cache_captures_after_the_old_one_is_gone():
+    """Each cache's graphs own their memory pool: once a cache and its graphs are freed, PyTorch refuses
+    their pool to a new capture (the 8B step benchmark hit that assert on an H200 when it made a second cache)."""
+    import gc
+
+    model = random_model(CONFIG, seed=0).cuda()
+    graphs = CudaGraphs(model)
+    for _ in range(3):
+        cache = prefilled(model, 2, 6)
+        offsets = i32(0, 1, 2, device="cuda")
+        cache.reserve([1, 1])
+        positions = causal_positions(offsets, cache.seq_lens, 2)
+        out = graphs.forward(torch.randint(0, 80, (2,), device="cuda"), positions, AttentionMetadata(offsets), cache)
+        assert out is not None and out[0].shape == (2, 80) and torch.isfinite(out[0]).all()
+        del cache, out
+        gc.collect()
+        assert len(graphs._graphs) == 0, "a freed cache kept its graphs"
+    assert graphs.replays == 3
+
+
 STRATEGIES = [lambda d: None, lambda d: DraftModelStrategy(d, (1, 1, 1)), lambda d: NgramStrategy(3)]
 
 

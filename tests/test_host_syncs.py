@@ -8,6 +8,8 @@ Triton's interpreter, the code a GPU runs (the PyTorch bodies of the general sam
 readable vectorised references that read sizes back, which is free on the CPU they serve).
 """
 
+import copy
+
 import pytest
 import torch
 from helpers import noisy_copy, random_heads, random_model, tiny_config
@@ -113,5 +115,5 @@ def test_the_counter_sees_the_reads_a_gpu_would_wait_for():
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_generation_runs_under_sync_debug_mode_error(pair, strategy):
     """On a GPU: any synchronising CUDA call but the read-back raises."""
-    target, draft = (m.to("cuda") for m in pair)
+    target, draft = (copy.deepcopy(m).to("cuda") for m in pair)  # the module's CPU pair stays on the CPU
     run_under_sync_debug_error(SpeculativeDecoder(target, STRATEGIES[strategy](draft)))

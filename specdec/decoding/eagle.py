@@ -238,10 +238,10 @@ class EagleStrategy:
         tree_bits = k * max(levels - 1, 1)
         ancestors = torch.zeros(rows, k, tree_bits, dtype=torch.bool, device=device)
         drafted = k
+        identity = torch.eye(k, dtype=torch.bool, device=device)
         for level in range(1, levels):
             own = torch.zeros(k, tree_bits, dtype=torch.bool, device=device)
-            slot = torch.arange(k, device=device)
-            own[slot, (level - 1) * k + slot] = True  # level-order slots in the head cache
+            own[:, (level - 1) * k : level * k] = identity  # level-order slots in the head cache (no host scalar)
             ancestors = ancestors | own
             mask = pack_mask_rows(ancestors.flatten(0, 1))
             predicted, logits = self._level(step, feed_features.flatten(0, 1), token.flatten(), level, mask, tree_start)

@@ -59,7 +59,6 @@ class CudaGraphs:
             raise ValueError(f"buckets must be positive ints, got {buckets!r}")
         self.model, self.buckets = model, tuple(sorted(buckets))
         self._graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> {key: _Captured}
-        self._pool = None  # one memory pool for every graph of this model
         self.replays = 0
 
     def forward(self, tokens, positions, metadata: AttentionMetadata, cache, logits_rows=None):
@@ -89,7 +88,7 @@ class CudaGraphs:
         if rows is not None:
             captured.logits_rows[: logits_rows.shape[0]].copy_(logits_rows, non_blocking=True)
         if fresh:
-            self._capture(captured, cache)
+            self._capture(captured, cache, graphs)
         captured.graph.replay()
         self.replays += 1
         logits, hidden = captured.outputs
@@ -104,8 +103,14 @@ class CudaGraphs:
         zeros = torch.zeros(padded, dtype=torch.int64, device=device)
         return _Captured(zeros, zeros.clone(), metadata, logits_rows)
 
-    def _capture(self, captured: _Captured, cache) -> None:
-        """Warm up (compiles the Triton kernels, computes this forward), then record ``plan + run``."""
+    def _capture(self, captured: _Captured, cache, graphs: dict) -> None:
+        """Warm up (compiles the Triton kernels, computes this forward), then record ``plan + run``.
+
+        The graphs of one cache share one memory pool. A pool is reused only while a graph that holds
+        it lives: once a cache and its graphs are gone, PyTorch refuses its pool to a new capture
+        (an internal assert), so a new cache starts a pool of its own.
+        """
+        pool = next((c.graph.pool() for c in graphs.values() if c.graph is not None), None)
         model = self.model
         capacity = cache.position_bound
         padded = captured.tokens.shape[0]
@@ -120,6 +125,5 @@ class CudaGraphs:
             forward()
         torch.cuda.current_stream().wait_stream(side)
         captured.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(captured.graph, pool=self._pool):
+        with torch.cuda.graph(captured.graph, pool=pool):
             captured.outputs = forward()
-        self._pool = captured.graph.pool()
