@@ -12,6 +12,7 @@ extension links against the torch you run: ``pip install --no-build-isolation -e
 """
 
 import os
+import sys
 from pathlib import Path
 
 from setuptools import setup
@@ -45,6 +46,10 @@ def extension_modules():
     cap_parallel_jobs()
     sources = sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("*.cpp"))
     cxx_flags = ["-O3"]  # the C++ standard is the one torch's cpp_extension picks for its headers
+    # libstdc++ from the shared library that torch itself uses, named before the compiler's own libraries: a
+    # toolchain that links it statically (seen on the H200 image) gave the extension a second copy whose
+    # streams wrote truncated error messages, or crashed, once Python's -Bsymbolic-functions mixed the copies.
+    link_flags = ["-lstdc++"] if sys.platform.startswith("linux") else []
     use_cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None and not flag("SPECDEC_CPU_ONLY")
     if use_cuda:
         archs = os.environ.get("SPECDEC_CUDA_ARCHS", "9.0;8.0")
@@ -54,9 +59,12 @@ def extension_modules():
             "specdec._C",
             sources,
             extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--expt-relaxed-constexpr"]},
+            extra_link_args=link_flags,
         )
     else:
-        ext = cpp_extension.CppExtension("specdec._C", sources, extra_compile_args={"cxx": cxx_flags})
+        ext = cpp_extension.CppExtension(
+            "specdec._C", sources, extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_flags
+        )
     build_ext = cpp_extension.BuildExtension.with_options(use_ninja=True)
     return [ext], {"build_ext": build_ext}
 

@@ -1,5 +1,6 @@
 """Package-level behaviour: imports without the extension, backend dispatch, the CLI."""
 
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -55,6 +56,19 @@ def test_extension_has_op_answers_for_ops_an_older_build_lacks():
     assert not _backend.extension_has_op("an_op_no_build_has")
     if _backend.extension_status()[0] is not None:
         assert _backend.extension_has_op("tree_metadata")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("objdump") is None, reason="needs objdump")
+def test_the_extension_uses_the_shared_libstdcxx():
+    """A built extension itself needs libstdc++.so (not only through torch's libraries) rather than carrying its
+    own copy: a toolchain that linked it statically (the H200 image's) made the extension's error messages come
+    out truncated or crash."""
+    module = _backend.extension_status()[0]
+    if module is None:
+        pytest.skip("the extension is not built")
+    header = subprocess.run(["objdump", "-p", module.__file__], capture_output=True, text=True, timeout=60).stdout
+    needed = [line.split()[-1] for line in header.splitlines() if line.strip().startswith("NEEDED")]
+    assert any(name.startswith("libstdc++.so") for name in needed), needed
 
 
 def test_info_lists_every_backend():
