@@ -6,6 +6,9 @@
   path ('torch') and the Triton path ('triton': compiled on a GPU, interpreted
   elsewhere). ``device`` is where that backend's tensors live.
 * ``gpu``-marked tests skip cleanly without CUDA.
+* ``interpreter``-marked tests drive the Triton path with CPU tensors (CPU models, sync counters, the
+  bounds checker): where CUDA is present the interpreter is off and the package refuses that, so their
+  Triton cases skip there (their torch cases still run); the device tests cover the compiled kernels.
 * Every test starts from a seed derived from its own name, so tests are
   reproducible alone or in any order.
 """
@@ -30,9 +33,18 @@ HAS_TRITON = _backend.triton_status()[0]
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    skip_interpreted = pytest.mark.skip(reason="runs the Triton path on CPU tensors: needs Triton's interpreter")
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+        if "interpreter" in item.keywords and HAS_CUDA and _backend_of(item) != "torch":
+            item.add_marker(skip_interpreted)
+
+
+def _backend_of(item) -> str | None:
+    """The backend a parametrized test runs ('torch', 'triton'), None if it names none."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return params.get("backend", params.get("backend_name"))
 
 
 @pytest.fixture(autouse=True)

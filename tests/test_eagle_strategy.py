@@ -205,6 +205,7 @@ def test_greedy_generation_syncs_once_per_step(tiny, kind):
         assert events == [("Tensor.tolist", "_transfer.py")], f"step {i}: {events}"
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("kind", list(SMALL))
 def test_sampled_generation_syncs_once_per_step_on_the_triton_path(tiny, kind):
     target, head = tiny

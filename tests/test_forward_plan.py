@@ -21,6 +21,8 @@ from specdec.kernels.verify_greedy import (
 from specdec.model import AttentionMetadata, LlamaModel, causal_positions, tree_positions
 from specdec.model.kv_cache import KVCache
 
+pytestmark = pytest.mark.interpreter  # CPU tensors (models, batches) on the Triton path
+
 CONFIG = tiny_config(vocab_size=80, num_layers=2, num_heads=4, num_kv_heads=2)
 
 

@@ -463,6 +463,7 @@ def test_valid_calls_match_the_reference_on_the_torch_path(name, data):
     check_matches(name, OPS[name], OPS[name].build(data.draw, "torch"), "torch")
 
 
+@pytest.mark.interpreter  # the bounds checker watches the interpreter's loads and stores
 @pytest.mark.parametrize("name", list(OPS))
 @settings(FUZZ, max_examples=5)
 @given(data=st.data())

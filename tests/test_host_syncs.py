@@ -75,6 +75,7 @@ def test_a_bounded_paged_pool_adds_no_sync(pair, strategy):
     assert_one_read_back_per_step(per_step, min_steps=4)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_sampled_generation_syncs_once_per_step_on_the_triton_path(pair, strategy):
     target, draft = pair

@@ -9,6 +9,8 @@ import torch
 
 from specdec.integrations import vllm as plugin
 
+pytestmark = pytest.mark.interpreter  # CPU tensors on the Triton path
+
 V = 37  # a vocabulary that is no tile size
 
 

@@ -158,6 +158,7 @@ def test_bad_pool_arguments_are_refused_by_name(pair):
     decoder.validate([[1] * 7, [2] * 3], max_new_tokens=4)  # 2 + 1 blocks fit
 
 
+@pytest.mark.interpreter
 def test_pausing_on_the_triton_path(pair):
     """The interpreted Triton kernels over the same plan: paged writes and recomputed prefixes."""
     target, _ = pair

@@ -353,6 +353,7 @@ def test_one_plan_serves_every_layer(backend, device, causal):
         assert_close(lse, ref_lse, 1e-4, 1e-4, f"layer {layer} lse")
 
 
+@pytest.mark.interpreter  # meta tensors on the Triton path
 @pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree"])
 @pytest.mark.parametrize("backend_name", ["torch", "triton"])
 def test_a_plan_with_host_bounds_reads_no_device_value(backend_name, tree):
@@ -635,8 +636,10 @@ def test_mask_too_short_for_a_tree_that_starts_in_the_cache():
 
 
 def test_head_dims_past_the_triton_tile_are_for_the_torch_path_only():
-    q, kv = torch.randn(2, 2, 272), torch.randn(1, 8, 1, 272)
-    args = (q, kv, kv, torch.tensor([0, 2], dtype=torch.int32), torch.tensor([3], dtype=torch.int32))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton path: compiled on a GPU, interpreted elsewhere
+    q, kv = torch.randn(2, 2, 272, device=device), torch.randn(1, 8, 1, 272, device=device)
+    offsets, prefixes = torch.tensor([0, 2], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    args = (q, kv, kv, offsets.to(device), prefixes.to(device))
     with _backend.use_backend("triton"), pytest.raises(ValueError, match="head dim 272 is above the Triton"):
         tree_attention(*args, causal=True)
     with _backend.use_backend("torch"):

@@ -342,7 +342,8 @@ SEED_U0, SEED_U1 = 3692362, 4570619
 
 def test_extreme_uniforms(backend, device):
     """u = 0 accepts any p > 0 and none with p = 0; the largest u still accepts p >= q."""
-    u = counter_uniform(torch.tensor([SEED_U0, SEED_U1]), torch.zeros(2, dtype=torch.int64), 2)
+    seeds, offsets = torch.tensor([SEED_U0, SEED_U1], device=device), torch.zeros(2, dtype=torch.int64, device=device)
+    u = counter_uniform(seeds, offsets, 2)
     assert u.tolist() == [0.0, 1 - 2**-24]
     vocab = 16
     logits = torch.randn(6, vocab)
