@@ -103,9 +103,14 @@ def interleaved(methods, prompts, device: str, repeats: int) -> list[Run]:
     (method, prompt) keeps its fastest time (``common.clock``) and its first run's tokens and counters.
 
     On a shared machine the background load drifts over a run; interleaving spreads it evenly over
-    the methods and the fastest of several runs drops the bursts, so the ratios stay meaningful.
+    the methods and the fastest of several runs drops the bursts, so the ratios stay meaningful. On a
+    GPU every method first decodes the first prompt untimed: Triton compiles each new shape once, and
+    that cost would otherwise land on whichever method meets the shape first (seen on the H200).
     """
     now = clock(device)
+    if device.startswith("cuda"):
+        for m in methods:
+            m(prompts[:1])
     parts: list[list[Run]] = [[None] * len(methods) for _ in prompts]
     for _ in range(repeats):
         for part, p in zip(parts, prompts):
