@@ -17,9 +17,10 @@ gives each stage's seconds).
                  ops, end to end; each row names the kernel configurations it ran. Decode
                  throughput against transformers (bench_model) is optional: only with --stages
 
-OUT holds at most five files (the device tool returns eight): summary.md (plan, first light,
+OUT holds at most six files (the device tool returns eight): summary.md (plan, first light,
 every stage's result and tables, skipped stages, final status -- appended as stages finish),
-info.txt (versions, GPU), build.log, tests.log, bench.log.
+info.txt (versions, GPU), build.log, tests.log, failures.log (each failed test's traceback, written as
+it fails, so a stage cut at its limit keeps them), bench.log.
 
 ``--dry-run`` runs the same stages, the optional one too, on the CPU: kernels through Triton's
 interpreter, tiny shapes, no CUDA build, and a skipped or failed stage fails it (CI runs it, so
@@ -202,7 +203,8 @@ class Check:
         if self.dry:  # on the CPU the gpu-marked tests all skip: one process collects faster than two workers
             workers = ["-n", "0" if gpu else "2"]
         cmd = [sys.executable, "-m", "pytest", *selection, "-v", "-rfE", "-p", "no:cacheprovider", *workers]
-        code, output = self.run(cmd, "tests.log", limit)
+        env = dict(self.env, SPECDEC_FAILURES_LOG=str(self.out / "failures.log"))
+        code, output = self.run(cmd, "tests.log", limit, env)
         final = [line for line in output.splitlines() if re.search(r"\d+ (passed|failed|skipped|error)", line)]
         if code is None or not final:
             counts = {w: len(re.findall(rf"\b{w.upper()}\b", output)) for w in ("passed", "failed", "skipped", "error")}

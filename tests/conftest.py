@@ -11,6 +11,8 @@
   Triton cases skip there (their torch cases still run); the device tests cover the compiled kernels.
 * Every test starts from a seed derived from its own name, so tests are
   reproducible alone or in any order.
+* ``SPECDEC_FAILURES_LOG=path`` appends each failure's traceback to ``path`` the moment it is reported,
+  so a run cut at a time limit (the GPU check's test stages) still leaves them.
 """
 
 import os
@@ -39,6 +41,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "interpreter" in item.keywords and HAS_CUDA and _backend_of(item) != "torch":
             item.add_marker(skip_interpreted)
+
+
+def pytest_runtest_logreport(report):
+    path = os.environ.get("SPECDEC_FAILURES_LOG")
+    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:  # xdist: the controller writes once
+        with open(path, "a") as log:
+            log.write(f"\n==== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
 
 
 def _backend_of(item) -> str | None:

@@ -94,7 +94,7 @@ def test_a_dry_run_stage_writes_the_summary(tmp_path):
     assert "### bench_kv_rollback: done" in summary and "kernel configs |" in summary  # its table, configs column
     assert "| bench_kv_rollback | ok |" in summary and "all stages that ran passed" in summary
     assert {p.name for p in (tmp_path / "out").iterdir()} <= {"summary.md", "info.txt", "build.log", "tests.log",
-                                                             "bench.log"}  # fmt: skip
+                                                             "failures.log", "bench.log"}  # fmt: skip
 
 
 def test_a_dry_run_that_skips_a_stage_fails(tmp_path):
@@ -103,3 +103,23 @@ def test_a_dry_run_that_skips_a_stage_fails(tmp_path):
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert "| bench_kv_rollback | 5 | 60 | skip |" in summary
     assert "Skipped (budget): bench_kv_rollback" in summary and "a dry run must run every stage" in summary
+
+
+def test_failures_are_logged_as_they_happen(tmp_path):
+    """A test stage cut at its limit keeps its tracebacks: each failure reaches SPECDEC_FAILURES_LOG when it is
+    reported (here the run is killed right after a failing test, before pytest prints anything)."""
+    probe = tmp_path / "test_probe.py"
+    probe.write_text(
+        "import os, signal\n\n"
+        "def test_a_planted_failure():\n    assert 1 == 2, 'planted failure'\n\n"
+        "def test_the_cut():\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    log = tmp_path / "failures.log"
+    env = dict(os.environ, SPECDEC_FAILURES_LOG=str(log), PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-q", str(probe)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode != 0 and "failed" not in result.stdout  # killed before its summary
+    text = log.read_text()
+    assert "==== " in text and "test_a_planted_failure (call)" in text and "planted failure" in text
