@@ -43,9 +43,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_interpreted)
 
 
+_XDIST_WORKER = [False]  # set at configure: under xdist only the controller writes the failures log
+
+
+def pytest_configure(config):
+    _XDIST_WORKER[0] = hasattr(config, "workerinput")
+
+
 def pytest_runtest_logreport(report):
     path = os.environ.get("SPECDEC_FAILURES_LOG")
-    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:  # xdist: the controller writes once
+    if path and report.failed and not _XDIST_WORKER[0]:
         with open(path, "a") as log:
             log.write(f"\n==== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
 
