@@ -225,9 +225,18 @@ def extension(s, device) -> str:
     offsets = torch.tensor([0, 20, 27], dtype=torch.int32)
     got = build_tree_metadata(parents.to(device), offsets.to(device), 20)
     want = tree_metadata_reference(parents, offsets, 20)
+    for where in dict.fromkeys(["cpu", str(device)]):  # the error path: a whole message, no crash (a libstdc++
+        bad = torch.tensor([-1, 1], dtype=torch.int32, device=where)  # linked statically crashed it on the H200)
+        try:
+            torch.ops.specdec.tree_metadata(bad, torch.tensor([0, 2], dtype=torch.int32, device=where), 2)
+        except ValueError as exc:
+            if "parents[1] = 1 in tree 0 must lie in [0, 1)" not in str(exc):
+                raise AssertionError(f"the {where} op's error message came out as {str(exc)[:60]!r}") from None
+        else:
+            raise AssertionError(f"the {where} op accepted a parent that is not an earlier node")
     return f"{'CUDA' if device != 'cpu' else 'C++'} op: " + ", ".join(
         equal(f, a, b) for f, a, b in zip(got._fields, got, want)
-    )
+    ) + ", error message whole"
 
 
 # name -> (what it calls, check)
