@@ -223,3 +223,35 @@ def test_bad_requests_are_refused(pair):
         NgramStrategy(num_draft=0)
     with pytest.raises(ValueError, match="rule must be one of"):
         DraftModelStrategy(draft, (2, 2), rule="greedy")
+
+
+def test_a_sampled_step_of_roots_alone_is_sampling(pair, monkeypatch):
+    """A sampled step that drafts nothing (plain decoding; the prefill) takes the ``sample`` op, whose draws are
+    verify_tree's without drafts: the tokens equal those of the general path, greedy rows and filters included."""
+    from specdec.decoding import NoDraft, verification
+    from specdec.kernels import SampleResult, run_verify_tree
+
+    target, _ = pair
+    prompts = prompts_of(6)
+    sampling = dict(max_new_tokens=12, eos_token_id=None, temperature=[1.0, 0.0, 0.7, 1.3, 1.0, 0.5],
+                    top_k=[0, 0, 5, 0, 20, 0], top_p=[1.0, 1.0, 1.0, 0.8, 0.9, 1.0], seed=4)  # fmt: skip
+    calls, original = [], verification.run_sample
+
+    def counted(logits, params):
+        calls.append(logits.shape[0])
+        return original(logits, params)
+
+    monkeypatch.setattr(verification, "run_sample", counted)
+    fast = SpeculativeDecoder(target, NoDraft()).generate(prompts, **sampling).tokens
+    assert calls and all(rows >= 1 for rows in calls), "the sampled roots did not take the sample op"
+
+    def through_verify_tree(logits, params):  # the general path on the same roots
+        rows = logits.shape[0]
+        roots = torch.full((rows,), -1, dtype=torch.int32)
+        r = run_verify_tree(logits, torch.zeros(rows, dtype=torch.int32), roots,
+                            torch.arange(rows + 1, dtype=torch.int32), params, rule="deterministic",
+                            draft_probs=None, max_depth=0)  # fmt: skip
+        return SampleResult(r.output_tokens[:, 0], r.invalid)
+
+    monkeypatch.setattr(verification, "run_sample", through_verify_tree)
+    assert SpeculativeDecoder(target, NoDraft()).generate(prompts, **sampling).tokens == fast

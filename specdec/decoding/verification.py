@@ -2,8 +2,10 @@
 
 Every strategy's proposal is a batch of token trees (``proposal.py``). What the host knows about
 them picks the cheapest exact op: an all-greedy batch (every temperature 0) needs only argmaxes
-(``verify_chain_greedy`` when every tree is a chain, else ``verify_tree_greedy``); any sampled
-request takes the general ``verify_tree`` with the proposal's rule. The engine checked the trees on
+(``verify_chain_greedy`` when every tree is a chain, else ``verify_tree_greedy``); a sampled batch
+of roots alone (plain decoding, a step that drafts nothing) is ``sample``, which is verification
+without drafts (the same filter, uniform and edge cases: the same tokens); any other sampled batch
+takes the general ``verify_tree`` with the proposal's rule. The engine checked the trees on
 the host (``check_proposal``), so the ops run without their argument checks (``run_verify_*``).
 """
 
@@ -15,7 +17,13 @@ import torch
 
 from specdec._transfer import offsets_to_device, to_device
 from specdec.decoding.proposal import Proposal
-from specdec.kernels import TreeVerifyResult, run_verify_chain_greedy, run_verify_tree, run_verify_tree_greedy
+from specdec.kernels import (
+    TreeVerifyResult,
+    run_sample,
+    run_verify_chain_greedy,
+    run_verify_tree,
+    run_verify_tree_greedy,
+)
 from specdec.kernels.sampling_params import SamplingParams
 
 
@@ -49,6 +57,12 @@ def verify(
         j = torch.arange(depth + 1, device=device, dtype=torch.int32)  # a chain's path: its first nodes
         path = torch.where(j <= chain.num_accepted[:, None], j, -1)
         return TreeVerifyResult(chain.output_tokens, chain.num_accepted, path, chain.invalid)
+    if depth == 0 and not greedy:  # roots alone: one logits row per request, drawn as verify_tree draws it
+        drawn, invalid = run_sample(logits, params)
+        rows = drawn.shape[0]
+        accepted = torch.zeros(rows, dtype=torch.int32, device=device)
+        path = torch.zeros(rows, 1, dtype=torch.int32, device=device)  # the root
+        return TreeVerifyResult(drawn[:, None], accepted, path, invalid)
     if proposal.on_host:
         parents = to_device([p for tree in proposal.parents for p in tree], torch.int32, device)
     else:

@@ -15,7 +15,7 @@ from specdec.kernels.kv_compact import kv_compact
 from specdec.kernels.rms_norm import add_rms_norm, rms_norm
 from specdec.kernels.rotary import apply_rotary
 from specdec.kernels.sample_probs import sample_probs
-from specdec.kernels.sampling import SampleResult, sample
+from specdec.kernels.sampling import SampleResult, run_sample, sample
 from specdec.kernels.sampling_params import RULES, SamplingParams
 from specdec.kernels.silu_mul import silu_mul
 from specdec.kernels.tree_attention import AttentionPlan, plan_attention, run_attention, tree_attention
@@ -50,6 +50,7 @@ __all__ = [
     "plan_attention",
     "rms_norm",
     "run_attention",
+    "run_sample",
     "run_verify_chain",
     "run_verify_chain_greedy",
     "run_verify_tree",

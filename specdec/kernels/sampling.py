@@ -96,6 +96,15 @@ def sample(logits: torch.Tensor, params: SamplingParams, *, out: SampleResult | 
     return out
 
 
+def run_sample(logits: torch.Tensor, params: SamplingParams) -> SampleResult:
+    """``sample`` without its argument checks: the hot path of an engine that checked its inputs on the host
+    (logits ``[B, V]`` contiguous rows, parameters ``[B]`` contiguous, same device); results in fresh buffers.
+    The body for the tensors' device runs directly; the Triton body reads nothing back to the host."""
+    out = result_buffers(None, SampleResult, logits.shape[0], 1, logits.device)
+    _sample_op.run(logits, *params, *out)
+    return out
+
+
 # ----------------------------------------------------------------------------- PyTorch reference
 
 
