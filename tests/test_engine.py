@@ -257,16 +257,17 @@ def test_a_sampled_step_of_roots_alone_is_sampling(pair, monkeypatch):
     assert SpeculativeDecoder(target, NoDraft()).generate(prompts, **sampling).tokens == fast
 
 
-def test_the_sampled_roots_benchmark_runs(tmp_path):
-    """``bench/bench_sampled_roots.py --dry-run``: both paths decode, their tokens equal, the table written."""
+def test_the_sampled_paths_benchmark_runs(tmp_path):
+    """``bench/bench_sampled_paths.py --dry-run``: each pair of paths decodes, their tokens equal, the table
+    written."""
     import os
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root, "TRITON_INTERPRET": "0"}
-    done = subprocess.run([sys.executable, "bench/bench_sampled_roots.py", "--dry-run", "--out", str(tmp_path)],
+    done = subprocess.run([sys.executable, "bench/bench_sampled_paths.py", "--dry-run", "--out", str(tmp_path)],
                           cwd=root, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    rows = [line for line in (tmp_path / "sampled_roots.md").read_text().splitlines() if line.startswith("| 2 ")]
-    assert len(rows) == 1 and rows[0].rstrip(" |").endswith("yes")
+    rows = [line for line in (tmp_path / "sampled_paths.md").read_text().splitlines() if " vs " in line]
+    assert len(rows) == 2 and all(row.rstrip(" |").endswith("yes") for row in rows)

@@ -33,7 +33,8 @@ import torch
 from specdec._transfer import offsets_to_device, to_device
 from specdec.decoding.proposal import Proposal, depths, tree_metadata_on
 from specdec.decoding.strategy import Prefill, StepContext, StepResult, check_same_vocabulary
-from specdec.kernels import filtered_probs, sample_probs
+from specdec.kernels.filtered_probs import run_filtered_probs
+from specdec.kernels.sample_probs import run_sample_probs
 from specdec.kernels.sampling_params import RULES, SamplingParams
 from specdec.model.attention_metadata import AttentionMetadata, causal_positions
 from specdec.model.draft_forward_cpu import draft_chain_greedy, fused_available, fused_forward
@@ -310,7 +311,7 @@ class DraftModelStrategy:
                     for j, c in enumerate(children[node]):
                         tokens[:, c] = top[:, f, j]
             return
-        q = filtered_probs(logits, _draft_params(step).repeat_rows(width, rows * width)).probs  # [R * width, V]
+        q = run_filtered_probs(logits, _draft_params(step).repeat_rows(width, rows * width)).probs  # [R * width, V]
         for f, node in enumerate(frontier):
             if not children[node]:
                 continue
@@ -318,7 +319,7 @@ class DraftModelStrategy:
             if self.rule == "stochastic":
                 probs[:, node] = q_node
                 for c in children[node]:
-                    tokens[:, c] = sample_probs(q_node, _draft_params(step), counter=c)
+                    tokens[:, c] = run_sample_probs(q_node, _draft_params(step), counter=c)
             else:
                 # Children are the top-k of q (its support, in the order of the scaled logits); greedy rows
                 # (q one-hot) take the draft's top-k logits instead, since the target's argmax may be any of them.
@@ -331,8 +332,8 @@ class DraftModelStrategy:
 
     def _sample(self, logits, step, counter) -> tuple[torch.Tensor, torch.Tensor]:
         params = _draft_params(step)
-        q = filtered_probs(logits, params).probs  # one-hot at the argmax for rows that cannot be sampled
-        return q, sample_probs(q, params, counter=counter).long()
+        q = run_filtered_probs(logits, params).probs  # one-hot at the argmax for rows that cannot be sampled
+        return q, run_sample_probs(q, params, counter=counter).long()
 
 
 def _start_pairs(step: StepContext, device: torch.device) -> torch.Tensor:

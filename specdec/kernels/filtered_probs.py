@@ -174,6 +174,18 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams, *, out: Filtere
 # ----------------------------------------------------------------------------- PyTorch reference
 
 
+def run_filtered_probs(logits: torch.Tensor, params: SamplingParams) -> FilteredProbs:
+    """``filtered_probs`` without its argument checks or the dispatcher: the hot path of a strategy that made
+    ``logits [R, V]`` and ``params`` (``[R]``, same device) itself; results in fresh buffers."""
+    rows, vocab = logits.shape
+    out = FilteredProbs(
+        torch.empty(rows, vocab, dtype=torch.float32, device=logits.device),
+        torch.empty(rows, dtype=torch.bool, device=logits.device),
+    )
+    _filtered_probs_op.run(logits, params.temperature, params.top_k, params.top_p, *out)
+    return out
+
+
 def filtered_probs_reference(logits: torch.Tensor, params: SamplingParams) -> FilteredProbs:
     """Readable PyTorch implementation of ``filtered_probs``."""
     return _filtered_probs_reference(logits, params.temperature, params.top_k, params.top_p)

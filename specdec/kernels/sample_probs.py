@@ -174,6 +174,15 @@ def sample_probs(
     return out
 
 
+def run_sample_probs(probs: torch.Tensor, params: SamplingParams, *, counter: int) -> torch.Tensor:
+    """``sample_probs`` without its argument checks or the dispatcher, for one host ``counter`` shared by every
+    row: the hot path of a strategy that made ``probs [R, V]`` and ``params`` (``[R]``, same device) itself."""
+    rows, device = probs.shape[0], probs.device
+    out = torch.empty(rows, dtype=torch.int32, device=device)
+    _sample_probs_op.run(probs, params.seed, params.offset, torch.full((rows,), counter, device=device), out)
+    return out
+
+
 # ----------------------------------------------------------------------------- PyTorch reference
 
 
