@@ -1,6 +1,8 @@
 """The speculative decoding engine end to end, on small random checkpoints (PyTorch path)."""
 
 import math
+import os
+import sys
 
 import pytest
 import torch
@@ -229,7 +231,9 @@ def test_a_sampled_step_of_roots_alone_is_sampling(pair, monkeypatch):
     """A sampled step that drafts nothing (plain decoding; the prefill) takes the ``sample`` op, whose draws are
     verify_tree's without drafts: the tokens equal those of the general path, greedy rows and filters included."""
     from specdec.decoding import NoDraft, verification
-    from specdec.kernels import SampleResult, run_verify_tree
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    from bench_sampled_paths import through_verify_tree  # the general path on the same roots
 
     target, _ = pair
     prompts = prompts_of(6)
@@ -245,14 +249,6 @@ def test_a_sampled_step_of_roots_alone_is_sampling(pair, monkeypatch):
     fast = SpeculativeDecoder(target, NoDraft()).generate(prompts, **sampling).tokens
     assert calls and all(rows >= 1 for rows in calls), "the sampled roots did not take the sample op"
 
-    def through_verify_tree(logits, params):  # the general path on the same roots
-        rows = logits.shape[0]
-        roots = torch.full((rows,), -1, dtype=torch.int32)
-        r = run_verify_tree(logits, torch.zeros(rows, dtype=torch.int32), roots,
-                            torch.arange(rows + 1, dtype=torch.int32), params, rule="deterministic",
-                            draft_probs=None, max_depth=0)  # fmt: skip
-        return SampleResult(r.output_tokens[:, 0], r.invalid)
-
     monkeypatch.setattr(verification, "run_sample", through_verify_tree)
     assert SpeculativeDecoder(target, NoDraft()).generate(prompts, **sampling).tokens == fast
 
@@ -260,9 +256,7 @@ def test_a_sampled_step_of_roots_alone_is_sampling(pair, monkeypatch):
 def test_the_sampled_paths_benchmark_runs(tmp_path):
     """``bench/bench_sampled_paths.py --dry-run``: each pair of paths decodes, their tokens equal, the table
     written."""
-    import os
     import subprocess
-    import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root, "TRITON_INTERPRET": "0"}

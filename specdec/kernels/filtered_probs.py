@@ -157,10 +157,7 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams, *, out: Filtere
         raise ValueError(f"logits must have a vocabulary of at least 1, got shape {tuple(logits.shape)}")
     check_params(params, rows, device)
     if out is None:
-        out = FilteredProbs(
-            torch.empty(rows, vocab, dtype=torch.float32, device=device),
-            torch.empty(rows, dtype=torch.bool, device=device),
-        )
+        out = _fresh_buffers(logits)
     elif not isinstance(out, FilteredProbs):
         raise TypeError(f"out must be a FilteredProbs, got {type(out).__name__}")
     check_tensor("out.probs", out.probs, dtype=torch.float32, shape=(rows, vocab), device=device)
@@ -171,19 +168,24 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams, *, out: Filtere
     return out
 
 
-# ----------------------------------------------------------------------------- PyTorch reference
-
-
 def run_filtered_probs(logits: torch.Tensor, params: SamplingParams) -> FilteredProbs:
     """``filtered_probs`` without its argument checks or the dispatcher: the hot path of a strategy that made
     ``logits [R, V]`` and ``params`` (``[R]``, same device) itself; results in fresh buffers."""
+    out = _fresh_buffers(logits)
+    _filtered_probs_op.run(logits, params.temperature, params.top_k, params.top_p, *out)
+    return out
+
+
+def _fresh_buffers(logits: torch.Tensor) -> FilteredProbs:
+    """Output buffers for ``logits [R, V]``: fp32 probs ``[R, V]``, bool invalid ``[R]``."""
     rows, vocab = logits.shape
-    out = FilteredProbs(
+    return FilteredProbs(
         torch.empty(rows, vocab, dtype=torch.float32, device=logits.device),
         torch.empty(rows, dtype=torch.bool, device=logits.device),
     )
-    _filtered_probs_op.run(logits, params.temperature, params.top_k, params.top_p, *out)
-    return out
+
+
+# ----------------------------------------------------------------------------- PyTorch reference
 
 
 def filtered_probs_reference(logits: torch.Tensor, params: SamplingParams) -> FilteredProbs:
