@@ -5,11 +5,11 @@ A run of the batch sweep (``bench_e2e.py --sweep-only``) times real decoding, so
 percent hides in the machine's drift. This benchmark records once what the sweep's runs depend on -- for every
 held-out prompt, how many of the draft's greedy tokens the target accepts at each position of its greedy text,
 and the step time of each step shape on this machine -- then replays the controller on that trace
-(``specdec.decoding.replay``): step times drawn with noise, every seed's exact cost in the recorded times, the
-fixed depths' costs alike. ``adaptive / best`` is the best fixed depth's (or plain decoding's) time over the
-controller's, per batch size, over seeds.
+(``specdec.decoding.replay``): step times drawn with noise and the machine's drift (both measured when
+recording), every seed's exact cost in the recorded times, the fixed depths' costs alike. ``adaptive / best`` is
+the best fixed depth's (or plain decoding's) time over the controller's, per batch size, over seeds.
 
-    python bench/bench_adaptive_replay.py --record trace.json     # record (embedded pair, one thread, ~3 min)
+    python bench/bench_adaptive_replay.py --record trace.json     # record (embedded pair, one thread, ~4 min)
     python bench/bench_adaptive_replay.py --trace trace.json      # replay: a table per batch size
     python bench/bench_adaptive_replay.py --record t.json --trace t.json --batches 1 2 --max-depth 2 --rounds 1
                                                                   # a smoke run (tests/test_adaptive_replay.py)
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -28,14 +29,14 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 from common import Table, cpu_threads  # noqa: E402
 
-from specdec.decoding.replay import DEFAULT_NOISE, Trace, replay, replay_fixed  # noqa: E402
+from specdec.decoding.replay import DEFAULT_NOISE, Trace, fit_drift, replay, replay_fixed  # noqa: E402
 
 BATCHES = (1, 2, 4, 8, 16, 32)
 MAX_DEPTH = 8
 NEW_TOKENS = 48
 
 
-def record(path: Path, rounds: int, batches: list[int], max_depth: int) -> None:
+def record(path: Path, rounds: int, batches: list[int], max_depth: int, drift_passes: int) -> None:
     """Writes the trace of the embedded pair on this machine (CPU, one intra-op thread, fp32)."""
     from specdec.cli.demo import ASSETS, heldout_prompts, load_pair
     from specdec.decoding import AdaptiveSpeculation, DraftModelStrategy, SpeculativeDecoder
@@ -92,6 +93,18 @@ def record(path: Path, rounds: int, batches: list[int], max_depth: int) -> None:
         print(f"round {r + 1}/{rounds} recorded", flush=True)
     costs = [[b, d, h, statistics.median(s)] for (b, d, h), s in samples.items()]
     noise = statistics.pstdev(changes) / 2**0.5  # a difference of two steps has twice one step's variance
+    drift, drift_steps = 0.0, 1.0
+    if drift_passes:  # one shape decoded over and over: how the machine's speed wanders from step to step
+        batch = 4 if 4 in batches else batches[-1]
+        forced.depths = [min(2, max_depth)] * batch
+        prompts = [pool[i % len(pool)] for i in range(batch)]
+        runs = []
+        for _ in range(drift_passes):
+            forced.times = []
+            decoder.generate(prompts, max_new_tokens=NEW_TOKENS, **greedy)
+            runs.append(forced.times[1:])
+        noise, drift, drift_steps = fit_drift(step_residuals(runs))
+        print(f"drift measured over {sum(map(len, runs))} steps of batch {batch}, depth {forced.depths[0]}", flush=True)
     trace = {
         "machine": "embedded pair, CPU, one intra-op thread, fp32, thread time",
         "recorded": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -101,9 +114,22 @@ def record(path: Path, rounds: int, batches: list[int], max_depth: int) -> None:
         "matches": matches,
         "costs": costs,
         "relative_noise": noise,
+        "drift": drift,
+        "drift_steps": drift_steps,
     }
     path.write_text(json.dumps(trace))
-    print(f"trace written to {path} (step-time noise {noise:.1%} per step)")
+    print(f"trace written to {path} (step-time noise {noise:.1%} per step, drift {drift:.1%} over "
+          f"{drift_steps:.0f} steps)")  # fmt: skip
+
+
+def step_residuals(runs: list[list[float]]) -> list[float]:
+    """Runs of one shape's step times, in the order they ran, as one series of log times less the median log time
+    of the same step of every run (the context grows through a run, and the runs repeat it)."""
+    typical = {}
+    for i in range(max(map(len, runs))):
+        at = [math.log(run[i]) for run in runs if i < len(run)]
+        typical[i] = statistics.median(at)
+    return [math.log(t) - typical[i] for run in runs for i, t in enumerate(run)]
 
 
 def main() -> None:
@@ -114,26 +140,36 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=20, help="replays per batch size (the clock's noise seeds)")
     parser.add_argument("--noise", type=float, default=None, help=f"relative step-time noise (default: the "
                         f"trace's own, else {DEFAULT_NOISE})")  # fmt: skip
+    parser.add_argument("--drift", type=float, default=None, help="sd of the log of the machine's speed (default: "
+                        "the trace's own, else none)")  # fmt: skip
+    parser.add_argument("--drift-steps", type=float, default=None, help="steps over which the drift's correlation "
+                        "falls by e (default: the trace's own)")  # fmt: skip
+    parser.add_argument("--drift-passes", type=int, default=60, help="passes of one shape recorded to measure the "
+                        "drift (0: none)")  # fmt: skip
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES), help="batch sizes recorded / replayed")
     parser.add_argument("--max-depth", type=int, default=MAX_DEPTH, help="the longest draft recorded")
     parser.add_argument("--out", type=Path, help="directory for the table (markdown and CSV)")
     args = parser.parse_args()
     if args.record:
-        record(args.record, args.rounds, args.batches, args.max_depth)
+        record(args.record, args.rounds, args.batches, args.max_depth, args.drift_passes)
     if not args.trace:
         return
     trace = Trace.load(args.trace)
     noise = trace.relative_noise if args.noise is None else args.noise
+    drift = trace.drift if args.drift is None else args.drift
+    drift_steps = trace.drift_steps if args.drift_steps is None else args.drift_steps
     table = Table(
         f"Adaptive controller replayed on {args.trace.name} ({trace.machine}), {args.seeds} seeds, step-time noise "
-        f"{noise:.1%}: step seconds per run and ratios",
+        f"{noise:.1%}, drift {drift:.1%} over {drift_steps:.0f} steps: step seconds per run and ratios",
         ["batch", "plain s", *(f"K={k}" for k in range(1, trace.max_depth + 1)), "best fixed",
          "adaptive / best: mean", "min", "max", "mean depth"],
     )  # fmt: skip
     for batch in args.batches:
         fixed = [replay_fixed(trace, batch, k) for k in range(trace.max_depth + 1)]
         best = min(fixed)
-        runs = [replay(trace, batch, noise=noise, seed=s) for s in range(args.seeds)]
+        runs = [
+            replay(trace, batch, noise=noise, seed=s, drift=drift, drift_steps=drift_steps) for s in range(args.seeds)
+        ]
         ratios = [best / r.seconds for r in runs]
         table.add(
             batch, f"{fixed[0]:.3f}", *(f"{fixed[0] / f:.2f}x" for f in fixed[1:]), f"K={fixed.index(best)}",

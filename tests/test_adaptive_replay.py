@@ -6,7 +6,9 @@ step-cost model's pooling of shapes, and the controller's choices against fixed 
 """
 
 import json
+import math
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from specdec.decoding.adaptive import AdaptiveSpeculation, StepCostModel
-from specdec.decoding.replay import Trace, replay, replay_fixed
+from specdec.decoding.replay import Trace, fit_drift, replay, replay_fixed
 
 TRACE = Path(__file__).parent / "data" / "adaptive_trace.json"
 
@@ -55,6 +57,49 @@ def test_fixed_depths_are_charged_their_steps():
     assert replay_fixed(trace, 1, 4) == pytest.approx(6 * ((11.0 + 6.0) + (11.0 + 3.0)))
 
 
+@pytest.mark.parametrize(("noise", "drift", "steps"), [(0.04, 0.10, 20.0), (0.03, 0.15, 50.0), (0.05, 0.0, 1.0)])
+def test_the_drift_fit_finds_the_model_it_was_drawn_from(noise, drift, steps):
+    """5000 steps of independent noise plus an AR(1) drift: the fit's three figures are near the drawn ones (no
+    drift: a drift of at most a fifth of the noise)."""
+    rng, rho = random.Random(1), math.exp(-1 / steps)
+    level, residuals = drift * rng.gauss(0, 1), []
+    for _ in range(5000):
+        level = rho * level + drift * math.sqrt(1 - rho * rho) * rng.gauss(0, 1)
+        residuals.append(level + noise * rng.gauss(0, 1))
+    fit_noise, fit_drift_sd, fit_steps = fit_drift(residuals)
+    assert fit_noise == pytest.approx(noise, rel=0.3)
+    if drift:
+        assert fit_drift_sd == pytest.approx(drift, rel=0.2) and fit_steps == pytest.approx(steps, rel=0.3)
+    else:
+        assert fit_drift_sd < noise / 5
+    with pytest.raises(ValueError, match="residuals"):
+        fit_drift(residuals[:3])
+
+
+@pytest.mark.parametrize("batch", [4, 8, 32])
+def test_under_drift_the_speed_factor_keeps_the_controller_nearer_the_best(batch):
+    """A drift of 15% over 50 steps (a shared machine's kind; bench/RESULTS.md), 12 seeds on the committed trace:
+    the controller's mean against the best fixed depth is higher with the speed factor than without it."""
+    trace = Trace.load(TRACE)
+    best = min(replay_fixed(trace, batch, k) for k in range(trace.max_depth + 1))
+
+    class NoSpeedFactor(StepCostModel):
+        def _at_first_speed(self, x, seconds):
+            return seconds
+
+    def without_factor(clock):
+        ctl = AdaptiveSpeculation(clock=clock)
+        ctl.cost = NoSpeedFactor()
+        return ctl
+
+    def mean_ratio(controller=None):
+        runs = [replay(trace, batch, noise=0.04, seed=s, drift=0.15, drift_steps=50, controller=controller)
+                for s in range(12)]  # fmt: skip
+        return sum(best / r.seconds for r in runs) / len(runs)
+
+    assert mean_ratio() > mean_ratio(without_factor)
+
+
 def test_a_replay_is_deterministic_per_seed_and_noise_moves_it():
     trace = Trace.load(TRACE)
     first, again = replay(trace, 4, noise=0.04, seed=3), replay(trace, 4, noise=0.04, seed=3)
@@ -70,7 +115,25 @@ def test_ragged_fills_a_row_apart_share_one_measured_mean():
         model.observe(StepCostModel.features(4, rows, 3, 400.0), seconds)
     assert set(model.shape_mean) == {(4, 3, 3), (4, 3, 2)}
     seconds, _, rows, _ = model.shape_mean[4, 3, 3]
-    assert seconds == pytest.approx((0.7 * 10 + 20) / 1.7) and rows == pytest.approx((0.7 * 12 + 11) / 1.7)
+    second = 20 * math.exp(-model.log_speed)  # the second step moved the speed factor; times are stored at the first's
+    assert model.log_speed > 0 and seconds == pytest.approx((0.7 * 10 + second) / 1.7)
+    assert rows == pytest.approx((0.7 * 12 + 11) / 1.7)
+
+
+def test_a_shape_measured_while_the_machine_was_slow_is_not_priced_dearer_than_a_faster_one():
+    """Shape A costs 10, shape B 12; then the machine turns 1.5x slower and only A, the choice, is measured. Without
+    the speed factor B (10 steps stale) would look 20% cheaper than A (ratio 0.80, and be chosen); with it the
+    ratio stays at or above 1 (a step of A's own cannot tell a slower machine from a dearer A, so part of the
+    change stays in A's price)."""
+    model = StepCostModel()
+    a, b = StepCostModel.features(4, 8, 2, 400.0), StepCostModel.features(4, 16, 4, 400.0)
+    for seconds, x in [(10.0, a)] * 5 + [(12.0, b)] + [(10.0, a)] * 5:
+        model.observe(x, seconds)
+    assert model.predict(b) / model.predict(a) == pytest.approx(1.2, rel=0.02)
+    for _ in range(20):
+        model.observe(a, 15.0)
+    assert 1.0 <= model.predict(b) / model.predict(a) < 1.2
+    assert model.log_speed == pytest.approx(math.log(1.5), abs=0.2)
 
 
 @pytest.mark.parametrize("batch", [1, 2, 4, 8, 16, 32])
@@ -107,7 +170,7 @@ def test_the_benchmark_records_a_trace_and_replays_it(tmp_path):
     root = Path(__file__).resolve().parents[1]
     trace_path = tmp_path / "trace.json"
     args = ["--record", str(trace_path), "--trace", str(trace_path), "--batches", "1", "2", "--max-depth", "2",
-            "--rounds", "1", "--seeds", "2", "--out", str(tmp_path)]  # fmt: skip
+            "--rounds", "1", "--drift-passes", "12", "--seeds", "2", "--out", str(tmp_path)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(root), "TRITON_INTERPRET": "0"}  # the CPU's own path, not the GPU stand-in
     done = subprocess.run([sys.executable, "bench/bench_adaptive_replay.py", *args], cwd=root, capture_output=True,
                           text=True, env=env, timeout=600)  # fmt: skip
@@ -117,5 +180,6 @@ def test_the_benchmark_records_a_trace_and_replays_it(tmp_path):
     assert {(b, d, h) for b, d, h, _ in data["costs"]} == {(1, 0, 1), (1, 1, 1), (1, 2, 1), (2, 0, 2), (2, 1, 2),
                                                             (2, 1, 1), (2, 2, 2), (2, 2, 1)}  # fmt: skip
     assert all(seconds > 0 for *_, seconds in data["costs"]) and data["relative_noise"] > 0
+    assert data["drift"] >= 0 and data["drift_steps"] >= 1 and data["relative_noise"] + data["drift"] > 0
     table = (tmp_path / "adaptive_replay.md").read_text()
     assert [line.split("|")[1].strip() for line in table.splitlines() if line[:3] in ("| 1", "| 2")] == ["1", "2"]

@@ -20,6 +20,11 @@ controller measures both as it goes and re-decides every step:
   not by the fit. Ragged fills a row or two apart share one mean: the choice between depths turns
   on a few percent, each step's time is noisy by about as much, and fills counted apart were each
   priced from one or two steps (``specdec.decoding.replay`` measures what that cost).
+  The machine's speed drifts (other processes, clocks, caches: on a shared CPU its log moves by ~0.1-0.2
+  with a correlation of tens of steps), and a shape measured in a slow minute would otherwise stay dear
+  against one measured in a fast one. So each step of a shape measured before moves a running speed
+  factor by part of how far it came from that shape's price, and every time is stored divided by the
+  factor at its step: prices compare shapes at one speed (the first step's), whenever they were measured.
 * **Acceptance** (``AcceptanceModel``): per request and draft position i, the chance that node i is
   accepted given that i - 1 were, a running estimate (recent steps count more) seeded with the
   pooled estimate of every request so far, whose own prior is ``prior_acceptance`` at position 1
@@ -69,6 +74,11 @@ EXPLORE_MARGIN = 0.8  # explore a variant predicted at no less than this share o
 # Explorations the margin skips in a row before one goes ahead anyway: acceptance moves with the text, and
 # only drafting measures it.
 SKIPS_BEFORE_EXPLORING = 7
+# The share of a measured shape's log error that moves the machine's speed factor (times w / (w + 1) for a shape
+# of measured weight w: an error against a shape seen once is half its own noise), and the largest error counted:
+# a step stalled by something else (a page fault, a preempted thread) must not reprice every shape.
+SPEED_GAIN = 0.5
+SPEED_ERROR_CAP = 0.25
 
 
 class StepCostModel:
@@ -89,6 +99,7 @@ class StepCostModel:
         self.residual: dict[int, float] = {}  # per draft-level count: running (measured - predicted)
         # Per shape: running means [seconds, context, extra rows] and the weight of the steps behind them.
         self.shape_mean: dict[tuple[int, int, int], list[float]] = {}
+        self.log_speed = 0.0  # the machine's slowness against the first step, by which every time is divided
         self.steps = 0
 
     @staticmethod
@@ -98,6 +109,7 @@ class StepCostModel:
         return [1.0, float(requests), drafting, drafting * requests, rows, float(levels), context_rows / 1024]
 
     def observe(self, x: Sequence[float], seconds: float) -> None:
+        seconds = self._at_first_speed(x, seconds)
         if self.prior_mean is None:  # the first step sets the scale of the prior
             scale = [max(v, 1.0) for v in x]
             self.prior_mean = [share * seconds / s for share, s in zip(PRIOR_SHARES, scale)]
@@ -116,9 +128,20 @@ class StepCostModel:
         self.steps += 1
         self.theta = self._solve()
 
+    def _at_first_speed(self, x: Sequence[float], seconds: float) -> float:
+        """``seconds`` divided by the machine's speed factor, after moving the factor by this step's error when its
+        shape was measured before (an unmeasured shape's error is the fit's, not the machine's)."""
+        mean = self.shape_mean.get(self._keys(x)[1])
+        if mean is not None:
+            error = math.log(max(seconds, 1e-12) / max(self.predict(x), 1e-12)) - self.log_speed
+            error = max(-SPEED_ERROR_CAP, min(SPEED_ERROR_CAP, error))
+            self.log_speed += SPEED_GAIN * mean[3] / (mean[3] + 1) * error
+        return seconds * math.exp(-self.log_speed)
+
     def predict(self, x: Sequence[float]) -> float:
-        """A measured shape (requests, levels, mean depth) at its own running mean; any other at the linear part
-        plus its level count's running residual. Shapes' costs jump with tiles and GEMM kernels that no linear term
+        """Seconds at the first step's machine speed (so shapes compare alike whenever they were measured): a
+        measured shape (requests, levels, mean depth) at its own running mean; any other at the linear part plus
+        its level count's running residual. Shapes' costs jump with tiles and GEMM kernels that no linear term
         follows, and a residual against a moving fit goes stale; a shape's own mean does not."""
         levels, shape = self._keys(x)
         mean = self.shape_mean.get(shape)

@@ -5,9 +5,9 @@ speculation with a draft chain is a function of two things the controller does n
 tokens the target accepts (at text position p, the draft's greedy chain matches the target's next
 ``matches[p]`` tokens, so a chain of depth d gets ``min(d, matches[p])`` accepted), and what each step
 shape costs. A ``Trace`` holds both, recorded once (``bench/bench_adaptive_replay.py --record``); ``replay``
-then runs the controller against a simulated clock whose step times are the recorded ones times noise,
-while the run is charged the recorded times themselves -- so every seed's result is exact, and fixed depths
-(``replay_fixed``) are charged the same way.
+then runs the controller against a simulated clock whose step times are the recorded ones times the machine's
+drifting speed and independent noise (``fit_drift`` measures both), while the run is charged the recorded times
+themselves -- so every seed's result is exact, and fixed depths (``replay_fixed``) are charged the same way.
 
 The replay mirrors the batch sweep (``bench/bench_e2e.py --sweep-only``): per batch size B, ``max(1, 6 //
 B)`` groups of B prompts from the trace's pool (cycled), ``new_tokens`` each; one untimed pass warms the
@@ -18,6 +18,7 @@ draft levels, extra rows), interpolated between the recorded shapes.
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,7 +37,9 @@ class Trace:
     ``matches[i][p]``: draft tokens the target accepts after prompt i's first p generated tokens (at most
     ``max_depth``); ``costs``: rows ``[batch, levels, drafting requests, seconds]``, every request drafting
     ``levels`` tokens or the first ``drafting requests`` of them and the rest none; ``relative_noise``: one
-    step's time's relative noise, from the recorded runs' consecutive steps."""
+    step's time's independent relative noise; ``drift`` and ``drift_steps``: the machine's speed drift (its log's
+    standard deviation, and the steps over which its correlation falls by e), both as ``fit_drift`` measures them
+    (no drift when the trace does not say)."""
 
     machine: str
     new_tokens: int
@@ -45,6 +48,8 @@ class Trace:
     matches: list[list[int]]
     costs: list[list[float]]
     relative_noise: float = DEFAULT_NOISE
+    drift: float = 0.0
+    drift_steps: float = 1.0
 
     @classmethod
     def load(cls, path: str | Path) -> Trace:
@@ -88,16 +93,59 @@ class ReplayRun:
 
 
 class _NoisyClock:
-    """The controller's clock: advanced by each step's recorded cost times noise."""
+    """The controller's clock: advanced by each step's recorded cost times the machine's speed (a drift: its log an
+    AR(1) process of stationary standard deviation ``drift`` and correlation ``exp(-1 / drift_steps)`` from one
+    step to the next) times independent noise."""
 
-    def __init__(self, noise: float, seed: int):
+    def __init__(self, noise: float, seed: int, drift: float = 0.0, drift_steps: float = 1.0):
         self.now, self.noise, self.rng = 0.0, noise, random.Random(seed)
+        self.drift, self.rho = drift, math.exp(-1.0 / drift_steps)
+        self.log_speed = drift * self.rng.gauss(0.0, 1.0) if drift else 0.0  # without drift, a seed draws as before
 
     def __call__(self) -> float:
         return self.now
 
     def advance(self, seconds: float) -> None:
-        self.now += seconds * max(0.5, 1.0 + self.noise * self.rng.gauss(0.0, 1.0))
+        if self.drift:
+            step = self.drift * math.sqrt(1 - self.rho**2) * self.rng.gauss(0.0, 1.0)
+            self.log_speed = self.rho * self.log_speed + step
+        self.now += seconds * math.exp(self.log_speed) * max(0.5, 1.0 + self.noise * self.rng.gauss(0.0, 1.0))
+
+
+def fit_drift(residuals: list[float], max_lag: int = 100) -> tuple[float, float, float]:
+    """``(noise, drift, drift_steps)`` of consecutive steps' log-time residuals (each step's log time less its
+    shape's and context's typical one): the model ``_NoisyClock`` draws from -- independent noise of standard
+    deviation ``noise`` plus a drift of standard deviation ``drift`` whose correlation from one step to the next
+    is ``exp(-1 / drift_steps)`` -- fitted by least squares to the residuals' variogram at lags 1 .. ``max_lag``
+    (half the mean squared difference of residuals that many steps apart: ``noise**2 + drift**2 * (1 - rho**lag)``).
+    """
+    n = len(residuals)
+    lags = range(1, max(1, min(max_lag, n // 4)) + 1)
+    if n < 2 * len(lags) + 2:
+        raise ValueError(f"fit_drift needs at least {2 * len(lags) + 2} residuals, got {n}")
+    gamma = [sum((residuals[k + lag] - residuals[k]) ** 2 for k in range(n - lag)) / (2 * (n - lag)) for lag in lags]
+    best = None
+    for steps in (1.25**i for i in range(32)):  # 1 .. ~1000 steps
+        f = [1 - math.exp(-lag / steps) for lag in lags]
+        a, b = _least_squares_nonnegative(f, gamma)
+        error = sum((g - a - b * x) ** 2 for g, x in zip(gamma, f))
+        if best is None or error < best[0]:
+            best = (error, a, b, steps)
+    _, a, b, steps = best
+    return math.sqrt(a), math.sqrt(b), steps
+
+
+def _least_squares_nonnegative(f: list[float], y: list[float]) -> tuple[float, float]:
+    """``a, b >= 0`` minimising ``sum((y - a - b * f)**2)``."""
+    mf, my = sum(f) / len(f), sum(y) / len(y)
+    sff = sum((x - mf) ** 2 for x in f)
+    b = sum((x - mf) * (v - my) for x, v in zip(f, y)) / sff if sff > 0 else 0.0
+    a = my - b * mf
+    if b < 0:
+        return max(my, 0.0), 0.0
+    if a < 0:  # through the origin
+        return 0.0, max(sum(x * v for x, v in zip(f, y)) / max(sum(x * x for x in f), 1e-300), 0.0)
+    return a, b
 
 
 def _groups(trace: Trace, batch: int) -> list[list[int]]:
@@ -128,13 +176,18 @@ def _run_group(trace: Trace, prompts: list[int], choose, observe) -> tuple[float
 
 def replay(
     trace: Trace, batch: int, *, noise: float | None = None, seed: int = 0, passes: int = 5,
+    drift: float | None = None, drift_steps: float | None = None,
     controller: Callable[[Callable[[], float]], AdaptiveSpeculation] | None = None,
 ) -> ReplayRun:  # fmt: skip
     """The adaptive controller (``controller(clock)``, default ``AdaptiveSpeculation(clock=clock)``) on ``batch``
-    requests at a time: recorded seconds per timed pass and the mean chosen depth."""
+    requests at a time: recorded seconds per timed pass and the mean chosen depth. ``noise``, ``drift`` and
+    ``drift_steps`` default to the trace's."""
     if not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be an int >= 1, got {batch!r}")
-    clock = _NoisyClock(trace.relative_noise if noise is None else noise, seed)
+    clock = _NoisyClock(
+        trace.relative_noise if noise is None else noise, seed, trace.drift if drift is None else drift,
+        trace.drift_steps if drift_steps is None else drift_steps,
+    )  # fmt: skip
     ctl = controller(clock) if controller is not None else AdaptiveSpeculation(clock=clock)
     ctl.bind(trace.max_depth, trace.max_depth + 1)  # a chain: depth + 1 nodes
 
