@@ -32,8 +32,10 @@ Last, the batch sweep of adaptive speculation (``batch_sweep``): batch 1, 2, 4, 
 plain decoding, fixed draft chains K = 1..5 and the adaptive chain (K <= 8), plus n-gram K=5
 (adaptive and fixed) against plain decoding at temperature 1; thread time, interleaved, each
 (method, batch) the fastest of the repeats, and adaptive against the best of plain and fixed chains also as
-the median of paired per-round ratios (steadier on a noisy machine); a PNG line chart (``png_chart``: the venv has no
-matplotlib) of the ratios to plain decoding goes to ``--out``. ``--sweep-only`` runs just that.
+the median of paired per-round ratios (steadier on a noisy machine) and of held-out ones (each round against
+the method fastest in the other rounds: no winner's curse), n-gram T=1 against plain T=1 paired too; a PNG
+line chart (``png_chart``: the venv has no matplotlib) of the ratios to plain decoding goes to ``--out``.
+``--sweep-only`` runs just that.
 
     python bench/bench_e2e.py --quick            # CPU smoke run: 2 prompts, 32 tokens
     python bench/bench_e2e.py --dry-run          # the GPU check's rehearsal: 1 prompt, 8 tokens
@@ -380,6 +382,26 @@ def paired_ratio(rounds: dict[str, list[float]], references: list[str], label: s
     return statistics.median(ref / own for ref, own in zip(rounds[reference], rounds[label]))
 
 
+def held_out_ratio(rounds: dict[str, list[float]], references: list[str], label: str) -> float | None:
+    """``label``'s speed over the best reference, each round's ratio taken against the reference that was fastest
+    (median) in the other rounds; the median over rounds (None with fewer than 2 rounds).
+
+    ``paired_ratio`` picks the best reference from the same rounds it then compares with: among references a
+    few percent apart, the one picked was more often lucky in those rounds, so the ratio leans low (the winner's
+    curse). Here no round's ratio uses a reference chosen by that round's own times."""
+    import statistics
+
+    n = len(rounds[label])
+    if n < 2:
+        return None
+    ratios = []
+    for r in range(n):
+        others = {name: statistics.median(t for i, t in enumerate(rounds[name]) if i != r) for name in references}
+        reference = min(references, key=others.__getitem__)
+        ratios.append(rounds[reference][r] / rounds[label][r])
+    return statistics.median(ratios)
+
+
 def batch_sweep(
     target, draft, pool: list[list[int]], device: str, quick: bool, repeats: int, out: Path | None, only=None
 ):
@@ -439,7 +461,12 @@ def batch_sweep(
             label: (tokens / sum(best[label, g] for g in range(len(groups))), sum(d) / len(d))
             for label, d in depth.items()
         }
-        paired[batch] = paired_ratio(rounds, ["plain", *(f"K={k}" for k in fixed)], plan[len(fixed) + 1][0])
+        references, adaptive_name = ["plain", *(f"K={k}" for k in fixed)], plan[len(fixed) + 1][0]
+        paired[batch] = (
+            paired_ratio(rounds, references, adaptive_name),
+            held_out_ratio(rounds, references, adaptive_name),
+            paired_ratio(rounds, ["plain T=1"], "n-gram T=1 adaptive"),
+        )
     labels = list(results[batches[0]])
     fixed_labels = [f"K={k}" for k in fixed]
     adaptive_label = labels[len(fixed) + 1]
@@ -447,7 +474,8 @@ def batch_sweep(
         f"Batch sweep, embedded pair, {device}, greedy unless T=1, {new_tokens} tokens per request, fastest of "
         f"{repeats}: tokens/s and ratios (chains vs plain; n-gram T=1 vs plain T=1)",
         ["batch", "plain tok/s", *fixed_labels, "adaptive", "adaptive mean depth", "adaptive / best of plain+fixed",
-         "paired: adaptive / best", "plain T=1 tok/s", "n-gram T=1 adaptive", "n-gram T=1 fixed"],
+         "paired: adaptive / best", "held out: adaptive / best", "plain T=1 tok/s", "n-gram T=1 adaptive",
+         "n-gram T=1 fixed", "paired: n-gram T=1 adaptive / plain"],
     )  # fmt: skip
     series = {name: [] for name in [*fixed_labels, "adaptive", "n-gram T=1 adaptive", "n-gram T=1 fixed"]}
     for batch, r in results.items():
@@ -455,9 +483,12 @@ def batch_sweep(
         ratios = [r[f][0] / plain for f in fixed_labels]
         adaptive = r[adaptive_label][0] / plain
         ngram = [r["n-gram T=1 adaptive"][0] / plain_t1, r["n-gram T=1 fixed"][0] / plain_t1]
+        best_paired, held_out, ngram_paired = paired[batch]
         table.add(
             batch, plain, *[f"{x:.2f}x" for x in ratios], f"{adaptive:.2f}x", f"{r[adaptive_label][1]:.2f}",
-            f"{adaptive / max(1.0, *ratios):.2f}x", f"{paired[batch]:.2f}x", plain_t1, *[f"{x:.2f}x" for x in ngram],
+            f"{adaptive / max(1.0, *ratios):.2f}x", f"{best_paired:.2f}x",
+            "-" if held_out is None else f"{held_out:.2f}x", plain_t1, *[f"{x:.2f}x" for x in ngram],
+            f"{ngram_paired:.2f}x",
         )  # fmt: skip
         for name, v in zip(series, [*ratios, adaptive, *ngram]):
             series[name].append(v)

@@ -183,3 +183,17 @@ def test_the_benchmark_records_a_trace_and_replays_it(tmp_path):
     assert data["drift"] >= 0 and data["drift_steps"] >= 1 and data["relative_noise"] + data["drift"] > 0
     table = (tmp_path / "adaptive_replay.md").read_text()
     assert [line.split("|")[1].strip() for line in table.splitlines() if line[:3] in ("| 1", "| 2")] == ["1", "2"]
+
+
+def test_the_sweeps_held_out_ratio_never_picks_a_reference_by_the_round_it_compares():
+    """``bench_e2e.held_out_ratio``: each round against the reference fastest in the other rounds, where
+    ``paired_ratio`` takes the one fastest in all of them, that round included."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from bench_e2e import held_out_ratio, paired_ratio
+
+    rounds = {"a": [8.0, 12.0, 10.4], "b": [10.2, 10.2, 10.6], "adaptive": [10.0, 10.0, 10.0]}
+    # all rounds: b (median 10.2) beats a (10.4): ratios 1.02, 1.02, 1.06
+    assert paired_ratio(rounds, ["a", "b"], "adaptive") == pytest.approx(1.02)
+    # without round 1: a 11.2, b 10.4 -> b (1.02); without round 2: a 9.2 -> a (1.2); without round 3: a 10 -> a (1.04)
+    assert held_out_ratio(rounds, ["a", "b"], "adaptive") == pytest.approx(1.04)
+    assert held_out_ratio({"a": [1.0], "adaptive": [1.0]}, ["a"], "adaptive") is None
