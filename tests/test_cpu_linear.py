@@ -8,10 +8,11 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import generic_version_runs
+from helpers import generic_version_runs, tiny_config
 
 from specdec import use_backend
-from specdec.model import cpu_linear
+from specdec.decoding import DraftModelStrategy, SpeculativeDecoder
+from specdec.model import LlamaModel, cpu_linear
 from specdec.model.cpu_linear import PACK_MIN_ELEMENTS, linear_for, packed_linear, skinny_available, skinny_linear
 
 needs_onednn = pytest.mark.skipif(not cpu_linear.AVAILABLE, reason="this torch build has no oneDNN linear")
@@ -87,6 +88,28 @@ def test_few_rows_linear_sends_large_weights_and_few_rows_to_the_skinny_kernel(m
     for rows in (1, 2, cpu_linear.SKINNY_MAX_ROWS):
         cpu_linear.few_rows_linear(torch.randn(rows, 8), large)
     assert calls == [1, 2, cpu_linear.SKINNY_MAX_ROWS]
+
+
+@needs_skinny
+def test_a_decoder_packs_its_models_weights_when_built(monkeypatch):
+    """``SpeculativeDecoder`` makes the skinny packs of the target's and the draft's linear weights when it is built,
+    so their one-off cost does not land in the first decode step; with the Triton interpreter standing in for a
+    GPU (``F.linear`` throughout) or the PyTorch backend forced, nothing is packed."""
+    def fresh():
+        return LlamaModel(tiny_config(vocab_size=64)).requires_grad_(False)
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    target = fresh()
+    SpeculativeDecoder(target, None)
+    with use_backend("torch"):
+        SpeculativeDecoder(target, None)
+    assert not any(hasattr(w, "_specdec_skinny") for w in target.linear_weights())
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU user's default
+    target, draft = fresh(), fresh()
+    SpeculativeDecoder(target, DraftModelStrategy(draft, (1, 1)))
+    weights = target.linear_weights() + draft.linear_weights()
+    assert len(weights) == 2 * (4 * target.config.num_layers + 1)
+    assert all(hasattr(w, "_specdec_skinny") for w in weights)
 
 
 def _assert_linear(got, x, weight, bias=None):

@@ -51,6 +51,7 @@ from specdec.decoding.results import GenerationResult, RequestStats, StepOutput
 from specdec.decoding.run import DecodeRun
 from specdec.decoding.schedule import check_pool
 from specdec.decoding.strategy import NoDraft, Strategy
+from specdec.model.cpu_linear import pack_ahead
 from specdec.validation import InsufficientMemoryError, as_int
 
 
@@ -130,6 +131,8 @@ class SpeculativeDecoder:
             for model in models:
                 if model.cuda_graphs is None:
                     model.use_cuda_graphs()
+        for model in models:  # the packs' one-off cost here, not in the first decode step (and the controller's)
+            pack_ahead(model.linear_weights())
         self.cache_options = {"layout": cache_layout, "block_size": block_size}
         if num_blocks is not None:
             num_blocks = as_int("num_blocks", num_blocks, low=1)

@@ -21,11 +21,14 @@ to ``torch``), the forward stands in for a GPU's and keeps a GPU's GEMMs: ``F.li
 ``tests/test_launches.py`` counts).
 
 Both packs are made on a weight's first use and kept on the weight tensor itself: a pack lives as long
-as the weight and costs a second copy of it. It records the weight's version and storage, so a weight
-changed in place or swapped by loading is packed again, never served stale. Inference-mode weights (no
-version counter), float16/bfloat16, autograd and ``torch.compile`` (its graph keeps ``F.linear``) stay
-on ``F.linear``; so do weights below ``PACK_MIN_ELEMENTS`` on the oneDNN path (there the call's own cost
-wins). Results agree with ``F.linear`` up to float rounding (other summation orders), not bit for bit.
+as the weight and costs a second copy of it. A decoder makes its models' skinny packs when it is built
+(``pack_ahead``): made lazily, they landed in the first few-rows step, which then took 2-5x its time --
+the first plain step the adaptive controller measured, so plain decoding was priced out. A pack records
+the weight's version and storage, so a weight changed in place or swapped by loading is packed again,
+never served stale. Inference-mode weights (no version counter), float16/bfloat16, autograd and
+``torch.compile`` (its graph keeps ``F.linear``) stay on ``F.linear``; so do weights below
+``PACK_MIN_ELEMENTS`` on the oneDNN path (there the call's own cost wins). Results agree with ``F.linear``
+up to float rounding (other summation orders), not bit for bit.
 """
 
 from __future__ import annotations
@@ -109,6 +112,17 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return F.linear(x, weight, bias)
     packed = _pack(weight, "_specdec_onednn", lambda w: torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS))
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def pack_ahead(weights: list[torch.Tensor]) -> None:
+    """Make the skinny-kernel packs of the linear ``weights`` now, where ``linear_for`` would use them (float32 CPU
+    weights, the extension's kernel, no Triton interpreter standing in for a GPU), instead of on their first
+    few-rows forward."""
+    if _backend.forced_backend() == "torch" or _backend.interpreter_enabled() or not skinny_available():
+        return
+    for weight in weights:
+        if weight.dtype == torch.float32 and weight.device.type == "cpu":
+            skinny_pack(weight)
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

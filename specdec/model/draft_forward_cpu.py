@@ -121,13 +121,11 @@ def fused_forward(
 def model_arguments(model, cache) -> tuple:
     """The op's arguments from ``embed`` to ``num_heads``: the model's current weights and their skinny-kernel packs,
     its rotary table over the cache's capacity, the cache's tensors and the config's constants."""
-    config, weights, biases, linears = model.config, [], [], []
+    config, weights, biases, linears = model.config, [], [], model.linear_weights()
     for p in model._layer_params:
         weights += [p.input_norm["weight"], p.qkv["weight"], p.o["weight"], p.post_norm["weight"],
                     p.gate_up["weight"], p.down["weight"]]  # fmt: skip
         biases += [p.qkv["bias"], p.o["bias"], p.gate_up["bias"], p.down["bias"]]
-        linears += [p.qkv["weight"], p.o["weight"], p.gate_up["weight"], p.down["weight"]]
-    linears.append(model.lm_head_weight)
     packs, pack_rows = [], []
     if model.dtype == torch.float32 and cpu_linear.skinny_available():  # the model's own GEMM policy, in C++
         packs = [cpu_linear.skinny_pack(w) for w in linears]

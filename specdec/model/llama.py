@@ -106,6 +106,11 @@ class LlamaModel(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def linear_weights(self) -> list[torch.Tensor]:
+        """Every linear layer's weight, layer by layer (qkv, o, gate/up, down), then the LM head's."""
+        weights = [getattr(p, name)["weight"] for p in self._layer_params for name in ("qkv", "o", "gate_up", "down")]
+        return [*weights, self.lm_head_weight]
+
     @property
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
