@@ -25,6 +25,10 @@ controller measures both as it goes and re-decides every step:
   against one measured in a fast one. So each step of a shape measured before moves a running speed
   factor by part of how far it came from that shape's price, and every time is stored divided by the
   factor at its step: prices compare shapes at one speed (the first step's), whenever they were measured.
+  A shape's first step runs cold -- first-use costs such as kernels compiled or weights packed for a new
+  shape land in it (on the CPU the very first step took ~1.2x its later time, and before the decoder packed
+  its weights ahead the first plain step 2-5x) -- so it prices the shape only until the shape's next step
+  replaces it, and no step enters the fit at more than ``FIT_OUTLIER_CAP`` times the fit's prediction.
 * **Acceptance** (``AcceptanceModel``): per request and draft position i, the chance that node i is
   accepted given that i - 1 were, a running estimate (recent steps count more) seeded with the
   pooled estimate of every request so far, whose own prior is ``prior_acceptance`` at position 1
@@ -34,8 +38,8 @@ controller measures both as it goes and re-decides every step:
   that beats the batch's current tokens per second; that fill and the uniform depth L are priced
   as whole shapes, and the best of every L wins. 0 = plain decoding.
   The first measured steps are the strategy's full size, plain decoding, then half, a quarter, ...
-  of it down to one level (``warm_up_depths``), each measured once: the first choices are between
-  measured shapes, and a cost curve bent either way shows at once (at larger batches the best
+  of it down to one level, twice over (``warm_up_depths``: the first time cold, the second warm): the
+  first choices are between measured shapes, and a cost curve bent either way shows at once (at larger batches the best
   depth is often a short one, which a fit through the two ends prices worst); after that, on a fixed,
   deterministic schedule, an exploration step tries the variant of the choice (a level up or down
   for all or every other request, or any uniform depth) predicted fastest -- or none, when even
@@ -79,6 +83,7 @@ SKIPS_BEFORE_EXPLORING = 7
 # a step stalled by something else (a page fault, a preempted thread) must not reprice every shape.
 SPEED_GAIN = 0.5
 SPEED_ERROR_CAP = 0.25
+FIT_OUTLIER_CAP = 3.0  # a step slower than this many times the fit's price enters the fit at that price
 
 
 class StepCostModel:
@@ -115,13 +120,20 @@ class StepCostModel:
             self.prior_mean = [share * seconds / s for share, s in zip(PRIOR_SHARES, scale)]
             self.prior_precision = [w * s * s for w, s in zip(PRIOR_WEIGHTS, scale)]
         levels, shape = self._keys(x)
-        if self.theta is not None:  # the out-of-sample error of the linear part, at this level count
-            error = seconds - sum(t * v for t, v in zip(self.theta, x))
-            self.residual[levels] = RESIDUAL_DECAY * self.residual.get(levels, error) + (1 - RESIDUAL_DECAY) * error
-        mean = self.shape_mean.setdefault(shape, [0.0, 0.0, 0.0, 0.0])
-        mean[3] = SHAPE_DECAY * mean[3] + 1.0  # weights fade, then normalise: a first step counts no more than the next
-        for i, v in enumerate((seconds, x[CONTEXT], x[ROWS])):
-            mean[i] += (v - mean[i]) / mean[3]
+        mean = self.shape_mean.get(shape)
+        if mean is None:  # the shape's first step, cold: its price until the next step replaces it (weight 0)
+            self.shape_mean[shape] = [seconds, x[CONTEXT], x[ROWS], 0.0]
+        else:
+            mean[3] = SHAPE_DECAY * mean[3] + 1.0  # weights fade, then normalise: no step counts more than a later one
+            for i, v in enumerate((seconds, x[CONTEXT], x[ROWS])):
+                mean[i] += (v - mean[i]) / mean[3]
+        if self.theta is not None:
+            fitted = sum(t * v for t, v in zip(self.theta, x))
+            seconds = min(seconds, FIT_OUTLIER_CAP * fitted) if fitted > 0 else seconds
+            if mean is not None:  # the out-of-sample error of the linear part, at this level count (a warm step)
+                error = seconds - fitted
+                previous = self.residual.get(levels, error)
+                self.residual[levels] = RESIDUAL_DECAY * previous + (1 - RESIDUAL_DECAY) * error
         decay = self.decay
         self.moment = [decay * m + v * seconds for m, v in zip(self.moment, x)]
         self.gram = [[decay * g + v * w for g, w in zip(row, x)] for row, v in zip(self.gram, x)]
@@ -238,17 +250,17 @@ class AcceptanceModel:
 
 def warm_up_depths(max_depth: int) -> list[int]:
     """The uniform depths of the controller's first steps: the full size, plain decoding, then the full size
-    halved (rounding up) down to one level.
+    halved (rounding up) down to one level; twice, so each is measured once warm.
 
-    >>> warm_up_depths(8), warm_up_depths(5), warm_up_depths(1)
-    ([8, 0, 4, 2, 1], [5, 0, 3, 2, 1], [1, 0])
+    >>> warm_up_depths(8), warm_up_depths(1)
+    ([8, 0, 4, 2, 1, 8, 0, 4, 2, 1], [1, 0, 1, 0])
     """
     ladder = [max_depth, 0]
     depth = max_depth
     while depth > 1:
         depth = (depth + 1) // 2
         ladder.append(depth)
-    return ladder
+    return ladder * 2
 
 
 class AdaptiveSpeculation:
@@ -349,31 +361,32 @@ class AdaptiveSpeculation:
         return min(self.max_nodes, self._nodes_seen.get(depth, depth + 1))
 
     def _prices(self, running, caps) -> tuple[list[list[float]], list[int]]:
-        """What pricing this step's shapes needs, computed once per step: per running request the chance that
-        its first i drafts are all accepted (i = 1 .. its cap), and the nodes of a d-level tree (d = 0 .. the
-        largest cap)."""
+        """What pricing this step's shapes needs, computed once per step: per running request the tokens it is
+        expected to emit when drafting d levels (d = 0 .. its cap: 1 plus the chances that its first 1, 2, ..
+        drafts are all accepted), and the nodes of a d-level tree (d = 0 .. the largest cap)."""
         top = max(caps, default=0)
         pooled = self.acceptance.pooled_rates(top)
-        reaches = []
+        expected = []
         for b, cap in zip(running, caps):
-            reach, row = 1.0, []
+            reach, row = 1.0, [1.0]
             for rate in self.acceptance.rates(b, pooled[:cap]):
                 reach *= rate
-                row.append(reach)
-            reaches.append(row)
-        return reaches, [self.nodes(d) for d in range(top + 1)]
+                row.append(row[-1] + reach)
+            expected.append(row)
+        return expected, [self.nodes(d) for d in range(top + 1)]
 
     def _best(self, prices, caps, contexts) -> list[int]:
         """The depths maximising expected tokens / predicted seconds (see the module docstring)."""
-        reaches, rows = prices
+        expected, rows = prices
         top = max(caps, default=0)
         theta = self.cost.theta
         per_row, per_context_row = max(theta[4], 0.0), max(theta[6], 0.0) / 1024
         # Items (ratio, request index, depth, gain, cost): the i-th draft level of a request.
         items = []
-        for r, (request_reaches, ctx) in enumerate(zip(reaches, contexts)):
+        for r, (tokens_by_depth, ctx) in enumerate(zip(expected, contexts)):
             ratio_cap = math.inf
-            for i, reach in enumerate(request_reaches, start=1):
+            for i in range(1, len(tokens_by_depth)):
+                reach = tokens_by_depth[i] - tokens_by_depth[i - 1]  # the chance its first i drafts are accepted
                 cost = max((rows[i] - rows[i - 1]) * (per_row + per_context_row * ctx), 1e-12)
                 ratio_cap = min(ratio_cap, reach / cost)  # a deeper level never goes before a shallower one
                 items.append((ratio_cap, -i, r, reach, cost))
@@ -441,10 +454,6 @@ class AdaptiveSpeculation:
 
     def _rate(self, prices, depths: Sequence[int], contexts) -> float:
         """Expected tokens per predicted second of a step drafting ``depths`` (``prices``: ``_prices``)."""
-        reaches, rows = prices
-        tokens = 0.0
-        for request_reaches, d in zip(reaches, depths):
-            tokens += 1.0
-            for reach in request_reaches[:d]:
-                tokens += reach
+        expected, rows = prices
+        tokens = sum(row[d] for row, d in zip(expected, depths))
         return tokens / self._seconds(rows, depths, contexts)
