@@ -183,8 +183,11 @@ def test_the_benchmark_records_a_trace_and_replays_it(tmp_path):
     assert all(len(row) == data["new_tokens"] and set(row) <= {0, 1, 2} for row in data["matches"])
     assert {(b, d, h) for b, d, h, _ in data["costs"]} == {(1, 0, 1), (1, 1, 1), (1, 2, 1), (2, 0, 2), (2, 1, 2),
                                                             (2, 1, 1), (2, 2, 2), (2, 2, 1)}  # fmt: skip
-    assert all(seconds > 0 for *_, seconds in data["costs"]) and data["relative_noise"] > 0
-    assert data["drift"] >= 0 and data["drift_steps"] >= 1 and data["relative_noise"] + data["drift"] > 0
+    assert all(seconds > 0 for *_, seconds in data["costs"])
+    # Step times vary: the fit puts it in the independent noise, the drift or both (on a loaded machine, with few
+    # steps, a drift over about one step can take all of it).
+    assert data["relative_noise"] >= 0 and data["drift"] >= 0 and data["relative_noise"] + data["drift"] > 0
+    assert data["drift_steps"] >= 1
     table = (tmp_path / "adaptive_replay.md").read_text()
     assert [line.split("|")[1].strip() for line in table.splitlines() if line[:3] in ("| 1", "| 2")] == ["1", "2"]
 
