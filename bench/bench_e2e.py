@@ -423,14 +423,15 @@ def batch_sweep(
     batches, new_tokens = ((1, 4), 16) if quick else (SWEEP_BATCHES, 48)
     batches = tuple(only) if only else batches  # --batches
     fixed = SWEEP_FIXED[::2] if quick else SWEEP_FIXED
+    fixed_labels, adaptive_label = [f"K={k}" for k in fixed], f"adaptive K<={SWEEP_ADAPTIVE_MAX}"
     now = clock(device)
 
     def methods():
-        chain = [(f"K={k}", DraftModelStrategy(draft, (1,) * k), False, 0.0) for k in fixed]
+        chain = [(label, DraftModelStrategy(draft, (1,) * k), False, 0.0) for label, k in zip(fixed_labels, fixed)]
         adaptive = AdaptiveSpeculation(clock=step_clock)
         return [
             ("plain", None, False, 0.0), *chain,
-            (f"adaptive K<={SWEEP_ADAPTIVE_MAX}", DraftModelStrategy(draft, (1,) * SWEEP_ADAPTIVE_MAX), adaptive, 0.0),
+            (adaptive_label, DraftModelStrategy(draft, (1,) * SWEEP_ADAPTIVE_MAX), adaptive, 0.0),
             ("plain T=1", None, False, 1.0),
             ("n-gram T=1 adaptive", NgramStrategy(5), AdaptiveSpeculation(clock=step_clock), 1.0),
             ("n-gram T=1 fixed", NgramStrategy(5), False, 1.0),
@@ -461,15 +462,11 @@ def batch_sweep(
             label: (tokens / sum(best[label, g] for g in range(len(groups))), sum(d) / len(d))
             for label, d in depth.items()
         }
-        references, adaptive_name = ["plain", *(f"K={k}" for k in fixed)], plan[len(fixed) + 1][0]
         paired[batch] = (
-            paired_ratio(rounds, references, adaptive_name),
-            held_out_ratio(rounds, references, adaptive_name),
+            paired_ratio(rounds, ["plain", *fixed_labels], adaptive_label),
+            held_out_ratio(rounds, ["plain", *fixed_labels], adaptive_label),
             paired_ratio(rounds, ["plain T=1"], "n-gram T=1 adaptive"),
         )
-    labels = list(results[batches[0]])
-    fixed_labels = [f"K={k}" for k in fixed]
-    adaptive_label = labels[len(fixed) + 1]
     table = Table(
         f"Batch sweep, embedded pair, {device}, greedy unless T=1, {new_tokens} tokens per request, fastest of "
         f"{repeats}: tokens/s and ratios (chains vs plain; n-gram T=1 vs plain T=1)",
