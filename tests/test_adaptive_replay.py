@@ -83,7 +83,7 @@ def test_under_drift_the_speed_factor_keeps_the_controller_nearer_the_best():
     trace = Trace.load(TRACE)
 
     class NoSpeedFactor(StepCostModel):
-        def _at_first_speed(self, x, seconds):
+        def _at_first_speed(self, x, seconds, mean):
             return seconds
 
     def without_factor(clock):

@@ -39,12 +39,12 @@ controller measures both as it goes and re-decides every step:
   as whole shapes, and the best of every L wins. 0 = plain decoding.
   The first measured steps are the strategy's full size, plain decoding, then half, a quarter, ...
   of it down to one level, twice over (``warm_up_depths``: the first time cold, the second warm): the
-  first choices are between measured shapes, and a cost curve bent either way shows at once (at larger batches the best
-  depth is often a short one, which a fit through the two ends prices worst); after that, on a fixed,
-  deterministic schedule, an exploration step tries the variant of the choice (a level up or down
-  for all or every other request, or any uniform depth) predicted fastest -- or none, when even
-  that one is predicted well below the choice (but at least every eighth time), so exploring drafts
-  nobody accepts stays rare.
+  first choices are between measured shapes, and a cost curve bent either way shows at once (at
+  larger batches the best depth is often a short one, which a fit through the two ends prices
+  worst); after that, on a fixed, deterministic schedule, an exploration step tries the variant of
+  the choice (a level up or down for all or every other request, or any uniform depth) predicted
+  fastest -- or none, when even that one is predicted well below the choice (but at least every
+  eighth time), so exploring drafts nobody accepts stays rare.
 
 Timing adds no synchronisation: the engine reads the host clock at the start of a step and right
 after the step's one read-back (which waits for the device anyway), so the time between the two is
@@ -114,13 +114,13 @@ class StepCostModel:
         return [1.0, float(requests), drafting, drafting * requests, rows, float(levels), context_rows / 1024]
 
     def observe(self, x: Sequence[float], seconds: float) -> None:
-        seconds = self._at_first_speed(x, seconds)
+        levels, shape = self._keys(x)
+        mean = self.shape_mean.get(shape)
+        seconds = self._at_first_speed(x, seconds, mean)
         if self.prior_mean is None:  # the first step sets the scale of the prior
             scale = [max(v, 1.0) for v in x]
             self.prior_mean = [share * seconds / s for share, s in zip(PRIOR_SHARES, scale)]
             self.prior_precision = [w * s * s for w, s in zip(PRIOR_WEIGHTS, scale)]
-        levels, shape = self._keys(x)
-        mean = self.shape_mean.get(shape)
         if mean is None:  # the shape's first step, cold: its price until the next step replaces it (weight 0)
             self.shape_mean[shape] = [seconds, x[CONTEXT], x[ROWS], 0.0]
         else:
@@ -140,12 +140,12 @@ class StepCostModel:
         self.steps += 1
         self.theta = self._solve()
 
-    def _at_first_speed(self, x: Sequence[float], seconds: float) -> float:
+    def _at_first_speed(self, x: Sequence[float], seconds: float, mean: list[float] | None) -> float:
         """``seconds`` divided by the machine's speed factor, after moving the factor by this step's error when its
-        shape was measured before (an unmeasured shape's error is the fit's, not the machine's)."""
-        mean = self.shape_mean.get(self._keys(x)[1])
+        shape was measured before (``mean``: the shape's running mean, None for an unmeasured shape, whose error
+        is the fit's, not the machine's)."""
         if mean is not None:
-            error = math.log(max(seconds, 1e-12) / max(self.predict(x), 1e-12)) - self.log_speed
+            error = math.log(max(seconds, 1e-12) / max(self._own_price(x, mean), 1e-12)) - self.log_speed
             error = max(-SPEED_ERROR_CAP, min(SPEED_ERROR_CAP, error))
             self.log_speed += SPEED_GAIN * mean[3] / (mean[3] + 1) * error
         return seconds * math.exp(-self.log_speed)
@@ -157,11 +157,16 @@ class StepCostModel:
         follows, and a residual against a moving fit goes stale; a shape's own mean does not."""
         levels, shape = self._keys(x)
         mean = self.shape_mean.get(shape)
-        if mean is not None:  # measured: its own mean, moved by the fitted terms to these extra rows and context
-            theta = self.theta
-            rows, context = x[ROWS] - mean[2], x[CONTEXT] - mean[1]
-            return mean[0] + max(theta[ROWS], 0.0) * rows + max(theta[CONTEXT], 0.0) * context
+        if mean is not None:
+            return self._own_price(x, mean)
         return sum(t * v for t, v in zip(self.theta, x)) + self.residual.get(levels, 0.0)
+
+    def _own_price(self, x: Sequence[float], mean: list[float]) -> float:
+        """A measured shape's price: its own running mean, moved by the fitted terms to ``x``'s extra rows and
+        context."""
+        theta = self.theta
+        rows, context = x[ROWS] - mean[2], x[CONTEXT] - mean[1]
+        return mean[0] + max(theta[ROWS], 0.0) * rows + max(theta[CONTEXT], 0.0) * context
 
     @staticmethod
     def _keys(x: Sequence[float]) -> tuple[int, tuple[int, int, int]]:
