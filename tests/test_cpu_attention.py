@@ -161,6 +161,37 @@ def test_tree_attention_takes_the_kernel_for_views(cpu_default, kernel_calls, tr
     assert_close(out, expected, ATOL, RTOL, f"tree={tree}")
 
 
+@uses_kernel
+@pytest.mark.parametrize("tree", [False, True])
+def test_ragged_query_counts_take_the_kernel_too(cpu_default, kernel_calls, tree):
+    """Requests with different query counts (an adaptive step's ragged depths) run the kernel on q gathered into
+    the padded slots, and only the real rows come back: chains and trees against the float64 oracle, with the
+    cache past every request's context poisoned with NaN."""
+    gen = torch.Generator().manual_seed(11)
+    prefixes, counts = [40, 17, 63, 5], [3, 1, 6, 2]
+    cache_shape = (5, 80, 4, 32)
+    k_cache, v_cache = torch.randn(cache_shape, generator=gen), torch.randn(cache_shape, generator=gen)
+    for b, (prefix, count) in enumerate(zip(prefixes, counts)):
+        k_cache[b, prefix + count :] = 1e30  # finite but absurd: a padded slot reading them must not leak out
+        v_cache[b, prefix + count :] = 1e30
+    offsets = torch.tensor([0, 3, 4, 10, 12], dtype=torch.int32)
+    q = torch.randn(int(offsets[-1]), 8, 32, generator=gen)
+    mask = None
+    if tree:
+        parents = torch.tensor([-1, 0, 0] + [-1] + [-1, 0, 1, 1, 0, 4] + [-1, 0], dtype=torch.int32)
+        mask = build_tree_metadata(parents, offsets).ancestor_mask
+    plan = plan_attention(
+        offsets, torch.tensor(prefixes, dtype=torch.int32), num_tokens=int(offsets[-1]), num_heads=8,
+        cache_shape=cache_shape, dtype=torch.float32, tree_mask=mask, causal=mask is None, finite_cache=True,
+    )  # fmt: skip
+    assert plan.backend == "torch" and plan.query_rows is not None and plan.kv_rows is None
+    out = run_attention(q, k_cache, v_cache, plan, torch.full_like(q, math.nan))
+    assert kernel_calls == [(len(prefixes) * max(counts), 8, 32)]
+    expected, _ = tree_attention_reference(q, k_cache, v_cache, offsets, torch.tensor(prefixes, dtype=torch.int32),
+                                           mask, None, 32**-0.5)  # fmt: skip
+    assert_close(out, expected, ATOL, RTOL, f"ragged, tree={tree}")
+
+
 @needs_kernel
 @pytest.mark.parametrize("case", ["lse", "bfloat16", "gathered", "torch backend", "no AVX2"])
 def test_where_the_kernel_does_not_apply_sdpa_runs(cpu_default, kernel_calls, monkeypatch, case):

@@ -11,8 +11,9 @@ of the request.
 ``applies`` says when the kernel runs: float32 CPU tensors, the extension built with the op, an x86
 CPU with AVX2 + FMA (``vector_cpu``), the backend not forced to ``torch`` (``SPECDEC_BACKEND=torch``
 keeps plain PyTorch, as for the skinny GEMMs), and eager mode (a ``torch.compile`` graph keeps SDPA).
-``tree_attention_torch`` asks it only for the plan's view layout (uniform query counts, a finite
-contiguous cache: what decoding and chains run); gathered layouts and the log-sum-exp stay on SDPA.
+``tree_attention_torch`` asks it when the plan reads a finite contiguous cache as a view (what decoding, chains
+and trees run; ragged query counts are gathered into their padded slots first); gathered caches and the
+log-sum-exp stay on SDPA.
 Results agree with SDPA up to float32 rounding.
 """
 

@@ -10,8 +10,9 @@ real rows back into ``out``. ``n_max`` and ``L_max`` are host bounds, so every s
 from host sizes and the plan needs no device read. Where the caller knows more, the gathers
 go: with uniform query counts the padded layout is q itself (a view), and a finite
 contiguous cache is read as a view of its first ``L_max`` positions (``attention_plan``).
-In that view layout float32 CPU tensors run the extension's kernel instead of SDPA
-(``cpu_attention``: torch's CPU flash kernel is slow at a few queries per request).
+With the cache as a view, float32 CPU tensors run the extension's kernel instead of SDPA
+(``cpu_attention``: torch's CPU flash kernel is slow at a few queries per request), ragged
+query counts too (q gathered into its padded slots and the real rows taken back).
 
 A request whose context is shorter than ``L_max`` re-reads its own last position in the
 padding (never stale or uninitialised cache memory, whose NaN bits would poison the
@@ -119,8 +120,14 @@ def tree_attention_torch(q, k_cache, v_cache, q_offsets, prefix_lens, tree_start
         return
     if attn_bias is None:
         raise RuntimeError("this attention plan was built for the triton backend; plan again for torch")
-    if lse is None and query_rows is None and kv_rows is None and cpu_attention.applies(q):  # views: the C++ kernel
-        cpu_attention.padded_attention(q, k_cache, v_cache, attn_bias, softmax_scale, out)
+    if lse is None and kv_rows is None and cpu_attention.applies(q):  # the cache as a view: the C++ kernel
+        if query_rows is None:
+            cpu_attention.padded_attention(q, k_cache, v_cache, attn_bias, softmax_scale, out)
+        else:  # ragged query counts (an adaptive step's depths): pad q, attend, keep the real rows
+            padded = q.index_select(0, query_rows.flatten())
+            padded_out = torch.empty_like(padded)
+            cpu_attention.padded_attention(padded, k_cache, v_cache, attn_bias, softmax_scale, padded_out)
+            torch.index_select(padded_out, 0, token_slots, out=out)
         return
     batch, _, n_max, length = attn_bias.shape
     heads, head_dim = q.shape[1], q.shape[2]
