@@ -223,6 +223,7 @@ class SimulatedTiming:
         self.inner, self.clock, self.costs = inner, clock, (step_s, row_s, level_s)
         self.name, self.max_nodes, self.max_depth = inner.name, inner.max_nodes, inner.max_depth
         self.attach, self.prefill, self.commit = inner.attach, inner.prefill, inner.commit
+        self.prepare = getattr(inner, "prepare", None)
 
     def propose(self, step):
         proposal = self.inner.propose(step)
@@ -241,6 +242,33 @@ def simulated_decoder(target, strategy, step_s=10.0, row_s=1.0, level_s=0.5, **o
 def pair():
     target = random_model(tiny_config(), seed=0)
     return target, noisy_copy(target, 1, 0.3)
+
+
+class RecordsStepTimes(AdaptiveSpeculation):
+    def observe(self, running, nodes, depths, accepted, contexts):
+        self.seconds = getattr(self, "seconds", []) + [self.clock() - self._started]
+        super().observe(running, nodes, depths, accepted, contexts)
+
+
+def test_a_strategys_prepare_is_not_timed_as_the_steps_cost(pair):
+    """Work a strategy owes from earlier steps (``prepare``: the draft's deferred prefill) runs after the choice and
+    before the step's clock starts, so no step shape is priced by it."""
+    target, draft = pair
+    clock = ManualClock()
+    timed = SimulatedTiming(DraftModelStrategy(draft, (1,) * 3), clock, 10.0, 1.0, 0.5)
+    prepared = []
+
+    def prepare(step):  # "takes" 1000 each step
+        prepared.append(max(step.max_depth))
+        clock.now += 1000.0
+        timed.inner.prepare(step)
+
+    timed.prepare = prepare
+    ctl = RecordsStepTimes(clock=clock)
+    result = SpeculativeDecoder(target, timed, adaptive=ctl).generate([[3, 9, 4, 3, 9, 4, 3]] * 2, max_new_tokens=20,
+                                                                      eos_token_id=None)  # fmt: skip
+    assert len(prepared) == len(ctl.seconds) == result.stats[0].target_forwards - 1  # once a step, the prefill's not
+    assert all(s < 100 for s in ctl.seconds), ctl.seconds
 
 
 @pytest.mark.parametrize("strategy", ["chain", "tree", "ngram", "medusa", "eagle2", "eagle1"])

@@ -9,8 +9,15 @@ import torch
 from helpers import noisy_copy, random_model, tiny_config
 from sampling_helpers import assert_sequences_follow, model_joint
 
-from specdec.decoding import DraftModelStrategy, NgramStrategy, SpeculativeDecoder, check_same_vocabulary
+from specdec.decoding import (
+    AdaptiveSpeculation,
+    DraftModelStrategy,
+    NgramStrategy,
+    SpeculativeDecoder,
+    check_same_vocabulary,
+)
 from specdec.decoding.autoregressive import generate as autoregressive_generate
+from specdec.decoding.draft_model import FOLD_MISSING
 
 pytestmark = pytest.mark.usefixtures("torch_backend")
 
@@ -63,8 +70,10 @@ def test_autoregressive_engine_equals_reference_loop_with_paged_cache(pair):
 
 
 def test_a_draft_tree_feeds_each_level_once(pair):
-    """Level 0 feeds the last committed token and the root; each later level only its own nodes, as tree
-    queries over the levels already in the draft cache (tree_start), never the tree so far again."""
+    """Level 0 feeds the tokens the draft cache missed (the last accepted path but its last node: a tree's levels
+    are cut after drafting), the last committed token and the root, the same number for every request; each later
+    level only its own nodes, as tree queries over the levels already in the draft cache (tree_start), never the
+    tree so far again, and no catch-up forward of its own."""
     target, draft = pair
     calls, forward = [], draft.forward
 
@@ -79,13 +88,63 @@ def test_a_draft_tree_feeds_each_level_once(pair):
             target, DraftModelStrategy(draft, (3, 2, 1), rule="deterministic"), adaptive=False
         ).stream(prompts, max_new_tokens=30, eos_token_id=None)
         next(steps)
-        for _ in range(3):
+        assert max(map(len, prompts)) - 1 > FOLD_MISSING  # the first step feeds the prompts as their own forward
+        calls.clear()
+        emitted = next(steps).tokens
+        assert calls == [(sum(len(p) - 1 for p in prompts), False), (2 * 3, False), (3 * 3, True), (6 * 3, True)]
+        for _ in range(4):
             calls.clear()
-            next(steps)
-            assert calls[-3:] == [(2 * 3, False), (3 * 3, True), (6 * 3, True)], calls
-            assert len(calls) <= 4, "at most a catch-up of the accepted path before the levels"
+            missed = max(max(len(t) - 2, 0) for t in emitted)  # a + 1 tokens emitted: a - 1 of them missed
+            emitted = next(steps).tokens
+            assert calls == [((missed + 2) * 3, False), (3 * 3, True), (6 * 3, True)], calls
     finally:
         del draft.forward
+
+
+class DraftsEveryOtherStep(AdaptiveSpeculation):
+    """Chooses a chain of 2 and plain decoding in turn (an adaptive controller's switch, made deterministic)."""
+
+    def start(self):
+        super().start()
+        self.steps = 0
+
+    def choose(self, running, limits, contexts):
+        self._started, self.steps = self.clock(), self.steps + 1
+        return [min(limit, 2 * (self.steps % 2)) for limit in limits]
+
+    def observe(self, running, nodes, depths, accepted, contexts):
+        pass
+
+
+def test_a_chain_after_a_plain_step_feeds_the_missed_token_in_its_first_forward(pair):
+    """The prompts reach the draft at the first step that drafts, as a forward of their own (none at the prefill). A
+    step that drafted nothing left the draft cache one token short; the next chain's first forward feeds it with
+    the last committed token and the root (3 rows per request), not as a forward of its own. The greedy text stays
+    the target's."""
+    target, draft = pair
+    prompts = prompts_of(3)
+    calls, forward = [], draft.forward
+
+    def recording(tokens, positions, metadata, cache, logits_rows=None):
+        calls.append(tokens.numel())
+        return forward(tokens, positions, metadata, cache, logits_rows)
+
+    draft.forward = recording
+    try:
+        decoder = SpeculativeDecoder(target, DraftModelStrategy(draft, (1, 1)), adaptive=DraftsEveryOtherStep())
+        steps = decoder.stream(prompts, max_new_tokens=30, eos_token_id=None)
+        next(steps)
+        assert calls == [] and max(map(len, prompts)) - 1 > FOLD_MISSING  # the prefill: no draft forward
+        next(steps)
+        assert calls == [sum(len(p) - 1 for p in prompts), 2 * 3, 3]
+        for step in range(6):
+            calls.clear()
+            next(steps)
+            assert calls == ([] if step % 2 == 0 else [3 * 3, 3]), (step, calls)
+    finally:
+        del draft.forward
+    expected = autoregressive_generate(target, prompts, max_new_tokens=30, eos_token_id=None)
+    assert decoder.generate(prompts, max_new_tokens=30, eos_token_id=None).tokens == expected
 
 
 def test_draft_equal_to_target_accepts_every_draft(pair):

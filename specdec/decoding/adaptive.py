@@ -341,6 +341,12 @@ class AdaptiveSpeculation:
         self._started = self.clock()
         return choice
 
+    def restart_clock(self) -> None:
+        """The step starts now: what ran since ``choose`` (a strategy's ``prepare``: work owed from earlier steps,
+        such as a deferred prefill) is not its cost. On a GPU that work's kernels may still be running: they land
+        in the step's time anyway, as a cold step's would."""
+        self._started = self.clock()
+
     def observe(self, running: Sequence[int], nodes: Sequence[int], depths: Sequence[int],
                 accepted: Sequence[int | None], contexts: Sequence[int]) -> None:  # fmt: skip
         """After the step's read-back: the trees' sizes (``nodes``, ``depths``), what was accepted (None for a

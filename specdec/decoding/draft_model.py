@@ -1,13 +1,15 @@
 """Drafts from a smaller LLaMA-style model: chains (Leviathan; Chen) and token trees (SpecInfer).
 
-The draft keeps its own KV cache. At the start of every step it holds the committed
-text except the last committed token (length ``L - 1`` where the target holds ``L``);
-its first forward re-feeds that token together with the new root, so each step has
-the same shape whatever was accepted last time (re-writing a cached token's K/V
-rewrites the same values). After verification the engine calls ``commit`` and the
-draft cache is cut back to ``L' - 1`` -- its rollback mirrors the target's. Tokens the
-cache missed (a tree's accepted nodes; a step that drafted nothing) are fed before the
-next draft.
+The draft keeps its own KV cache. When a step drafts, it holds the committed text
+except the last committed token (length ``L - 1`` where the target holds ``L``) once
+it has caught up; its first forward re-feeds that token together with the new root, so
+each step has the same shape whatever was accepted last time (re-writing a cached
+token's K/V rewrites the same values). After verification the engine calls ``commit``
+and the draft cache is cut back to at most ``L' - 1`` -- its rollback mirrors the target's.
+Tokens the cache missed (a tree's accepted nodes; a step that drafted nothing) are fed
+with the next draft's first forward, ahead of the last committed token and the root; a
+longer gap -- the prompt, fed at the first step that drafts rather than at the prefill,
+or many plain steps -- is fed by ``prepare`` as a forward of its own.
 
 Chains decode K tokens one forward at a time, each sampled from the draft's own
 filtered distribution ``q`` (recorded for verification; one-hot for greedy
@@ -40,6 +42,9 @@ from specdec.model.attention_metadata import AttentionMetadata, causal_positions
 from specdec.model.draft_forward_cpu import draft_chain_greedy, fused_available, fused_forward
 
 DRAFT_SEED_SALT = 0x5DEECE66D  # keeps draft sampling independent of the verification uniforms
+# Tokens the draft cache missed (a step that drafted nothing, a tree's accepted path) fed in the step's first draft
+# forward, up to this many per request; a longer catch-up is a forward of its own.
+FOLD_MISSING = 4
 
 
 class DraftModelStrategy:
@@ -112,19 +117,19 @@ class DraftModelStrategy:
         check_same_vocabulary(target, self.draft)
 
     def prefill(self, prefill: Prefill) -> None:
-        """Allocate the draft cache and run every prompt but its last token through the draft."""
-        device, prompts = self.draft.device, prefill.prompts
-        self.cache = self.draft.new_cache(len(prompts), prefill.max_len, **prefill.cache_options)
-        counts = [max(len(p) - 1, 0) for p in prompts]
-        self.lengths = list(counts)  # host copy of the draft cache's committed lengths
-        if sum(counts) == 0:
+        """Allocate the draft cache, empty: the prompts are fed at the first step that drafts (``prepare``), so a
+        stream the adaptive controller decodes plainly never runs the draft."""
+        self.cache = self.draft.new_cache(len(prefill.prompts), prefill.max_len, **prefill.cache_options)
+        self.lengths = [0] * len(prefill.prompts)  # host copy of the draft cache's committed lengths
+
+    def prepare(self, step: StepContext) -> None:
+        """Before a step that drafts, outside its timing (the contract's optional hook): feed what the draft cache
+        missed beyond ``FOLD_MISSING`` per request -- the deferred prompt, or a long run of plain steps -- as one
+        forward; shorter gaps ride in the step's first draft forward (``_first_rows``)."""
+        if max(step.max_depth) <= 0 or max(step.max_nodes) <= 1:
             return
-        tokens = to_device([t for p in prompts for t in p[:-1]], torch.int64, device)
-        q_offsets = offsets_to_device(counts, device)
-        self.cache.reserve(counts)
-        positions = causal_positions(q_offsets, self.cache.seq_lens, sum(counts))
-        self.draft(tokens, positions, AttentionMetadata(q_offsets), self.cache, logits_rows=_no_rows(device))
-        self.cache.advance(counts)
+        if max(len(h) - 2 - self.lengths[b] for b, h in zip(step.running, step.histories)) > FOLD_MISSING:
+            self._catch_up(step)
 
     def propose(self, step: StepContext) -> Proposal:
         """Trees for ``step.running``: the template's BFS prefix within each request's depth and node limits."""
@@ -165,14 +170,14 @@ class DraftModelStrategy:
         """[R, k+1] tokens (root first) and [R, k+1, V] child distributions (None for a greedy step: every q
         is one-hot at the draft's argmax), one forward per token."""
         device, rows = self.draft.device, len(step.running)
-        self._catch_up(step)
+        first = self._first_rows(step)
         slots = self._fused_slots(step)  # sampled: one fused forward per draft
         if step.greedy and slots is not None:
-            return self._fused_chain(step, k, slots), None
-        feed = _start_pairs(step, device)
-        tokens, probs = [feed.view(rows, 2)[:, 1]], []
+            return self._fused_chain(step, k, slots, first), None
+        feed = first.flatten()
+        tokens, probs = [first[:, -1]], []
         for j in range(k):
-            per_request = 2 if j == 0 else 1
+            per_request = first.shape[1] if j == 0 else 1
             if j < 2:  # the same layout for every later draft token
                 counts = step.full_counts(per_request)
                 added = to_device(counts, torch.int32, device)  # committed on the device: no upload per token
@@ -207,43 +212,42 @@ class DraftModelStrategy:
             return to_device(step.running, torch.int64, self.draft.device)
         return None
 
-    def _fused_chain(self, step, k: int, slots: torch.Tensor) -> torch.Tensor:
-        """``_draft_chain``'s greedy tokens from one C++ call (``specdec.model.draft_forward_cpu``): the same K + 1
-        cache rows per request, reserved and committed once instead of per forward."""
-        device, rows = self.draft.device, len(step.running)
-        counts = step.full_counts(k + 1)
+    def _fused_chain(self, step, k: int, slots: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        """``_draft_chain``'s greedy tokens from one C++ call (``specdec.model.draft_forward_cpu``): the same cache
+        rows per request (``first``'s and the first k - 1 drafts'), reserved and committed once instead of per
+        forward."""
+        counts = step.full_counts(first.shape[1] + k - 1)
         self.cache.reserve(counts)
-        first = _start_pairs(step, device)
-        first = first.view(rows, 2)
         drafts, _ = draft_chain_greedy(self.draft, self.cache, first, slots, k)
-        self.cache.advance(to_device(counts, torch.int32, device))
+        self.cache.advance(to_device(counts, torch.int32, self.draft.device))
         for b in step.running:
             self.lengths[b] += k + 1
-        return torch.cat((first[:, 1:], drafts), dim=1)
+        return torch.cat((first[:, -1:], drafts), dim=1)
 
     def _draft_tree(self, step, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[R, n] template tokens and ([R, n, V] child distributions, or None for the deterministic rule and
         greedy steps), one forward per level, each over that level's nodes only."""
         device, rows = self.draft.device, len(step.running)
         parents, depth = self.parents[:n], self.depth[:n]
-        self._catch_up(step)
+        first = self._first_rows(step)
         tokens = torch.zeros(rows, n, dtype=torch.int64, device=device)
         tokens[:, 0] = to_device(step.roots, torch.int64, device)
         sampled = self.rule == "stochastic" and not step.greedy  # greedy: every q is one-hot, no probs kept
         probs = torch.zeros(rows, n, self.draft.config.vocab_size, device=device) if sampled else None
         slots = self._fused_slots(step)  # one fused forward per level
-        # Level 0: the last committed token and the root, causal; they are committed text, so the cache keeps them.
-        counts = step.full_counts(2)
+        # Level 0: up to the root, causal (``_first_rows``); they are committed text, so the cache keeps them.
+        per_request = first.shape[1]
+        counts = step.full_counts(per_request)
         self.cache.reserve(counts)
-        feed = _start_pairs(step, device)
         if slots is not None:
-            logits = fused_forward(self.draft, self.cache, feed.view(rows, 2), slots)
+            logits = fused_forward(self.draft, self.cache, first, slots)
         else:
             q_offsets = offsets_to_device(counts, device)
-            uniform = 2 if len(self.lengths) == rows else None  # every slot running
-            positions = causal_positions(q_offsets, self.cache.seq_lens, 2 * rows, per_request=uniform)
-            root_rows = torch.arange(1, 2 * rows, 2, device=device)
-            logits, _ = self.draft(feed, positions, AttentionMetadata(q_offsets), self.cache, logits_rows=root_rows)
+            uniform = per_request if len(self.lengths) == rows else None  # every slot running
+            positions = causal_positions(q_offsets, self.cache.seq_lens, first.numel(), per_request=uniform)
+            root_rows = torch.arange(per_request - 1, per_request * rows, per_request, device=device)
+            metadata = AttentionMetadata(q_offsets)
+            logits, _ = self.draft(first.flatten(), positions, metadata, self.cache, logits_rows=root_rows)
         self.cache.advance(counts)
         for b in step.running:
             self.lengths[b] += 2
@@ -273,9 +277,33 @@ class DraftModelStrategy:
         self.cache.truncate(self.lengths)  # the levels go; verification decides which nodes are text
         return tokens, probs
 
+    def _first_rows(self, step) -> torch.Tensor:
+        """``[R, n]`` int64: each running request's first draft forward (causal): the tokens the draft cache missed
+        since its last advance (the accepted path of a tree, whose levels were cut after drafting, or the token of
+        a step that drafted nothing), then its last committed token and its root. Up to ``FOLD_MISSING`` missed
+        tokens ride in this forward instead of a forward of their own: a request that missed fewer than the most
+        is wound back to feed cached tokens again (their K/V are written again with the same values), so every
+        request feeds the same n rows. Longer catch-ups run first as their own forward. The host lengths then
+        count the cache as holding all but the last two."""
+        histories = step.histories
+        missing = [len(h) - 2 - self.lengths[b] for b, h in zip(step.running, histories)]
+        most = max(missing)
+        if most > FOLD_MISSING or any(len(h) < most + 2 for h in histories):
+            self._catch_up(step)
+            missing, most = [0] * len(missing), 0
+        n = most + 2
+        if any(m != most for m in missing):  # wind the requests that missed fewer back to the same start
+            lengths = list(self.lengths)
+            for b, h in zip(step.running, histories):
+                lengths[b] = len(h) - n
+            self.cache.truncate(lengths)
+        for b, h in zip(step.running, histories):
+            self.lengths[b] = len(h) - 2
+        tokens = to_device([t for h in histories for t in h[-n:]], torch.int64, self.draft.device)
+        return tokens.view(len(histories), n)
+
     def _catch_up(self, step) -> None:
-        """Feed the tokens committed since the draft cache's last advance (the previous step's accepted
-        path of a tree, whose levels were cut after drafting, or a step that drafted nothing), so the cache
+        """Feed the tokens committed since the draft cache's last advance as a forward of their own, so the cache
         again holds all but the last two."""
         device = self.draft.device
         missing = [h[self.lengths[b] : len(h) - 2] for b, h in zip(step.running, step.histories)]
@@ -334,11 +362,6 @@ class DraftModelStrategy:
         params = _draft_params(step)
         q = run_filtered_probs(logits, params).probs  # one-hot at the argmax for rows that cannot be sampled
         return q, run_sample_probs(q, params, counter=counter).long()
-
-
-def _start_pairs(step: StepContext, device: torch.device) -> torch.Tensor:
-    """``[2 R]`` int64: each running request's last committed token, then its root (a step's first draft rows)."""
-    return to_device([t for pair in zip(step.previous, step.roots) for t in pair], torch.int64, device)
 
 
 def _draft_params(step: StepContext) -> SamplingParams:

@@ -10,8 +10,9 @@ autoregressive decoding (verification then just samples the next token).
 Each step:
   1. ``strategy.propose`` -> token trees (root = the last emitted token), checked against the
      per-request limits -- by default chosen per request by the adaptive controller
-     (``specdec.decoding.adaptive``: 0 = plain decoding), which reads the host clock here and after
-     the read-back;
+     (``specdec.decoding.adaptive``: 0 = plain decoding), which reads the host clock here (after the
+     strategy's optional ``prepare``, work owed from earlier steps such as a deferred draft prefill)
+     and after the read-back;
   2. one target forward over every node of every running request, the tree mask built from
      the host-known tree shapes and copied without waiting;
   3. ``verify``: accepted path, emitted tokens, invalid rows -- the argmax-only greedy path

@@ -69,6 +69,11 @@ class DecodeRun:
         if not self.running:  # every request left ended with 'cache'
             return StepOutput((), (), ended)
         context = self._context()
+        prepare = getattr(self.strategy, "prepare", None)  # work owed from earlier steps: not this step's cost
+        if prepare is not None:
+            prepare(context)
+            if self.adaptive is not None:
+                self.adaptive.restart_clock()
         proposal = self.strategy.propose(context)
         check_proposal(proposal, self.strategy.name, len(self.running), context.max_nodes, context.max_depth)
         # One target forward over every node of every running request.

@@ -5,6 +5,7 @@ The engine (``specdec.decoding.engine``) runs one loop for every strategy. Per `
     attach(target)          once, when the decoder is built: refuse a target the drafter cannot serve
     prefill(Prefill)        after the target's prefill forward: set up per-request state (caches, features)
     commit(StepResult)      after the prefill's first token, and after every step: roll back, release
+    prepare(StepContext)    optional (item 7 below): at the start of every step, work owed from earlier steps
     propose(StepContext)    at the start of every step: one token tree per running request
 
 and between ``propose`` and ``commit`` the engine runs one target forward over every proposed
@@ -44,6 +45,10 @@ to ``SpeculativeDecoder(target, strategy)``:
    request (and ``max_nodes`` to 1 when it chose plain decoding). Optional hook: ``draft_nodes(depth)``,
    the nodes (root included) a tree holds when ``depth`` levels are allowed, for strategies whose
    trees are not chains (the controller otherwise learns it from the proposals it sees).
+7. Optional hook ``prepare(step)``: called with the step's ``StepContext`` right before ``propose``, outside the
+   adaptive controller's timing of the step: work owed from earlier steps (``DraftModelStrategy`` feeds its draft
+   the prompts there, at the first step that drafts, instead of in ``prefill``), so the controller does not
+   price a step shape by a one-off cost.
 """
 
 from __future__ import annotations
