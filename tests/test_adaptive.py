@@ -17,7 +17,7 @@ from specdec.decoding import (
     NgramStrategy,
     SpeculativeDecoder,
 )
-from specdec.decoding.adaptive import warm_up_depths
+from specdec.decoding.adaptive import StepCostModel, warm_up_depths
 from specdec.decoding.autoregressive import generate as autoregressive_generate
 
 pytestmark = pytest.mark.usefixtures("torch_backend")
@@ -70,6 +70,29 @@ def controller(max_depth: int = 6, **options) -> tuple[AdaptiveSpeculation, Manu
     ctl.bind(max_depth, max_depth + 1)
     ctl.start()
     return ctl, clock
+
+
+def test_the_cost_fit_solves_its_normal_equations():
+    """The ridge fit's theta solves (gram + diag(prior precision)) theta = moment + precision * prior mean, against
+    float64 torch on steps of mixed shapes, and predictions follow the fit where no shape was measured."""
+    import random
+
+    import torch
+
+    model, rng = StepCostModel(), random.Random(0)
+    for _ in range(40):
+        requests, levels = rng.choice([1, 4, 8, 32]), rng.randint(0, 8)
+        x = StepCostModel.features(requests, requests * levels, levels, requests * (levels + 1) * rng.randint(20, 900))
+        model.observe(x, 0.004 + 0.001 * levels + 3e-4 * requests + 1e-4 * rng.random())
+    gram, moment, precision, prior = (
+        torch.tensor(v, dtype=torch.double) for v in (model.gram, model.moment, model.prior_precision, model.prior_mean)
+    )
+    a, rhs = gram + torch.diag(precision), moment + precision * prior
+    expected = torch.linalg.solve(a, rhs)
+    assert torch.allclose(torch.tensor(model.theta, dtype=torch.float64), expected, rtol=1e-9, atol=1e-15)
+    unmeasured = StepCostModel.features(3, 21, 7, 5000.0)
+    linear = sum(t * v for t, v in zip(model.theta, unmeasured)) + model.residual.get(7, 0.0)
+    assert model.predict(unmeasured) == pytest.approx(linear, rel=1e-12)
 
 
 def test_no_acceptance_means_plain_decoding():

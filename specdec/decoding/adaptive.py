@@ -101,6 +101,7 @@ class StepCostModel:
         self.prior_mean: list[float] | None = None
         self.prior_precision: list[float] = [0.0] * n
         self.theta: list[float] | None = None  # None until a step was measured
+        self._row_price = self._context_price = 0.0  # the fit's costs of an extra row and of context, at least 0
         self.residual: dict[int, float] = {}  # per draft-level count: running (measured - predicted)
         # Per shape: running means [seconds, context, extra rows] and the weight of the steps behind them.
         self.shape_mean: dict[tuple[int, int, int], list[float]] = {}
@@ -139,34 +140,42 @@ class StepCostModel:
         self.gram = [[decay * g + v * w for g, w in zip(row, x)] for row, v in zip(self.gram, x)]
         self.steps += 1
         self.theta = self._solve()
+        self._row_price, self._context_price = max(self.theta[ROWS], 0.0), max(self.theta[CONTEXT], 0.0)
 
     def _at_first_speed(self, x: Sequence[float], seconds: float, mean: list[float] | None) -> float:
         """``seconds`` divided by the machine's speed factor, after moving the factor by this step's error when its
         shape was measured before (``mean``: the shape's running mean, None for an unmeasured shape, whose error
         is the fit's, not the machine's)."""
         if mean is not None:
-            error = math.log(max(seconds, 1e-12) / max(self._own_price(x, mean), 1e-12)) - self.log_speed
+            price = self._own_price(mean, x[ROWS], x[CONTEXT])
+            error = math.log(max(seconds, 1e-12) / max(price, 1e-12)) - self.log_speed
             error = max(-SPEED_ERROR_CAP, min(SPEED_ERROR_CAP, error))
             self.log_speed += SPEED_GAIN * mean[3] / (mean[3] + 1) * error
         return seconds * math.exp(-self.log_speed)
 
     def predict(self, x: Sequence[float]) -> float:
-        """Seconds at the first step's machine speed (so shapes compare alike whenever they were measured): a
-        measured shape (requests, levels, mean depth) at its own running mean; any other at the linear part plus
-        its level count's running residual. Shapes' costs jump with tiles and GEMM kernels that no linear term
-        follows, and a residual against a moving fit goes stale; a shape's own mean does not."""
-        levels, shape = self._keys(x)
-        mean = self.shape_mean.get(shape)
-        if mean is not None:
-            return self._own_price(x, mean)
-        return sum(t * v for t, v in zip(self.theta, x)) + self.residual.get(levels, 0.0)
+        """``price`` of the step with features ``x``."""
+        return self.price(round(x[SHAPE[0]]), x[ROWS], round(x[SHAPE[1]]), x[CONTEXT] * 1024)
 
-    def _own_price(self, x: Sequence[float], mean: list[float]) -> float:
-        """A measured shape's price: its own running mean, moved by the fitted terms to ``x``'s extra rows and
-        context."""
-        theta = self.theta
-        rows, context = x[ROWS] - mean[2], x[CONTEXT] - mean[1]
-        return mean[0] + max(theta[ROWS], 0.0) * rows + max(theta[CONTEXT], 0.0) * context
+    def price(self, requests: int, extra_rows: float, levels: int, context_rows: float) -> float:
+        """Seconds at the first step's machine speed (so shapes compare alike whenever they were measured) of a step
+        with ``features(requests, extra_rows, levels, context_rows)``: a measured shape (requests, levels, mean
+        depth) at its own running mean; any other at the linear part plus its level count's running residual.
+        Shapes' costs jump with tiles and GEMM kernels that no linear term follows, and a residual against a
+        moving fit goes stale; a shape's own mean does not. (The controller prices a few shapes per level count
+        every step: this is ``theta . features`` without building the features.)"""
+        mean = self.shape_mean.get((requests, levels, round(extra_rows / max(requests, 1))))
+        if mean is not None:
+            return self._own_price(mean, extra_rows, context_rows / 1024)
+        t = self.theta
+        drafting = float(levels > 0)
+        linear = t[0] + t[1] * requests + t[2] * drafting + t[3] * (drafting * requests) + t[4] * extra_rows
+        return linear + t[5] * levels + t[6] * (context_rows / 1024) + self.residual.get(levels, 0.0)
+
+    def _own_price(self, mean: list[float], extra_rows: float, context: float) -> float:
+        """A measured shape's price: its own running mean, moved by the fitted terms to these extra rows and
+        context (features' scale)."""
+        return mean[0] + self._row_price * (extra_rows - mean[2]) + self._context_price * (context - mean[1])
 
     @staticmethod
     def _keys(x: Sequence[float]) -> tuple[int, tuple[int, int, int]]:
@@ -175,26 +184,34 @@ class StepCostModel:
         return levels, (requests, levels, round(x[ROWS] / max(requests, 1)))
 
     def _solve(self) -> list[float]:
-        """(gram + diag(precision)) theta = moment + precision * prior_mean, by Gaussian elimination."""
-        n = len(self.moment)
-        rhs = [m + p * mean for m, p, mean in zip(self.moment, self.prior_precision, self.prior_mean)]
-        a = [row[:] + [rhs[i]] for i, row in enumerate(self.gram)]
+        """(gram + diag(precision)) theta = moment + precision * prior_mean, by Cholesky: the matrix is a sum of
+        outer products plus a positive diagonal (every prior weight is positive), so it is positive definite."""
+        n, gram, precision = len(self.moment), self.gram, self.prior_precision
+        low = []  # the Cholesky factor's rows
         for i in range(n):
-            a[i][i] += self.prior_precision[i]
-        for col in range(n):
-            pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
-            a[col], a[pivot] = a[pivot], a[col]
-            if abs(a[col][col]) < 1e-300:
-                continue
-            for r in range(col + 1, n):
-                f = a[r][col] / a[col][col]
-                if f:
-                    for c in range(col, n + 1):
-                        a[r][c] -= f * a[col][c]
-        theta = [0.0] * n
+            gram_row, row = gram[i], []
+            for j in range(i):
+                low_j, s = low[j], gram_row[j]
+                for k in range(j):
+                    s -= row[k] * low_j[k]
+                row.append(s / low_j[j])
+            s = gram_row[i] + precision[i]
+            for v in row:
+                s -= v * v
+            row.append(math.sqrt(s))
+            low.append(row)
+        y = []  # low y = moment + precision * prior_mean
+        for i, (m, p, mean) in enumerate(zip(self.moment, precision, self.prior_mean)):
+            s, row = m + p * mean, low[i]
+            for k in range(i):
+                s -= row[k] * y[k]
+            y.append(s / row[i])
+        theta = [0.0] * n  # low^T theta = y
         for i in reversed(range(n)):
-            if abs(a[i][i]) >= 1e-300:
-                theta[i] = (a[i][n] - sum(a[i][j] * theta[j] for j in range(i + 1, n))) / a[i][i]
+            s = y[i]
+            for k in range(i + 1, n):
+                s -= low[k][i] * theta[k]
+            theta[i] = s / low[i][i]
         return theta
 
 
@@ -390,48 +407,58 @@ class AdaptiveSpeculation:
         """The depths maximising expected tokens / predicted seconds (see the module docstring)."""
         expected, rows = prices
         top = max(caps, default=0)
-        theta = self.cost.theta
-        per_row, per_context_row = max(theta[4], 0.0), max(theta[6], 0.0) / 1024
-        # Items (ratio, request index, depth, gain, cost): the i-th draft level of a request.
+        requests, context = len(caps), sum(contexts)
+        tokens0, seconds0 = float(requests), self.cost.price(requests, 0, 0, context)
+        best_rate, best = tokens0 / max(seconds0, 1e-12), [0] * requests
+        if requests == 1:  # the fill below is the uniform depth: the best of every depth, priced as a whole shape
+            for levels in range(1, top + 1):
+                rate = self._rate(prices, [levels], contexts)
+                if rate > best_rate:
+                    best_rate, best = rate, [levels]
+            return best
+        per_row, per_context_row = self.cost._row_price, self.cost._context_price / 1024
+        row_steps = [rows[i] - rows[i - 1] for i in range(1, top + 1)]
+        # Items (ratio, -depth, request index, gain, cost): the i-th draft level of a request. (This runs every
+        # step over every request and level: plain loops, no calls.)
         items = []
         for r, (tokens_by_depth, ctx) in enumerate(zip(expected, contexts)):
-            ratio_cap = math.inf
+            ratio_cap, row_cost = math.inf, per_row + per_context_row * ctx
+            previous = 1.0
             for i in range(1, len(tokens_by_depth)):
-                reach = tokens_by_depth[i] - tokens_by_depth[i - 1]  # the chance its first i drafts are accepted
-                cost = max((rows[i] - rows[i - 1]) * (per_row + per_context_row * ctx), 1e-12)
-                ratio_cap = min(ratio_cap, reach / cost)  # a deeper level never goes before a shallower one
+                reach = tokens_by_depth[i] - previous  # the chance its first i drafts are accepted
+                previous = tokens_by_depth[i]
+                cost = row_steps[i - 1] * row_cost
+                if cost < 1e-12:
+                    cost = 1e-12
+                ratio = reach / cost
+                if ratio < ratio_cap:  # a deeper level never goes before a shallower one
+                    ratio_cap = ratio
                 items.append((ratio_cap, -i, r, reach, cost))
         items.sort(reverse=True)
-        requests = len(caps)
-        base_x = StepCostModel.features(requests, 0, 0, sum(contexts))
-        tokens0, seconds0 = float(requests), self.cost.predict(base_x)
-        best_rate, best = tokens0 / max(seconds0, 1e-12), [0] * requests
         for levels in range(1, top + 1):
-            level_x = StepCostModel.features(requests, 0, levels, sum(contexts))
-            tokens, seconds = tokens0, max(self.cost.predict(level_x), 1e-12)
-            depth = [0] * requests
+            tokens, seconds = tokens0, max(self.cost.price(requests, 0, levels, context), 1e-12)
+            depth, deepest = [0] * requests, 0
             for ratio, neg_i, r, gain, cost in items:
-                if -neg_i > levels or -neg_i != depth[r] + 1:
+                i = -neg_i
+                if i > levels or i != depth[r] + 1:
                     continue
                 if ratio * seconds <= tokens:  # adding it would not raise tokens / seconds
                     break
                 tokens, seconds = tokens + gain, seconds + cost
-                depth[r] = -neg_i
-            uniform = [min(levels, cap) for cap in caps]  # the shape fixed sizes use: often the one measured
-            for shape in (depth, uniform) if depth != uniform else (depth,):
-                if max(shape) == levels:
-                    rate = self._rate(prices, shape, contexts)  # the whole shape, priced as measured where it was
-                    if rate > best_rate:
-                        best_rate, best = rate, shape
+                depth[r] = i
+                if i > deepest:
+                    deepest = i
+            uniform = [levels if cap >= levels else cap for cap in caps]  # the shape fixed sizes use: often measured
+            if deepest == levels:  # the whole shape, priced as measured where it was
+                rate = self._rate(prices, depth, contexts)
+                if rate > best_rate:
+                    best_rate, best = rate, depth
+            if depth != uniform and max(uniform) == levels:
+                rate = self._rate(prices, uniform, contexts)
+                if rate > best_rate:
+                    best_rate, best = rate, uniform
         return best
 
-    def _seconds(self, rows: list[int], depths: Sequence[int], contexts: Sequence[int]) -> float:
-        """The predicted time of a step drafting ``depths`` (the features ``observe`` records for it); ``rows``:
-        the nodes of a tree of each depth."""
-        nodes = [rows[d] for d in depths]
-        context_rows = sum(n * c for n, c in zip(nodes, contexts))
-        x = StepCostModel.features(len(depths), sum(nodes) - len(depths), max(depths, default=0), context_rows)
-        return max(self.cost.predict(x), 1e-12)
 
     def _explore(self, prices, choice: list[int], caps: list[int], contexts) -> list[int]:
         """The exploration step's depths: of the variants below, the one predicted fastest (the likeliest to beat
@@ -464,7 +491,14 @@ class AdaptiveSpeculation:
         return variants[-k]
 
     def _rate(self, prices, depths: Sequence[int], contexts) -> float:
-        """Expected tokens per predicted second of a step drafting ``depths`` (``prices``: ``_prices``)."""
+        """Expected tokens per predicted second of a step drafting ``depths`` (``prices``: ``_prices``), its time
+        priced from the features ``observe`` records for it."""
         expected, rows = prices
-        tokens = sum(row[d] for row, d in zip(expected, depths))
-        return tokens / self._seconds(rows, depths, contexts)
+        tokens, nodes, context_rows, deepest = 0, 0, 0, 0
+        for row, d, c in zip(expected, depths, contexts):
+            n = rows[d]
+            tokens, nodes, context_rows = tokens + row[d], nodes + n, context_rows + n * c
+            if d > deepest:
+                deepest = d
+        seconds = self.cost.price(len(depths), nodes - len(depths), deepest, context_rows)
+        return tokens / (seconds if seconds > 1e-12 else 1e-12)
