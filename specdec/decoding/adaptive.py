@@ -326,6 +326,7 @@ class AdaptiveSpeculation:
         self._warm_up = warm_up_depths(0)
         self._draft_nodes: Callable[[int], int] | None = None
         self._nodes_seen: dict[int, int] = {}
+        self._rows: list[int] = []  # nodes(d) for d = 0 .. max_depth, remade when what it rests on changes
         self._interval, self._until_explore, self._skipped = explore_every, explore_every, 0
         self._last_choice = -1  # the deepest level chosen at the last exploration
         self._started: float | None = None
@@ -334,6 +335,7 @@ class AdaptiveSpeculation:
         """Serve a strategy of these limits (``draft_nodes``: its optional hook, see the module docstring)."""
         self.max_depth, self.max_nodes, self._draft_nodes = max_depth, max_nodes, draft_nodes
         self._warm_up = warm_up_depths(max_depth)
+        self._rows = []
 
     def start(self) -> None:
         """A new ``stream`` call (its batch slots are new requests)."""
@@ -369,8 +371,10 @@ class AdaptiveSpeculation:
         """After the step's read-back: the trees' sizes (``nodes``, ``depths``), what was accepted (None for a
         request whose logits were invalid) and the context each tree was verified after."""
         seconds = self.clock() - self._started
+        learn_nodes = self._draft_nodes is None  # the hook says a tree's size; else the proposals seen do
         for b, n, d, a in zip(running, nodes, depths, accepted):
-            self._nodes_seen[d] = max(self._nodes_seen.get(d, 0), n)
+            if learn_nodes and n > self._nodes_seen.get(d, 0):
+                self._nodes_seen[d], self._rows = n, []
             if a is not None and d > 0:
                 self.acceptance.observe(b, d, a)
         context_rows = sum(n * c for n, c in zip(nodes, contexts))
@@ -401,7 +405,9 @@ class AdaptiveSpeculation:
                 reach *= rate
                 row.append(row[-1] + reach)
             expected.append(row)
-        return expected, [self.nodes(d) for d in range(top + 1)]
+        if len(self._rows) <= top:
+            self._rows = [self.nodes(d) for d in range(self.max_depth + 1)]
+        return expected, self._rows
 
     def _best(self, prices, caps, contexts) -> list[int]:
         """The depths maximising expected tokens / predicted seconds (see the module docstring)."""
