@@ -46,10 +46,12 @@ controller measures both as it goes and re-decides every step:
   fastest -- or none, when even that one is predicted well below the choice (but at least every
   eighth time), so exploring drafts nobody accepts stays rare.
 
-Timing adds no synchronisation: the engine reads the host clock at the start of a step and right
-after the step's one read-back (which waits for the device anyway), so the time between the two is
-the step's time on any device. The clock is injectable (tests drive it); by default it is
-``time.perf_counter``.
+Timing adds no synchronisation: the engine reads the host clock at the start of a step (after the
+strategy's optional ``prepare``, work owed from earlier steps such as a deferred draft prefill:
+``restart_clock``) and right after the step's one read-back (which waits for the device anyway), so
+the time between the two is the step's time on any device. The controller's own Python falls outside
+it (40-300 us a step on a CPU thread: it is kept cheap, not priced). The clock is injectable (tests
+drive it); by default it is ``time.perf_counter``.
 
 Strategies need nothing but the contract (per-request ``max_depth`` / ``max_nodes`` in each
 ``StepContext``). One optional hook sharpens the row count of trees: ``strategy.draft_nodes(depth)``,
