@@ -231,7 +231,7 @@ class DraftModelStrategy:
         parents, depth = self.parents[:n], self.depth[:n]
         first = self._first_rows(step)
         tokens = torch.zeros(rows, n, dtype=torch.int64, device=device)
-        tokens[:, 0] = to_device(step.roots, torch.int64, device)
+        tokens[:, 0] = first[:, -1]  # the roots
         sampled = self.rule == "stochastic" and not step.greedy  # greedy: every q is one-hot, no probs kept
         probs = torch.zeros(rows, n, self.draft.config.vocab_size, device=device) if sampled else None
         slots = self._fused_slots(step)  # one fused forward per level
