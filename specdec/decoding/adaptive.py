@@ -166,7 +166,7 @@ class StepCostModel:
         Shapes' costs jump with tiles and GEMM kernels that no linear term follows, and a residual against a
         moving fit goes stale; a shape's own mean does not. (The controller prices a few shapes per level count
         every step: this is ``theta . features`` without building the features.)"""
-        mean = self.shape_mean.get((requests, levels, round(extra_rows / max(requests, 1))))
+        mean = self.shape_mean.get(self._shape(requests, levels, extra_rows))
         if mean is not None:
             return self._own_price(mean, extra_rows, context_rows / 1024)
         t = self.theta
@@ -183,7 +183,12 @@ class StepCostModel:
     def _keys(x: Sequence[float]) -> tuple[int, tuple[int, int, int]]:
         """A step's level count, and its shape: (requests, levels, mean depth rounded)."""
         requests, levels = round(x[SHAPE[0]]), round(x[SHAPE[1]])
-        return levels, (requests, levels, round(x[ROWS] / max(requests, 1)))
+        return levels, StepCostModel._shape(requests, levels, x[ROWS])
+
+    @staticmethod
+    def _shape(requests: int, levels: int, extra_rows: float) -> tuple[int, int, int]:
+        """The key a step's time is kept under: (requests, levels, mean depth rounded)."""
+        return requests, levels, round(extra_rows / max(requests, 1))
 
     def _solve(self) -> list[float]:
         """(gram + diag(precision)) theta = moment + precision * prior_mean, by Cholesky: the matrix is a sum of
