@@ -128,7 +128,7 @@ class DraftModelStrategy:
         forward; shorter gaps ride in the step's first draft forward (``_first_rows``)."""
         if max(step.max_depth) <= 0 or max(step.max_nodes) <= 1:
             return
-        if max(len(h) - 2 - self.lengths[b] for b, h in zip(step.running, step.histories)) > FOLD_MISSING:
+        if max(self._missing(step)) > FOLD_MISSING:
             self._catch_up(step)
 
     def propose(self, step: StepContext) -> Proposal:
@@ -285,8 +285,7 @@ class DraftModelStrategy:
         is wound back to feed cached tokens again (their K/V are written again with the same values), so every
         request feeds the same n rows. Longer catch-ups run first as their own forward. The host lengths then
         count the cache as holding all but the last two."""
-        histories = step.histories
-        missing = [len(h) - 2 - self.lengths[b] for b, h in zip(step.running, histories)]
+        histories, missing = step.histories, self._missing(step)
         most = max(missing)
         if most > FOLD_MISSING or any(len(h) < most + 2 for h in histories):
             self._catch_up(step)
@@ -301,6 +300,10 @@ class DraftModelStrategy:
             self.lengths[b] = len(h) - 2
         tokens = to_device([t for h in histories for t in h[-n:]], torch.int64, self.draft.device)
         return tokens.view(len(histories), n)
+
+    def _missing(self, step) -> list[int]:
+        """Per running request, the committed tokens the draft cache lacks before the last two."""
+        return [len(h) - 2 - self.lengths[b] for b, h in zip(step.running, step.histories)]
 
     def _catch_up(self, step) -> None:
         """Feed the tokens committed since the draft cache's last advance as a forward of their own, so the cache
