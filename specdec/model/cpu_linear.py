@@ -118,11 +118,17 @@ def pack_ahead(weights: list[torch.Tensor]) -> None:
     """Make the skinny-kernel packs of the linear ``weights`` now, where ``linear_for`` would use them (float32 CPU
     weights, the extension's kernel, no Triton interpreter standing in for a GPU), instead of on their first
     few-rows forward."""
-    if _backend.forced_backend() == "torch" or _backend.interpreter_enabled() or not skinny_available():
+    if not _skinny_serves():
         return
     for weight in weights:
         if weight.dtype == torch.float32 and weight.device.type == "cpu":
             skinny_pack(weight)
+
+
+def _skinny_serves() -> bool:
+    """The skinny kernel serves few-row float32 CPU forwards: the extension has it, the backend is not forced to
+    ``torch``, and no Triton interpreter stands in for a GPU (then every GEMM is ``F.linear``)."""
+    return _backend.forced_backend() != "torch" and not _backend.interpreter_enabled() and skinny_available()
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -141,6 +147,6 @@ def linear_for(x: torch.Tensor) -> Callable[..., torch.Tensor]:
         return F.linear
     if own_ops and _backend.interpreter_enabled():  # Triton's interpreter stands in for a GPU: its GEMMs
         return F.linear
-    if rows <= SKINNY_MAX_ROWS and own_ops and skinny_available():
+    if rows <= SKINNY_MAX_ROWS and _skinny_serves():
         return few_rows_linear
     return packed_linear if AVAILABLE and rows > 1 else F.linear
