@@ -212,6 +212,89 @@ def test_ragged_choices_in_one_batch():
     assert ragged >= 0.8 * len(late), late
 
 
+class OwingDrafter:
+    """A drafter's cache as the controller sees it through ``owed_tokens``: it holds what was fed at the last drafted
+    step; a step that drafts first feeds whatever it missed, when any request missed more than 4 tokens (as
+    ``DraftModelStrategy`` does), at ``token_s`` a token. A new stream owes its prompts."""
+
+    def __init__(self, token_s: float):
+        self.token_s, self.fed = token_s, {}
+
+    def owed_tokens(self, running, contexts) -> int:
+        missing = [c - 1 - self.fed.get(b, 0) for b, c in zip(running, contexts)]
+        return sum(missing) if max(missing) > 4 else 0
+
+    def prepare(self, running, contexts, depths) -> float:
+        """Seconds the step's catch-up takes (0 when it does not draft or owes nothing)."""
+        owed = self.owed_tokens(running, contexts) if max(depths) > 0 else 0
+        if max(depths) > 0:
+            self.fed.update({b: c - 1 for b, c in zip(running, contexts)})
+        return owed * self.token_s
+
+
+def simulate_streams(ctl, clock, drafter: OwingDrafter, accept, cost, *, streams: int, tokens: int, requests: int,
+                     prompt: int) -> tuple[list[float], list[list[int]]]:  # fmt: skip
+    """``streams`` streams of ``requests`` requests generating ``tokens`` tokens each (a new stream: new prompts,
+    nothing fed to the drafter); each step pays ``drafter``'s catch-up, outside its own time (``restart_clock``),
+    then ``cost(depths)``. Returns each stream's total time and the choices."""
+    totals, choices = [], []
+    for _ in range(streams):
+        ctl.start()
+        drafter.fed, contexts, begin = {}, {b: prompt for b in range(requests)}, clock.now
+        while running := [b for b in range(requests) if contexts[b] < prompt + tokens]:
+            ctx = [contexts[b] for b in running]
+            depths = ctl.choose(running, [prompt + tokens - c - 1 for c in ctx], ctx)
+            clock.now += drafter.prepare(running, ctx, depths)
+            ctl.restart_clock()
+            clock.now += cost(depths)
+            accepted = [accept(b, d) for b, d in zip(running, depths)]
+            ctl.observe(running, [d + 1 for d in depths], depths, accepted, ctx)
+            for b, a in zip(running, accepted):
+                contexts[b] += a + 1
+                if max(depths) > 0:  # the drafter's cache advanced through the drafted step
+                    drafter.fed[b] = contexts[b] - 1
+            choices.append(depths)
+        totals.append(clock.now - begin)
+    return totals, choices
+
+
+@pytest.mark.parametrize("priced", [True, False])
+def test_a_catch_up_the_drafter_owes_is_priced_into_drafting(priced):
+    """Drafting one level gains 2.5% a step, but each stream's first drafted step costs a catch-up of its prompts
+    (4 x 100 tokens: 4 plain steps' worth, more than a stream of 48 tokens gains): with ``owed_tokens`` the
+    controller decodes the later streams plainly but for a rare exploration, and without it, it pays the catch-up
+    in every stream."""
+    drafter = OwingDrafter(token_s=0.1)
+
+    def cost(depths):  # a depth-1 step emits 2 tokens for 1.95 plain steps' time; deeper is dearer
+        return 10.0 * (1 + 0.95 * min(max(depths), 1) + 1.5 * max(max(depths) - 1, 0))
+
+    clock = ManualClock()
+    ctl = AdaptiveSpeculation(clock=clock)
+    ctl.bind(4, 5, owed_tokens=drafter.owed_tokens if priced else None)
+    totals, _ = simulate_streams(ctl, clock, drafter, lambda r, d: d, cost, streams=8, tokens=48, requests=4,
+                                 prompt=100)  # fmt: skip
+    plain = 48 * cost([0])
+    later = sum(totals[2:]) / (len(totals[2:]) * plain)  # the first streams hold the warm-up
+    if priced:  # a forced exploration may pay one catch-up (8% of a stream) in the 6 streams
+        assert later < 1.03, f"the later streams took {later:.3f}x plain decoding"
+    else:  # the unpriced controller: the same streams pay the catch-up (what the priced one saves)
+        assert later > 1.04, f"the later streams took {later:.3f}x plain decoding"
+
+
+def test_a_priced_catch_up_does_not_stop_drafting_that_pays():
+    """Drafting four levels doubles a step's tokens: the catch-up (the same as above) is worth paying, and every
+    stream drafts from its first steps."""
+    drafter = OwingDrafter(token_s=0.1)
+    clock = ManualClock()
+    ctl = AdaptiveSpeculation(clock=clock)
+    ctl.bind(4, 5, owed_tokens=drafter.owed_tokens)
+    _, choices = simulate_streams(ctl, clock, drafter, lambda r, d: d, lambda depths: linear_cost(depths),
+                                  streams=4, tokens=48, requests=4, prompt=100)  # fmt: skip
+    late = choices[96:]
+    assert sum(min(c) >= 3 for c in late) >= 0.9 * len(late), late
+
+
 def test_choices_stay_within_limits_and_start_with_the_strategys_own():
     ctl, clock = controller(max_depth=5)
     assert ctl.choose([0, 1, 2], [9, 2, -1], [10, 10, 10]) == [5, 2, 0]  # nothing measured yet
@@ -247,6 +330,7 @@ class SimulatedTiming:
         self.name, self.max_nodes, self.max_depth = inner.name, inner.max_nodes, inner.max_depth
         self.attach, self.prefill, self.commit = inner.attach, inner.prefill, inner.commit
         self.prepare = getattr(inner, "prepare", None)
+        self.owed_tokens = getattr(inner, "owed_tokens", None)
 
     def propose(self, step):
         proposal = self.inner.propose(step)

@@ -46,6 +46,16 @@ controller measures both as it goes and re-decides every step:
   fastest -- or none, when even that one is predicted well below the choice (but at least every
   eighth time), so exploring drafts nobody accepts stays rare.
 
+A drafter may owe work before it can draft (``DraftModelStrategy``: the prompts, fed at the first step that drafts,
+or a long run of plain steps): that catch-up runs in the strategy's ``prepare``, outside the step's time, so no
+shape is priced by it -- but it is paid whenever drafting starts again. With the optional hook
+``strategy.owed_tokens(running, contexts)`` (tokens a drafting step would first feed the drafter) the controller
+times each catch-up (``restart_clock``), keeps a running price per owed token, and adds the owed tokens' price to
+every drafting shape: in full to an exploration step (one step pays it), and spread over the steps left in the
+stream (the longest request's) to the choice, so drafting restarts only where it gains more than the catch-up
+costs (at batch 32 on one CPU thread a deferred draft prefill costs about 1.5 plain steps, and drafting one level
+runs within a few percent of plain decoding).
+
 Timing adds no synchronisation: the engine reads the host clock at the start of a step (after the
 strategy's optional ``prepare``, work owed from earlier steps such as a deferred draft prefill:
 ``restart_clock``) and right after the step's one read-back (which waits for the device anyway), so
@@ -54,10 +64,9 @@ it (40-300 us a step on a CPU thread: it is kept cheap, not priced). The clock i
 drive it); by default it is ``time.perf_counter``.
 
 Strategies need nothing but the contract (per-request ``max_depth`` / ``max_nodes`` in each
-``StepContext``). One optional hook sharpens the row count of trees: ``strategy.draft_nodes(depth)``,
-the nodes (root included) of the tree the strategy proposes when allowed ``depth`` levels; without
-it the controller learns each depth's size from the proposals it sees (a chain's ``depth + 1``
-until then).
+``StepContext``). Two optional hooks sharpen the prices: ``strategy.draft_nodes(depth)``, the nodes (root
+included) of the tree the strategy proposes when allowed ``depth`` levels (without it the controller learns each
+depth's size from the proposals it sees, a chain's ``depth + 1`` until then), and ``strategy.owed_tokens`` above.
 """
 
 from __future__ import annotations
@@ -86,6 +95,7 @@ SKIPS_BEFORE_EXPLORING = 7
 SPEED_GAIN = 0.5
 SPEED_ERROR_CAP = 0.25
 FIT_OUTLIER_CAP = 3.0  # a step slower than this many times the fit's price enters the fit at that price
+OWED_DECAY = 0.7  # weight of the earlier catch-ups in the running price of an owed token
 
 
 class StepCostModel:
@@ -332,15 +342,23 @@ class AdaptiveSpeculation:
         self.max_depth, self.max_nodes = 0, 1
         self._warm_up = warm_up_depths(0)
         self._draft_nodes: Callable[[int], int] | None = None
+        self._owed_tokens: Callable[[Sequence[int], Sequence[int]], int] | None = None
+        # Seconds (at the first step's speed) per owed token, and the weight of the catch-ups behind it; None until
+        # one was timed. ``_owed``: tokens this step's drafting owes (0 when it does not draft).
+        self._owed_price: float | None = None
+        self._owed_weight, self._owed = 0.0, 0
         self._nodes_seen: dict[int, int] = {}
         self._rows: list[int] = []  # nodes(d) for d = 0 .. max_depth, remade when what it rests on changes
         self._interval, self._until_explore, self._skipped = explore_every, explore_every, 0
         self._last_choice = -1  # the deepest level chosen at the last exploration
         self._started: float | None = None
 
-    def bind(self, max_depth: int, max_nodes: int, draft_nodes: Callable[[int], int] | None = None) -> None:
-        """Serve a strategy of these limits (``draft_nodes``: its optional hook, see the module docstring)."""
+    def bind(self, max_depth: int, max_nodes: int, draft_nodes: Callable[[int], int] | None = None,
+             owed_tokens: Callable[[Sequence[int], Sequence[int]], int] | None = None) -> None:  # fmt: skip
+        """Serve a strategy of these limits (``draft_nodes``, ``owed_tokens``: its optional hooks, see the module
+        docstring)."""
         self.max_depth, self.max_nodes, self._draft_nodes = max_depth, max_nodes, draft_nodes
+        self._owed_tokens = owed_tokens
         self._warm_up = warm_up_depths(max_depth)
         self._rows = []
 
@@ -356,22 +374,33 @@ class AdaptiveSpeculation:
         draft) and the strategy's ``max_depth``; ``contexts``: tokens each request has cached. Starts the
         step's clock."""
         caps = [max(0, min(limit, self.max_depth)) for limit in limits]
+        owed = self._owed_tokens(running, contexts) if self._owed_tokens is not None else 0
         if self.cost.steps < len(self._warm_up):  # the warm-up: each rung's depth, within each request's cap
             choice = [min(self._warm_up[self.cost.steps], cap) for cap in caps]
         else:
             prices = self._prices(running, caps)
-            choice = self._best(prices, caps, contexts)
+            entry = owed * self._owed_price if owed and self._owed_price is not None else 0.0
+            choice = self._best(prices, caps, contexts, entry / (max(0, *limits) + 1))
             self._until_explore -= 1
             if self._until_explore <= 0:
-                choice = self._explore(prices, choice, caps, contexts)
+                choice = self._explore(prices, choice, caps, contexts, entry)
+        self._owed = owed if max(choice, default=0) > 0 else 0
         self._started = self.clock()
         return choice
 
     def restart_clock(self) -> None:
         """The step starts now: what ran since ``choose`` (a strategy's ``prepare``: work owed from earlier steps,
         such as a deferred prefill) is not its cost. On a GPU that work's kernels may still be running: they land
-        in the step's time anyway, as a cold step's would."""
-        self._started = self.clock()
+        in the step's time anyway, as a cold step's would. When the step owed the drafter tokens, that time is the
+        catch-up's, and prices the next ones."""
+        now = self.clock()
+        if self._owed > 0:
+            price = (now - self._started) * math.exp(-self.cost.log_speed) / self._owed
+            self._owed_weight = OWED_DECAY * self._owed_weight + 1.0
+            previous = price if self._owed_price is None else self._owed_price
+            self._owed_price = previous + (price - previous) / self._owed_weight
+            self._owed = 0
+        self._started = now
 
     def observe(self, running: Sequence[int], nodes: Sequence[int], depths: Sequence[int],
                 accepted: Sequence[int | None], contexts: Sequence[int]) -> None:  # fmt: skip
@@ -416,8 +445,9 @@ class AdaptiveSpeculation:
             self._rows = [self.nodes(d) for d in range(self.max_depth + 1)]
         return expected, self._rows
 
-    def _best(self, prices, caps, contexts) -> list[int]:
-        """The depths maximising expected tokens / predicted seconds (see the module docstring)."""
+    def _best(self, prices, caps, contexts, entry: float) -> list[int]:
+        """The depths maximising expected tokens / predicted seconds (see the module docstring); ``entry``: seconds
+        added to every shape that drafts (its share of an owed catch-up)."""
         expected, rows = prices
         top = max(caps, default=0)
         requests, context = len(caps), sum(contexts)
@@ -425,7 +455,7 @@ class AdaptiveSpeculation:
         best_rate, best = tokens0 / max(seconds0, 1e-12), [0] * requests
         if requests == 1:  # the fill below is the uniform depth: the best of every depth, priced as a whole shape
             for levels in range(1, top + 1):
-                rate = self._rate(prices, [levels], contexts)
+                rate = self._rate(prices, [levels], contexts, entry)
                 if rate > best_rate:
                     best_rate, best = rate, [levels]
             return best
@@ -449,7 +479,7 @@ class AdaptiveSpeculation:
                 items.append((ratio_cap, -i, r, reach, cost))
         items.sort(reverse=True)
         for levels in range(1, top + 1):
-            tokens, seconds = tokens0, max(self.cost.price(requests, 0, levels, context), 1e-12)
+            tokens, seconds = tokens0, max(self.cost.price(requests, 0, levels, context) + entry, 1e-12)
             depth, deepest = [0] * requests, 0
             for ratio, neg_i, r, gain, cost in items:
                 i = -neg_i
@@ -463,25 +493,26 @@ class AdaptiveSpeculation:
                     deepest = i
             uniform = [levels if cap >= levels else cap for cap in caps]  # the shape fixed sizes use: often measured
             if deepest == levels:  # the whole shape, priced as measured where it was
-                rate = self._rate(prices, depth, contexts)
+                rate = self._rate(prices, depth, contexts, entry)
                 if rate > best_rate:
                     best_rate, best = rate, depth
             if depth != uniform and max(uniform) == levels:
-                rate = self._rate(prices, uniform, contexts)
+                rate = self._rate(prices, uniform, contexts, entry)
                 if rate > best_rate:
                     best_rate, best = rate, uniform
         return best
 
 
-    def _explore(self, prices, choice: list[int], caps: list[int], contexts) -> list[int]:
+    def _explore(self, prices, choice: list[int], caps: list[int], contexts, entry: float) -> list[int]:
         """The exploration step's depths: of the variants below, the one predicted fastest (the likeliest to beat
         the choice), or the choice itself when even that one is predicted under ``EXPLORE_MARGIN`` of the
         choice's tokens per second (exploring would cost more than it could find: n-gram drafts nobody
-        accepts). A measured shape is priced by its own mean, so one found slow stops being picked and the
-        next likeliest gets its turn. Variants: one level fewer / more for all, one fewer / more for every
-        other request (the first always among them, so extra rows vary apart from draft levels), and every
-        uniform depth (an optimum far from the choice, under a cost curve the linear fit misses, is reached
-        in one exploration). The interval doubles while the choice holds and restarts when it moved."""
+        accepts, or a catch-up the drafter owes, ``entry`` seconds, dear against a step). A measured shape is
+        priced by its own mean, so one found slow stops being picked and the next likeliest gets its turn.
+        Variants: one level fewer / more for all, one fewer / more for every other request (the first always
+        among them, so extra rows vary apart from draft levels), and every uniform depth (an optimum far from the
+        choice, under a cost curve the linear fit misses, is reached in one exploration). The interval doubles
+        while the choice holds and restarts when it moved."""
         changed = max(choice, default=0) != self._last_choice
         self._last_choice = max(choice, default=0)
         self._interval = self.explore_every if changed else min(2 * self._interval, 8 * self.explore_every)
@@ -493,19 +524,20 @@ class AdaptiveSpeculation:
             [min(d + 1, cap) for d, cap in zip(choice, caps)],
             *([min(depth, cap) for cap in caps] for depth in range(max(caps, default=0) + 1)),
         ]
-        rated = [(self._rate(prices, v, contexts), -k) for k, v in enumerate(variants) if v != choice]
+        rated = [(self._rate(prices, v, contexts, entry), -k) for k, v in enumerate(variants) if v != choice]
         if not rated:
             return choice
         rate, k = max(rated)
-        if rate < EXPLORE_MARGIN * self._rate(prices, choice, contexts) and self._skipped < SKIPS_BEFORE_EXPLORING:
+        skip = rate < EXPLORE_MARGIN * self._rate(prices, choice, contexts, entry)
+        if skip and self._skipped < SKIPS_BEFORE_EXPLORING:
             self._skipped += 1
             return choice
         self._skipped = 0
         return variants[-k]
 
-    def _rate(self, prices, depths: Sequence[int], contexts) -> float:
+    def _rate(self, prices, depths: Sequence[int], contexts, entry: float = 0.0) -> float:
         """Expected tokens per predicted second of a step drafting ``depths`` (``prices``: ``_prices``), its time
-        priced from the features ``observe`` records for it."""
+        priced from the features ``observe`` records for it, plus ``entry`` seconds when it drafts."""
         expected, rows = prices
         tokens, nodes, context_rows, deepest = 0, 0, 0, 0
         for row, d, c in zip(expected, depths, contexts):
@@ -514,4 +546,6 @@ class AdaptiveSpeculation:
             if d > deepest:
                 deepest = d
         seconds = self.cost.price(len(depths), nodes - len(depths), deepest, context_rows)
+        if deepest > 0:
+            seconds += entry
         return tokens / (seconds if seconds > 1e-12 else 1e-12)

@@ -128,8 +128,15 @@ class DraftModelStrategy:
         forward; shorter gaps ride in the step's first draft forward (``_first_rows``)."""
         if max(step.max_depth) <= 0 or max(step.max_nodes) <= 1:
             return
-        if max(self._missing(step)) > FOLD_MISSING:
+        if self.owed_tokens(step.running, [len(h) - 1 for h in step.histories]):
             self._catch_up(step)
+
+    def owed_tokens(self, running: Sequence[int], contexts: Sequence[int]) -> int:
+        """Tokens a step that drafts would first feed the draft in ``prepare`` (0 when the gaps ride in its first
+        draft forward), for requests ``running`` whose target caches hold ``contexts`` tokens: the adaptive
+        controller prices that catch-up into the choice to draft (``specdec.decoding.adaptive``)."""
+        missing = self._missing(running, contexts)
+        return sum(missing) if max(missing, default=0) > FOLD_MISSING else 0
 
     def propose(self, step: StepContext) -> Proposal:
         """Trees for ``step.running``: the template's BFS prefix within each request's depth and node limits."""
@@ -285,7 +292,8 @@ class DraftModelStrategy:
         is wound back to feed cached tokens again (their K/V are written again with the same values), so every
         request feeds the same n rows. Longer catch-ups run first as their own forward. The host lengths then
         count the cache as holding all but the last two."""
-        histories, missing = step.histories, self._missing(step)
+        histories = step.histories
+        missing = self._missing(step.running, [len(h) - 1 for h in histories])
         most = max(missing)
         if most > FOLD_MISSING or any(len(h) < most + 2 for h in histories):
             self._catch_up(step)
@@ -301,9 +309,10 @@ class DraftModelStrategy:
         tokens = to_device([t for h in histories for t in h[-n:]], torch.int64, self.draft.device)
         return tokens.view(len(histories), n)
 
-    def _missing(self, step) -> list[int]:
-        """Per running request, the committed tokens the draft cache lacks before the last two."""
-        return [len(h) - 2 - self.lengths[b] for b, h in zip(step.running, step.histories)]
+    def _missing(self, running: Sequence[int], contexts: Sequence[int]) -> list[int]:
+        """Per running request, the committed tokens the draft cache lacks before the last two (the target's cache
+        holds ``contexts`` tokens: all but the last committed one)."""
+        return [c - 1 - self.lengths[b] for b, c in zip(running, contexts)]
 
     def _catch_up(self, step) -> None:
         """Feed the tokens committed since the draft cache's last advance as a forward of their own, so the cache

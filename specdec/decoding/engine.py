@@ -122,7 +122,8 @@ class SpeculativeDecoder:
             adaptive = AdaptiveSpeculation()
         self.adaptive = adaptive if adaptive and strategy.max_depth > 0 else None
         if self.adaptive is not None:
-            self.adaptive.bind(strategy.max_depth, strategy.max_nodes, getattr(strategy, "draft_nodes", None))
+            hooks = (getattr(strategy, name, None) for name in ("draft_nodes", "owed_tokens"))
+            self.adaptive.bind(strategy.max_depth, strategy.max_nodes, *hooks)
         models = [m for m in (target, getattr(strategy, "draft", None)) if m is not None]
         if compile:
             for model in models:

@@ -48,7 +48,9 @@ to ``SpeculativeDecoder(target, strategy)``:
 7. Optional hook ``prepare(step)``: called with the step's ``StepContext`` right before ``propose``, outside the
    adaptive controller's timing of the step: work owed from earlier steps (``DraftModelStrategy`` feeds its draft
    the prompts there, at the first step that drafts, instead of in ``prefill``), so the controller does not
-   price a step shape by a one-off cost.
+   price a step shape by a one-off cost. Its companion ``owed_tokens(running, contexts)`` says how many tokens
+   ``prepare`` would feed if the step drafted (``contexts``: tokens each running request's target cache holds),
+   so the controller can price restarting the drafter.
 """
 
 from __future__ import annotations
