@@ -13,6 +13,14 @@ the best fixed depth's (or plain decoding's) time over the controller's, per bat
     python bench/bench_adaptive_replay.py --trace trace.json      # replay: a table per batch size
     python bench/bench_adaptive_replay.py --record t.json --trace t.json --batches 1 2 --max-depth 2 --rounds 1
                                                                   # a smoke run (tests/test_adaptive_replay.py)
+    python bench/bench_adaptive_replay.py --trace trace.json --oracles    # and what rules that read the trace reach
+
+``--oracles`` adds a table of rules that know what the controller must estimate -- each step shape's recorded
+time and the trace's acceptance -- and choose one uniform depth a step: by the step's expected tokens per second
+(the controller's objective, perfectly informed), or by the expected time until the group's last request finishes
+(a static batch's objective: a request that will finish early anyway gains nothing for the batch by drafting
+deeper), each with the pooled acceptance or with each prompt's own over its whole text (which no controller knows
+at a stream's start). They show what each objective can reach, not what a controller can.
 """
 
 from __future__ import annotations
@@ -29,7 +37,14 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 from common import Table, cpu_threads  # noqa: E402
 
-from specdec.decoding.replay import DEFAULT_NOISE, Trace, fit_drift, replay, replay_fixed  # noqa: E402
+from specdec.decoding.replay import (  # noqa: E402
+    DEFAULT_NOISE,
+    Trace,
+    fit_drift,
+    replay,
+    replay_fixed,
+    replay_policy,
+)
 
 BATCHES = (1, 2, 4, 8, 16, 32)
 MAX_DEPTH = 8
@@ -122,6 +137,63 @@ def record(path: Path, rounds: int, batches: list[int], max_depth: int, drift_pa
           f"{drift_steps:.0f} steps)")  # fmt: skip
 
 
+def expected_tokens(matches: list[list[int]], max_depth: int) -> list[float]:
+    """Tokens a step emits on average at each depth 0 .. max_depth (the accepted drafts, plus one), over ``matches``
+    (rows of accepted-draft counts per position)."""
+    every = [m for row in matches for m in row]
+    reach = [sum(m >= i for m in every) / len(every) for i in range(1, max_depth + 1)]
+    return [1.0 + sum(reach[:d]) for d in range(max_depth + 1)]
+
+
+def oracle(trace: Trace, objective: str, own_acceptance: bool):
+    """A rule that reads the trace (``replay_policy``): each step the uniform depth with the best ``objective``
+    -- "step" (expected tokens / recorded seconds of this step) or "finish" (expected seconds until the group's
+    last request finishes, every request keeping the depth: each takes its tokens left / its tokens a step, and
+    the running requests thin out as they finish) -- with the pooled acceptance or each prompt's own."""
+    depths = range(trace.max_depth + 1)
+    pooled = expected_tokens(trace.matches, trace.max_depth)
+    own = [expected_tokens([row], trace.max_depth) for row in trace.matches]
+
+    def policy(prompts):
+        def choose(running, limits, contexts):
+            tokens = [own[prompts[r]] if own_acceptance else pooled for r in running]
+            best, choice = -math.inf, None
+            for d in depths:
+                capped = [max(0, min(d, limit)) for limit in limits]
+                if objective == "step":
+                    emitted = sum(t[c] for t, c in zip(tokens, capped))
+                    score = emitted / trace.step_seconds(len(running), max(capped), sum(capped))
+                else:  # minus the seconds to finish: segments between the requests' expected finishing steps
+                    finish = sorted((limit + 1) / t[min(d, limit)] for t, limit in zip(tokens, limits))
+                    score, done = 0.0, 0.0
+                    for j, step in enumerate(finish):
+                        left = len(finish) - j
+                        score -= (step - done) * trace.step_seconds(left, d, left * d)
+                        done = step
+                if score > best:
+                    best, choice = score, capped
+            return choice
+
+        return choose
+
+    return policy
+
+
+def oracle_table(trace: Trace, batches: list[int], out: Path | None) -> None:
+    rules = [("step, pooled acceptance", "step", False), ("step, own acceptance", "step", True),
+             ("finish, pooled acceptance", "finish", False), ("finish, own acceptance", "finish", True)]  # fmt: skip
+    table = Table(
+        f"Rules that read {trace.machine}'s trace (uniform depth a step): the best fixed depth's seconds over theirs",
+        ["batch", "best fixed", *(name for name, _, _ in rules)],
+    )
+    for batch in batches:
+        fixed = [replay_fixed(trace, batch, k) for k in range(trace.max_depth + 1)]
+        best = min(fixed)
+        ratios = [best / replay_policy(trace, batch, oracle(trace, o, own)) for _, o, own in rules]
+        table.add(batch, f"K={fixed.index(best)}", *(f"{r:.3f}" for r in ratios))
+    table.write(out, "adaptive_oracles")
+
+
 def step_residuals(runs: list[list[float]]) -> list[float]:
     """Runs of one shape's step times, in the order they ran, as one series of log times less the median log time
     of the same step of every run (the context grows through a run, and the runs repeat it)."""
@@ -149,6 +221,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES), help="batch sizes recorded / replayed")
     parser.add_argument("--max-depth", type=int, default=MAX_DEPTH, help="the longest draft recorded")
     parser.add_argument("--out", type=Path, help="directory for the table (markdown and CSV)")
+    parser.add_argument("--oracles", action="store_true", help="also the table of rules that read the trace")
     args = parser.parse_args()
     if args.record:
         record(args.record, args.rounds, args.batches, args.max_depth, args.drift_passes)
@@ -177,6 +250,8 @@ def main() -> None:
             f"{statistics.mean(r.mean_depth for r in runs):.2f}",
         )  # fmt: skip
     table.write(args.out, "adaptive_replay")
+    if args.oracles:
+        oracle_table(trace, args.batches, args.out)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from specdec.decoding.adaptive import AdaptiveSpeculation, StepCostModel
-from specdec.decoding.replay import Trace, fit_drift, replay, replay_fixed
+from specdec.decoding.replay import Trace, fit_drift, replay, replay_fixed, replay_policy
 
 TRACE = Path(__file__).parent / "data" / "adaptive_trace.json"
 
@@ -174,7 +174,7 @@ def test_the_benchmark_records_a_trace_and_replays_it(tmp_path):
     root = Path(__file__).resolve().parents[1]
     trace_path = tmp_path / "trace.json"
     args = ["--record", str(trace_path), "--trace", str(trace_path), "--batches", "1", "2", "--max-depth", "2",
-            "--rounds", "1", "--drift-passes", "12", "--seeds", "2", "--out", str(tmp_path)]  # fmt: skip
+            "--rounds", "1", "--drift-passes", "12", "--seeds", "2", "--out", str(tmp_path), "--oracles"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(root), "TRITON_INTERPRET": "0"}  # the CPU's own path, not the GPU stand-in
     done = subprocess.run([sys.executable, "bench/bench_adaptive_replay.py", *args], cwd=root, capture_output=True,
                           text=True, env=env, timeout=600)  # fmt: skip
@@ -188,8 +188,32 @@ def test_the_benchmark_records_a_trace_and_replays_it(tmp_path):
     # steps, a drift over about one step can take all of it).
     assert data["relative_noise"] >= 0 and data["drift"] >= 0 and data["relative_noise"] + data["drift"] > 0
     assert data["drift_steps"] >= 1
-    table = (tmp_path / "adaptive_replay.md").read_text()
-    assert [line.split("|")[1].strip() for line in table.splitlines() if line[:3] in ("| 1", "| 2")] == ["1", "2"]
+    for name in ("adaptive_replay", "adaptive_oracles"):
+        table = (tmp_path / f"{name}.md").read_text()
+        assert [line.split("|")[1].strip() for line in table.splitlines() if line[:3] in ("| 1", "| 2")] == ["1", "2"]
+
+
+def test_a_rule_that_weighs_the_batchs_finish_drafts_less_for_a_request_that_finishes_early():
+    """Two prompts, one whose drafts are always accepted and one whose never are, and steps whose drafting costs a
+    fixed part: the step's own tokens per second (``oracle(..., "step")``) drafts deep for both (the leader's
+    tokens pay for the step), and the pair still finishes with the laggard, 6 steps on; weighing the time until
+    the last request finishes (``"finish"``) decodes plainly and is faster. Also: ``replay_policy`` runs a rule
+    with the group's prompt indices (drafting for the prompt that accepts costs less than for the one that does
+    not)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from bench_adaptive_replay import oracle
+
+    costs = [[b, d, h, 10.0 + b + h * d + 0.5 * d + (8.0 if d else 0.0)] for b in (1, 2) for d in range(5)
+             for h in {b, b // 2 or 1}]  # fmt: skip
+    trace = tiny_trace([[4] * 6, [0] * 6], costs)
+    step, finish = (replay_policy(trace, 2, oracle(trace, o, own_acceptance=True)) for o in ("step", "finish"))
+    assert finish < step and finish == pytest.approx(replay_fixed(trace, 2, 0)), (step, finish)
+
+    def drafts_only_for(prompt):
+        return lambda prompts: lambda running, limits, contexts: [
+            min(4, x) if prompts[r] == prompt else 0 for r, x in zip(running, limits)]  # fmt: skip
+
+    assert replay_policy(trace, 2, drafts_only_for(0)) < replay_policy(trace, 2, drafts_only_for(1))
 
 
 def test_the_sweeps_held_out_ratio_never_picks_a_reference_by_the_round_it_compares():

@@ -207,11 +207,17 @@ def replay(
 
 def replay_fixed(trace: Trace, batch: int, depth: int) -> float:
     """Recorded seconds of one pass drafting ``depth`` tokens per request every step (0: plain decoding)."""
+    return replay_policy(trace, batch, lambda prompts: lambda running, limits, contexts: [
+        max(0, min(depth, x)) for x in limits])  # fmt: skip
+
+
+def replay_policy(trace: Trace, batch: int, policy: Callable[[list[int]], Callable]) -> float:
+    """Recorded seconds of one pass of a fixed rule (no clock, no learning): ``policy(prompts)`` -- the group's
+    prompt indices into the trace -- gives the group's ``choose(running, limits, contexts) -> depths``, where
+    ``running`` indexes ``prompts`` and ``limits`` are the tokens each may still draft (what an oracle that
+    reads the trace needs)."""
     total = 0.0
     for prompts in _groups(trace, batch):
-        seconds, _ = _run_group(
-            trace, prompts, lambda running, limits, contexts: [max(0, min(depth, x)) for x in limits],
-            lambda *args: None,
-        )  # fmt: skip
+        seconds, _ = _run_group(trace, prompts, policy(prompts), lambda *args: None)
         total += seconds
     return total
