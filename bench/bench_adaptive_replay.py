@@ -216,6 +216,8 @@ def main() -> None:
                         "the trace's own, else none)")  # fmt: skip
     parser.add_argument("--drift-steps", type=float, default=None, help="steps over which the drift's correlation "
                         "falls by e (default: the trace's own)")  # fmt: skip
+    parser.add_argument("--stalls", type=float, default=0.0, help="share of steps that stall, 15-40%% slower "
+                        "(seen live: 1-2%%; default none)")  # fmt: skip
     parser.add_argument("--drift-passes", type=int, default=60, help="passes of one shape recorded to measure the "
                         "drift (0: none)")  # fmt: skip
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES), help="batch sizes recorded / replayed")
@@ -233,7 +235,8 @@ def main() -> None:
     drift_steps = trace.drift_steps if args.drift_steps is None else args.drift_steps
     table = Table(
         f"Adaptive controller replayed on {args.trace.name} ({trace.machine}), {args.seeds} seeds, step-time noise "
-        f"{noise:.1%}, drift {drift:.1%} over {drift_steps:.0f} steps: step seconds per run and ratios",
+        f"{noise:.1%}, drift {drift:.1%} over {drift_steps:.0f} steps, {args.stalls:.0%} of steps stalled: step "
+        f"seconds per run and ratios",
         ["batch", "plain s", *(f"K={k}" for k in range(1, trace.max_depth + 1)), "best fixed",
          "adaptive / best: mean", "min", "max", "mean depth"],
     )  # fmt: skip
@@ -241,7 +244,8 @@ def main() -> None:
         fixed = [replay_fixed(trace, batch, k) for k in range(trace.max_depth + 1)]
         best = min(fixed)
         runs = [
-            replay(trace, batch, noise=noise, seed=s, drift=drift, drift_steps=drift_steps) for s in range(args.seeds)
+            replay(trace, batch, noise=noise, seed=s, drift=drift, drift_steps=drift_steps, stalls=args.stalls)
+            for s in range(args.seeds)
         ]
         ratios = [best / r.seconds for r in runs]
         table.add(

@@ -181,6 +181,32 @@ def test_a_short_best_depth_is_chosen_right_after_the_warm_up(cost, best):
     assert on_best >= 0.85 * len(after), after
 
 
+@pytest.mark.parametrize("capped", [True, False])
+def test_one_stalled_step_does_not_price_the_shape_in_use_out(capped, monkeypatch):
+    """One request, every draft accepted: depth 2 emits 3 tokens in 10 s, depth 1 2 tokens in 7 s (5% fewer tokens
+    per second). Step 30 stalls (+40%: a page fault, a preempted thread). The shape's running mean takes that step at
+    no more than ``SHAPE_STEP_CAP`` over its price, so depth 2 stays chosen; uncapped (the case below, to show the
+    stall matters), the one step prices depth 2 under depth 1 until an exploration measures it again."""
+    import specdec.decoding.adaptive as adaptive
+
+    if not capped:
+        monkeypatch.setattr(adaptive, "SHAPE_STEP_CAP", 10.0)
+    steps = []
+
+    def cost(depths):
+        steps.append(depths)
+        seconds = {0: 4.0, 1: 7.0, 2: 10.0}.get(max(depths), 10.0 + 5.0 * max(depths))
+        return seconds * (1.4 if len(steps) == 30 else 1.0)
+
+    ctl, clock = controller(max_depth=4)
+    after = [c[0] for c in simulate(ctl, clock, lambda r, d: d, 46, cost=cost)[30:]]
+    on_best = sum(d == 2 for d in after)
+    if capped:
+        assert on_best >= 14, after
+    else:
+        assert on_best <= 2, after
+
+
 def test_full_acceptance_means_the_longest_draft():
     ctl, clock = controller()
     late = settled(simulate(ctl, clock, lambda r, d: d, 64))

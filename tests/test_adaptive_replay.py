@@ -18,7 +18,8 @@ import pytest
 from specdec.decoding.adaptive import AdaptiveSpeculation, StepCostModel
 from specdec.decoding.replay import Trace, fit_drift, replay, replay_fixed, replay_policy
 
-TRACE = Path(__file__).parent / "data" / "adaptive_trace.json"
+TRACE = Path(__file__).parent / "data" / "adaptive_trace.json"  # recorded before ragged steps ran on the kernel
+CURRENT_TRACE = Path(__file__).resolve().parents[1] / "bench" / "traces" / "embedded_pair_cpu_dbf04f7.json"
 
 
 def tiny_trace(matches: list[list[int]], costs: list[list[float]], new_tokens: int = 6) -> Trace:
@@ -78,9 +79,10 @@ def test_the_drift_fit_finds_the_model_it_was_drawn_from(noise, drift, steps):
 
 def test_under_drift_the_speed_factor_keeps_the_controller_nearer_the_best():
     """A drift of 15% over 50 steps (a shared machine's kind; bench/RESULTS.md), 12 seeds at batch 4, 8 and 32 on
-    the committed trace: the controller's mean against the best fixed depth is higher with the speed factor than
-    without it (by 0.4%; -0.04% to +0.7% per batch size)."""
-    trace = Trace.load(TRACE)
+    the current engine's trace: the controller's mean against the best fixed depth is higher with the speed factor
+    than without it (0.9689 against 0.9631). (On the older trace of ``TRACE`` the margin was 0.4% before the shape
+    means' step cap, which now takes part of the drift's toll there too: 0.9617 against 0.9619.)"""
+    trace = Trace.load(CURRENT_TRACE)
 
     class NoSpeedFactor(StepCostModel):
         def _at_first_speed(self, x, seconds, mean):
@@ -109,16 +111,39 @@ def test_a_replay_is_deterministic_per_seed_and_noise_moves_it():
     assert any(replay(trace, 4, noise=0.04, seed=s) != first for s in range(4, 8))
 
 
+def test_stalled_steps_cost_the_controller_and_the_shape_cap_wins_part_of_it_back(monkeypatch):
+    """2% of the steps stalled 15-40% (as seen live), the current engine's trace, batch 2 and 8, 8 seeds: the
+    controller's mean ratio to the best fixed depth drops against the same seeds without stalls, and drops less with
+    the shape means' step cap (``SHAPE_STEP_CAP``) than without it; a stall share outside [0, 1] is refused."""
+    import specdec.decoding.adaptive as adaptive
+
+    trace = Trace.load(CURRENT_TRACE)
+
+    def mean_ratio(stalls):
+        ratios = []
+        for batch in (2, 8):
+            best = min(replay_fixed(trace, batch, k) for k in range(trace.max_depth + 1))
+            ratios += [best / replay(trace, batch, seed=s, stalls=stalls).seconds for s in range(8)]
+        return sum(ratios) / len(ratios)
+
+    calm, capped = mean_ratio(0.0), mean_ratio(0.02)
+    monkeypatch.setattr(adaptive, "SHAPE_STEP_CAP", 10.0)
+    uncapped = mean_ratio(0.02)
+    assert uncapped < capped < calm, (uncapped, capped, calm)
+    with pytest.raises(ValueError, match="stalls"):
+        replay(trace, 2, stalls=1.5)
+
+
 def test_ragged_fills_a_row_apart_share_one_measured_mean():
     """Steps of shapes (4 requests, 3 levels) with 11 and 12 extra rows are one shape to the cost model; a fill
     whose mean depth rounds elsewhere (6 extra rows) is another. A shape's first step ran cold: the next replaces
-    it, and later ones average with a fading weight."""
+    it, and later ones average with a fading weight (the third step here within the shape's step cap)."""
     model = StepCostModel()
-    for seconds, rows in ((50.0, 12), (20.0, 11), (26.0, 12), (30.0, 6)):
+    for seconds, rows in ((50.0, 12), (20.0, 11), (21.5, 12), (30.0, 6)):
         model.observe(StepCostModel.features(4, rows, 3, 400.0), seconds)
     assert set(model.shape_mean) == {(4, 3, 3), (4, 3, 2)}
     seconds, _, rows, weight = model.shape_mean[4, 3, 3]
-    third = 26 * math.exp(-model.log_speed)  # the third step moved the speed factor; times are stored at the first's
+    third = 21.5 * math.exp(-model.log_speed)  # the third step moved the speed factor; times are stored at the first's
     assert model.log_speed > 0 and weight == pytest.approx(1.7)
     assert seconds == pytest.approx((0.7 * 20 + third) / 1.7) and rows == pytest.approx((0.7 * 11 + 12) / 1.7)
     assert model.shape_mean[4, 3, 2][0] == pytest.approx(30 * math.exp(-model.log_speed))

@@ -28,7 +28,9 @@ controller measures both as it goes and re-decides every step:
   A shape's first step runs cold -- first-use costs such as kernels compiled or weights packed for a new
   shape land in it (on the CPU the very first step took ~1.2x its later time, and before the decoder packed
   its weights ahead the first plain step 2-5x) -- so it prices the shape only until the shape's next step
-  replaces it, and no step enters the fit at more than ``FIT_OUTLIER_CAP`` times the fit's prediction.
+  replaces it, and no step enters the fit at more than ``FIT_OUTLIER_CAP`` times the fit's prediction, nor a warm
+  shape's mean at more than ``SHAPE_STEP_CAP`` off the shape's price (a stalled step would otherwise price the shape
+  in use out until an exploration measured it again).
 * **Acceptance** (``AcceptanceModel``): per request and draft position i, the chance that node i is
   accepted given that i - 1 were, a running estimate (recent steps count more) seeded with the
   pooled estimate of every request so far, whose own prior is ``prior_acceptance`` at position 1
@@ -95,6 +97,10 @@ SKIPS_BEFORE_EXPLORING = 7
 SPEED_GAIN = 0.5
 SPEED_ERROR_CAP = 0.25
 FIT_OUTLIER_CAP = 3.0  # a step slower than this many times the fit's price enters the fit at that price
+# A warm shape's running mean takes each step within this share of the shape's price: on one CPU thread 1-2% of the
+# steps stall 15-36% over their neighbours (Gaussian noise puts the 95th percentile near +5%), and one stall on the
+# shape in use would otherwise price it out until an exploration measures it again.
+SHAPE_STEP_CAP = 0.1
 OWED_DECAY = 0.7  # weight of the earlier catch-ups in the running price of an owed token
 
 
@@ -130,6 +136,10 @@ class StepCostModel:
         levels, shape = self._keys(x)
         mean = self.shape_mean.get(shape)
         seconds = self._at_first_speed(x, seconds, mean)
+        own = seconds
+        if mean is not None and mean[3] > 0:  # a warm shape's mean takes a stalled step at no more than its cap
+            price = self._own_price(mean, x[ROWS], x[CONTEXT])
+            own = min(max(seconds, (1 - SHAPE_STEP_CAP) * price), (1 + SHAPE_STEP_CAP) * price)
         if self.prior_mean is None:  # the first step sets the scale of the prior
             scale = [max(v, 1.0) for v in x]
             self.prior_mean = [share * seconds / s for share, s in zip(PRIOR_SHARES, scale)]
@@ -138,7 +148,7 @@ class StepCostModel:
             self.shape_mean[shape] = [seconds, x[CONTEXT], x[ROWS], 0.0]
         else:
             mean[3] = SHAPE_DECAY * mean[3] + 1.0  # weights fade, then normalise: no step counts more than a later one
-            for i, v in enumerate((seconds, x[CONTEXT], x[ROWS])):
+            for i, v in enumerate((own, x[CONTEXT], x[ROWS])):
                 mean[i] += (v - mean[i]) / mean[3]
         if self.theta is not None:
             fitted = sum(t * v for t, v in zip(self.theta, x))

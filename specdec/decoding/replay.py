@@ -92,14 +92,19 @@ class ReplayRun:
     mean_depth: float  # mean chosen depth over the timed passes' request-steps
 
 
+STALL_SLOWER = (0.15, 0.40)  # how much longer a stalled step takes, drawn uniformly (seen live: +15% to +36%)
+
+
 class _NoisyClock:
     """The controller's clock: advanced by each step's recorded cost times the machine's speed (a drift: its log an
     AR(1) process of stationary standard deviation ``drift`` and correlation ``exp(-1 / drift_steps)`` from one
-    step to the next) times independent noise."""
+    step to the next) times independent noise; a share ``stalls`` of the steps also stall (``STALL_SLOWER``: a page
+    fault, a preempted thread -- live, 1-2% of the steps of one shape ran 15-36% over their neighbours, where the
+    Gaussian noise puts the 95th percentile near +5%)."""
 
-    def __init__(self, noise: float, seed: int, drift: float = 0.0, drift_steps: float = 1.0):
+    def __init__(self, noise: float, seed: int, drift: float = 0.0, drift_steps: float = 1.0, stalls: float = 0.0):
         self.now, self.noise, self.rng = 0.0, noise, random.Random(seed)
-        self.drift, self.rho = drift, math.exp(-1.0 / drift_steps)
+        self.drift, self.rho, self.stalls = drift, math.exp(-1.0 / drift_steps), stalls
         self.log_speed = drift * self.rng.gauss(0.0, 1.0) if drift else 0.0  # without drift, a seed draws as before
 
     def __call__(self) -> float:
@@ -109,7 +114,10 @@ class _NoisyClock:
         if self.drift:
             step = self.drift * math.sqrt(1 - self.rho**2) * self.rng.gauss(0.0, 1.0)
             self.log_speed = self.rho * self.log_speed + step
-        self.now += seconds * math.exp(self.log_speed) * max(0.5, 1.0 + self.noise * self.rng.gauss(0.0, 1.0))
+        seconds *= math.exp(self.log_speed) * max(0.5, 1.0 + self.noise * self.rng.gauss(0.0, 1.0))
+        if self.stalls and self.rng.random() < self.stalls:  # (no draw without stalls: a seed replays as before)
+            seconds *= 1.0 + self.rng.uniform(*STALL_SLOWER)
+        self.now += seconds
 
 
 def fit_drift(residuals: list[float], max_lag: int = 100) -> tuple[float, float, float]:
@@ -176,17 +184,19 @@ def _run_group(trace: Trace, prompts: list[int], choose, observe) -> tuple[float
 
 def replay(
     trace: Trace, batch: int, *, noise: float | None = None, seed: int = 0, passes: int = 5,
-    drift: float | None = None, drift_steps: float | None = None,
+    drift: float | None = None, drift_steps: float | None = None, stalls: float = 0.0,
     controller: Callable[[Callable[[], float]], AdaptiveSpeculation] | None = None,
 ) -> ReplayRun:  # fmt: skip
     """The adaptive controller (``controller(clock)``, default ``AdaptiveSpeculation(clock=clock)``) on ``batch``
     requests at a time: recorded seconds per timed pass and the mean chosen depth. ``noise``, ``drift`` and
-    ``drift_steps`` default to the trace's."""
+    ``drift_steps`` default to the trace's; ``stalls``: the share of steps that stall (none by default)."""
     if not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+    if not isinstance(stalls, (int, float)) or not 0.0 <= stalls <= 1.0:
+        raise ValueError(f"stalls must be a share in [0, 1], got {stalls!r}")
     clock = _NoisyClock(
         trace.relative_noise if noise is None else noise, seed, trace.drift if drift is None else drift,
-        trace.drift_steps if drift_steps is None else drift_steps,
+        trace.drift_steps if drift_steps is None else drift_steps, stalls,
     )  # fmt: skip
     ctl = controller(clock) if controller is not None else AdaptiveSpeculation(clock=clock)
     ctl.bind(trace.max_depth, trace.max_depth + 1)  # a chain: depth + 1 nodes
