@@ -128,7 +128,7 @@ class DraftModelStrategy:
         forward; shorter gaps ride in the step's first draft forward (``_first_rows``)."""
         if max(step.max_depth) <= 0 or max(step.max_nodes) <= 1:
             return
-        if self.owed_tokens(step.running, [len(h) - 1 for h in step.histories]):
+        if self.owed_tokens(step.running, _contexts(step)):
             self._catch_up(step)
 
     def owed_tokens(self, running: Sequence[int], contexts: Sequence[int]) -> int:
@@ -292,8 +292,7 @@ class DraftModelStrategy:
         is wound back to feed cached tokens again (their K/V are written again with the same values), so every
         request feeds the same n rows. Longer catch-ups run first as their own forward. The host lengths then
         count the cache as holding all but the last two."""
-        histories = step.histories
-        missing = self._missing(step.running, [len(h) - 1 for h in histories])
+        histories, missing = step.histories, self._missing(step.running, _contexts(step))
         most = max(missing)
         if most > FOLD_MISSING or any(len(h) < most + 2 for h in histories):
             self._catch_up(step)
@@ -374,6 +373,11 @@ class DraftModelStrategy:
         params = _draft_params(step)
         q = run_filtered_probs(logits, params).probs  # one-hot at the argmax for rows that cannot be sampled
         return q, run_sample_probs(q, params, counter=counter).long()
+
+
+def _contexts(step: StepContext) -> list[int]:
+    """Tokens each running request's target cache holds: all its committed text but the last token."""
+    return [len(h) - 1 for h in step.histories]
 
 
 def _draft_params(step: StepContext) -> SamplingParams:
