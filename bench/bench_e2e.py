@@ -35,7 +35,8 @@ plain decoding, fixed draft chains K = 1..5 and the adaptive chain (K <= 8), plu
 the median of paired per-round ratios (steadier on a noisy machine) and of held-out ones (each round against
 the method fastest in the other rounds: no winner's curse), n-gram T=1 against plain T=1 paired too; a PNG
 line chart (``png_chart``: the venv has no matplotlib) of the ratios to plain decoding goes to ``--out``.
-``--sweep-only`` runs just that.
+``--sweep-only`` runs just that; ``--sweep-decoders N`` times N independent adaptive decoders per batch size and
+reports their mean (one controller's choices follow its own history, so one decoder per cell is one draw).
 
     python bench/bench_e2e.py --quick            # CPU smoke run: 2 prompts, 32 tokens
     python bench/bench_e2e.py --dry-run          # the GPU check's rehearsal: 1 prompt, 8 tokens
@@ -402,9 +403,18 @@ def held_out_ratio(rounds: dict[str, list[float]], references: list[str], label:
     return statistics.median(ratios)
 
 
+def spread(ratios: list[float | None]) -> str:
+    """One decoder's ratio, or several decoders' mean with their range ("-" without enough rounds)."""
+    if any(r is None for r in ratios):
+        return "-"
+    mean = sum(ratios) / len(ratios)
+    return f"{mean:.2f}x" if len(ratios) == 1 else f"{mean:.3f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
 def batch_sweep(
-    target, draft, pool: list[list[int]], device: str, quick: bool, repeats: int, out: Path | None, only=None
-):
+    target, draft, pool: list[list[int]], device: str, quick: bool, repeats: int, out: Path | None, only=None,
+    decoders: int = 1,
+):  # fmt: skip
     """Adaptive speculation against plain decoding and fixed chains at every batch size (issue 16).
 
     Per batch size B the work is the same for every method: ``max(1, 6 // B)`` batches of B held-out prompts
@@ -412,6 +422,11 @@ def batch_sweep(
     adaptive one starts each timed run with what it measured before (as a server would). A round runs every
     method once (the order rotated from round to round); the table's speeds are each method's fastest round
     per prompt batch, and its "paired" column the median per-round ratio (``paired_ratio``).
+
+    ``decoders`` independent adaptive chain decoders per batch size (``--sweep-decoders``): one controller's
+    choices follow its own history (which shape it measured in which minute), so one decoder per cell is one
+    draw; with several, the adaptive columns are their means (speed and depth) and the ratio columns the mean of
+    each decoder's ratio, with the range beside it.
     """
     import time
 
@@ -424,14 +439,17 @@ def batch_sweep(
     batches = tuple(only) if only else batches  # --batches
     fixed = SWEEP_FIXED[::2] if quick else SWEEP_FIXED
     fixed_labels, adaptive_label = [f"K={k}" for k in fixed], f"adaptive K<={SWEEP_ADAPTIVE_MAX}"
+    adaptive_labels = [adaptive_label] if decoders == 1 else [f"{adaptive_label} #{i + 1}" for i in range(decoders)]
     now = clock(device)
 
     def methods():
         chain = [(label, DraftModelStrategy(draft, (1,) * k), False, 0.0) for label, k in zip(fixed_labels, fixed)]
-        adaptive = AdaptiveSpeculation(clock=step_clock)
+        adaptive = [
+            (label, DraftModelStrategy(draft, (1,) * SWEEP_ADAPTIVE_MAX), AdaptiveSpeculation(clock=step_clock), 0.0)
+            for label in adaptive_labels
+        ]
         return [
-            ("plain", None, False, 0.0), *chain,
-            (adaptive_label, DraftModelStrategy(draft, (1,) * SWEEP_ADAPTIVE_MAX), adaptive, 0.0),
+            ("plain", None, False, 0.0), *chain, *adaptive,
             ("plain T=1", None, False, 1.0),
             ("n-gram T=1 adaptive", NgramStrategy(5), AdaptiveSpeculation(clock=step_clock), 1.0),
             ("n-gram T=1 fixed", NgramStrategy(5), False, 1.0),
@@ -463,13 +481,16 @@ def batch_sweep(
             for label, d in depth.items()
         }
         paired[batch] = (
-            paired_ratio(rounds, ["plain", *fixed_labels], adaptive_label),
-            held_out_ratio(rounds, ["plain", *fixed_labels], adaptive_label),
+            [paired_ratio(rounds, ["plain", *fixed_labels], label) for label in adaptive_labels],
+            [held_out_ratio(rounds, ["plain", *fixed_labels], label) for label in adaptive_labels],
             paired_ratio(rounds, ["plain T=1"], "n-gram T=1 adaptive"),
         )
+        means = [results[batch][label] for label in adaptive_labels]
+        results[batch][adaptive_label] = tuple(sum(v) / len(v) for v in zip(*means))  # the decoders' mean
     table = Table(
         f"Batch sweep, embedded pair, {device}, greedy unless T=1, {new_tokens} tokens per request, fastest of "
-        f"{repeats}: tokens/s and ratios (chains vs plain; n-gram T=1 vs plain T=1)",
+        f"{repeats}{'' if decoders == 1 else f', {decoders} adaptive decoders (means; ratios with their range)'}: "
+        f"tokens/s and ratios (chains vs plain; n-gram T=1 vs plain T=1)",
         ["batch", "plain tok/s", *fixed_labels, "adaptive", "adaptive mean depth", "adaptive / best of plain+fixed",
          "paired: adaptive / best", "held out: adaptive / best", "plain T=1 tok/s", "n-gram T=1 adaptive",
          "n-gram T=1 fixed", "paired: n-gram T=1 adaptive / plain"],
@@ -483,8 +504,8 @@ def batch_sweep(
         best_paired, held_out, ngram_paired = paired[batch]
         table.add(
             batch, plain, *[f"{x:.2f}x" for x in ratios], f"{adaptive:.2f}x", f"{r[adaptive_label][1]:.2f}",
-            f"{adaptive / max(1.0, *ratios):.2f}x", f"{best_paired:.2f}x",
-            "-" if held_out is None else f"{held_out:.2f}x", plain_t1, *[f"{x:.2f}x" for x in ngram],
+            f"{adaptive / max(1.0, *ratios):.2f}x", spread(best_paired), spread(held_out), plain_t1,
+            *[f"{x:.2f}x" for x in ngram],
             f"{ngram_paired:.2f}x",
         )  # fmt: skip
         for name, v in zip(series, [*ratios, adaptive, *ngram]):
@@ -503,6 +524,8 @@ def main() -> None:
         parser.add_argument("--vllm-only", action="store_true", help="only the engine-peer table (vLLM rows)")
         parser.add_argument("--sweep-only", action="store_true", help="only the adaptive batch sweep")
         parser.add_argument("--batches", type=int, nargs="+", help="the sweep's batch sizes (default: all six)")
+        parser.add_argument("--sweep-decoders", type=int, default=1, help="independent adaptive decoders per batch "
+                            "size in the sweep (their mean is reported)")  # fmt: skip
 
     args = bench_args(__doc__.splitlines()[0], extra)
     device = args.device
@@ -521,7 +544,9 @@ def main() -> None:
         return
     if args.sweep_only:
         pool = [tokenizer.encode(p["text"]).ids for p in heldout_prompts(ASSETS)]
-        batch_sweep(target, draft, pool, device, args.quick, repeats, args.out, args.batches)
+        if args.sweep_decoders < 1:
+            raise SystemExit(f"--sweep-decoders must be >= 1, got {args.sweep_decoders}")
+        batch_sweep(target, draft, pool, device, args.quick, repeats, args.out, args.batches, args.sweep_decoders)
         return
     target_dir, draft_dir = ASSETS / "target", ASSETS / "draft"
     hf_target, hf_draft = load_hf(target_dir, device), load_hf(draft_dir, device)
