@@ -19,6 +19,7 @@ from specdec.decoding import (
 )
 from specdec.decoding.adaptive import StepCostModel, warm_up_depths
 from specdec.decoding.autoregressive import generate as autoregressive_generate
+from specdec.decoding.draft_model import FOLD_MISSING
 
 pytestmark = pytest.mark.usefixtures("torch_backend")
 
@@ -240,15 +241,15 @@ def test_ragged_choices_in_one_batch():
 
 class OwingDrafter:
     """A drafter's cache as the controller sees it through ``owed_tokens``: it holds what was fed at the last drafted
-    step; a step that drafts first feeds whatever it missed, when any request missed more than 4 tokens (as
-    ``DraftModelStrategy`` does), at ``token_s`` a token. A new stream owes its prompts."""
+    step; a step that drafts first feeds whatever it missed, when any request missed more than ``FOLD_MISSING``
+    tokens (as ``DraftModelStrategy`` does), at ``token_s`` a token. A new stream owes its prompts."""
 
     def __init__(self, token_s: float):
         self.token_s, self.fed = token_s, {}
 
     def owed_tokens(self, running, contexts) -> int:
         missing = [c - 1 - self.fed.get(b, 0) for b, c in zip(running, contexts)]
-        return sum(missing) if max(missing) > 4 else 0
+        return sum(missing) if max(missing) > FOLD_MISSING else 0
 
     def prepare(self, running, contexts, depths) -> float:
         """Seconds the step's catch-up takes (0 when it does not draft or owes nothing)."""

@@ -85,7 +85,7 @@ def test_under_drift_the_speed_factor_keeps_the_controller_nearer_the_best():
     trace = Trace.load(CURRENT_TRACE)
 
     class NoSpeedFactor(StepCostModel):
-        def _at_first_speed(self, x, seconds, mean):
+        def _at_first_speed(self, seconds, mean, price):
             return seconds
 
     def without_factor(clock):

@@ -135,10 +135,10 @@ class StepCostModel:
     def observe(self, x: Sequence[float], seconds: float) -> None:
         levels, shape = self._keys(x)
         mean = self.shape_mean.get(shape)
-        seconds = self._at_first_speed(x, seconds, mean)
+        price = None if mean is None else self._own_price(mean, x[ROWS], x[CONTEXT])
+        seconds = self._at_first_speed(seconds, mean, price)
         own = seconds
         if mean is not None and mean[3] > 0:  # a warm shape's mean takes a stalled step at no more than its cap
-            price = self._own_price(mean, x[ROWS], x[CONTEXT])
             own = min(max(seconds, (1 - SHAPE_STEP_CAP) * price), (1 + SHAPE_STEP_CAP) * price)
         if self.prior_mean is None:  # the first step sets the scale of the prior
             scale = [max(v, 1.0) for v in x]
@@ -164,12 +164,11 @@ class StepCostModel:
         self.theta = self._solve()
         self._row_price, self._context_price = max(self.theta[ROWS], 0.0), max(self.theta[CONTEXT], 0.0)
 
-    def _at_first_speed(self, x: Sequence[float], seconds: float, mean: list[float] | None) -> float:
+    def _at_first_speed(self, seconds: float, mean: list[float] | None, price: float | None) -> float:
         """``seconds`` divided by the machine's speed factor, after moving the factor by this step's error when its
-        shape was measured before (``mean``: the shape's running mean, None for an unmeasured shape, whose error
-        is the fit's, not the machine's)."""
+        shape was measured before (``mean``: the shape's running mean, ``price`` its price for this step; None for
+        an unmeasured shape, whose error is the fit's, not the machine's)."""
         if mean is not None:
-            price = self._own_price(mean, x[ROWS], x[CONTEXT])
             error = math.log(max(seconds, 1e-12) / max(price, 1e-12)) - self.log_speed
             error = max(-SPEED_ERROR_CAP, min(SPEED_ERROR_CAP, error))
             self.log_speed += SPEED_GAIN * mean[3] / (mean[3] + 1) * error
