@@ -333,6 +333,13 @@ def test_choices_stay_within_limits_and_start_with_the_strategys_own():
         ctl.observe([0, 1, 2], [d + 1 for d in depths], depths, depths, [10, 10, 10])
 
 
+def test_a_batch_with_no_running_request_chooses_nothing():
+    """After the warm-up too (the catch-up's share is spread over the longest request's steps left: none here)."""
+    ctl, clock = controller(max_depth=4)
+    simulate(ctl, clock, lambda r, d: d, 20, requests=2)
+    assert ctl.choose([], [], []) == []
+
+
 def test_bad_options_are_refused(pair):
     with pytest.raises(TypeError, match="clock"):
         AdaptiveSpeculation(clock=3)

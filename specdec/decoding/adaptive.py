@@ -389,7 +389,7 @@ class AdaptiveSpeculation:
         else:
             prices = self._prices(running, caps)
             entry = owed * self._owed_price if owed and self._owed_price is not None else 0.0
-            choice = self._best(prices, caps, contexts, entry / (max(0, *limits) + 1))
+            choice = self._best(prices, caps, contexts, entry / (max(0, max(limits, default=0)) + 1))
             self._until_explore -= 1
             if self._until_explore <= 0:
                 choice = self._explore(prices, choice, caps, contexts, entry)
