@@ -45,6 +45,10 @@ def test_a_trace_missing_what_a_replay_needs_is_refused():
         tiny_trace([[0] * 6], [c for c in LINEAR_COSTS if c[1] != 3])
     with pytest.raises(ValueError, match="batch"):
         replay(tiny_trace([[0] * 6], LINEAR_COSTS), 0)
+    with pytest.raises(ValueError, match="batch"):
+        replay_fixed(tiny_trace([[0] * 6], LINEAR_COSTS), 0, 1)
+    with pytest.raises(TypeError, match="policy"):
+        replay_policy(tiny_trace([[0] * 6], LINEAR_COSTS), 1, "depth 2")
 
 
 def test_fixed_depths_are_charged_their_steps():

@@ -226,6 +226,10 @@ def replay_policy(trace: Trace, batch: int, policy: Callable[[list[int]], Callab
     prompt indices into the trace -- gives the group's ``choose(running, limits, contexts) -> depths``, where
     ``running`` indexes ``prompts`` and ``limits`` are the tokens each may still draft (what an oracle that
     reads the trace needs)."""
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+    if not callable(policy):
+        raise TypeError(f"policy must be a callable taking the group's prompts, got {type(policy).__name__}")
     total = 0.0
     for prompts in _groups(trace, batch):
         seconds, _ = _run_group(trace, prompts, policy(prompts), lambda *args: None)
