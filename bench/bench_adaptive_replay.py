@@ -14,6 +14,8 @@ the best fixed depth's (or plain decoding's) time over the controller's, per bat
     python bench/bench_adaptive_replay.py --record t.json --trace t.json --batches 1 2 --max-depth 2 --rounds 1
                                                                   # a smoke run (tests/test_adaptive_replay.py)
     python bench/bench_adaptive_replay.py --trace trace.json --oracles    # and what rules that read the trace reach
+    python bench/bench_adaptive_replay.py --trace trace.json --switch-penalty 0.5 0.15   # steps after the other
+                                                                  # kind's cost more (bench_step_mixing.py)
 
 ``--oracles`` adds a table of rules that know what the controller must estimate -- each step shape's recorded
 time and the trace's acceptance -- and choose one uniform depth a step: by the step's expected tokens per second
@@ -39,6 +41,7 @@ from common import Table, cpu_threads  # noqa: E402
 
 from specdec.decoding.replay import (  # noqa: E402
     DEFAULT_NOISE,
+    SwitchPenalty,
     Trace,
     fit_drift,
     replay,
@@ -218,6 +221,10 @@ def main() -> None:
                         "falls by e (default: the trace's own)")  # fmt: skip
     parser.add_argument("--stalls", type=float, default=0.0, help="share of steps that stall, 15-40%% slower "
                         "(seen live: 1-2%%; default none)")  # fmt: skip
+    parser.add_argument("--switch-penalty", type=float, nargs=2, metavar=("PLAIN", "DRAFTING"), help="a plain / "
+                        "drafting step within --switch-steps steps of one of the other kind costs 1 + this share more "
+                        "(bench/bench_step_mixing.py measures it; default none)")  # fmt: skip
+    parser.add_argument("--switch-steps", type=int, default=4, help="steps the switch penalty lasts")
     parser.add_argument("--drift-passes", type=int, default=60, help="passes of one shape recorded to measure the "
                         "drift (0: none)")  # fmt: skip
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES), help="batch sizes recorded / replayed")
@@ -230,23 +237,31 @@ def main() -> None:
     if not args.trace:
         return
     trace = Trace.load(args.trace)
+    switched = ""
+    try:
+        switch = SwitchPenalty(*args.switch_penalty, args.switch_steps) if args.switch_penalty else None
+    except ValueError as error:
+        parser.error(f"--switch-penalty / --switch-steps: {error}")
+    if switch is not None:
+        switched = f", switch penalty {switch.plain:.0%} / {switch.drafting:.0%} over {switch.steps} steps"
     noise = trace.relative_noise if args.noise is None else args.noise
     drift = trace.drift if args.drift is None else args.drift
     drift_steps = trace.drift_steps if args.drift_steps is None else args.drift_steps
     table = Table(
         f"Adaptive controller replayed on {args.trace.name} ({trace.machine}), {args.seeds} seeds, step-time noise "
-        f"{noise:.1%}, drift {drift:.1%} over {drift_steps:.0f} steps, {args.stalls:.0%} of steps stalled: step "
-        f"seconds per run and ratios",
+        f"{noise:.1%}, drift {drift:.1%} over {drift_steps:.0f} steps, {args.stalls:.0%} of steps stalled{switched}: "
+        f"step seconds per run and ratios",
         ["batch", "plain s", *(f"K={k}" for k in range(1, trace.max_depth + 1)), "best fixed",
          "adaptive / best: mean", "min", "max", "mean depth"],
     )  # fmt: skip
     for batch in args.batches:
-        fixed = [replay_fixed(trace, batch, k) for k in range(trace.max_depth + 1)]
+        fixed = [replay_fixed(trace, batch, k, switch) for k in range(trace.max_depth + 1)]
         best = min(fixed)
         runs = [
-            replay(trace, batch, noise=noise, seed=s, drift=drift, drift_steps=drift_steps, stalls=args.stalls)
+            replay(trace, batch, noise=noise, seed=s, drift=drift, drift_steps=drift_steps, stalls=args.stalls,
+                   switch=switch)
             for s in range(args.seeds)
-        ]
+        ]  # fmt: skip
         ratios = [best / r.seconds for r in runs]
         table.add(
             batch, f"{fixed[0]:.3f}", *(f"{fixed[0] / f:.2f}x" for f in fixed[1:]), f"K={fixed.index(best)}",

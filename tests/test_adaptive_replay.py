@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from specdec.decoding.adaptive import AdaptiveSpeculation, StepCostModel
-from specdec.decoding.replay import Trace, fit_drift, replay, replay_fixed, replay_policy
+from specdec.decoding.replay import SwitchPenalty, Trace, fit_drift, replay, replay_fixed, replay_policy
 
 TRACE = Path(__file__).parent / "data" / "adaptive_trace.json"  # recorded before ragged steps ran on the kernel
 CURRENT_TRACE = Path(__file__).resolve().parents[1] / "bench" / "traces" / "embedded_pair_cpu_dbf04f7.json"
@@ -49,6 +49,49 @@ def test_a_trace_missing_what_a_replay_needs_is_refused():
         replay_fixed(tiny_trace([[0] * 6], LINEAR_COSTS), 0, 1)
     with pytest.raises(TypeError, match="policy"):
         replay_policy(tiny_trace([[0] * 6], LINEAR_COSTS), 1, "depth 2")
+
+
+class Fixed(AdaptiveSpeculation):
+    """A controller that always drafts ``depth`` tokens (within each request's limit): the replay's charges alone."""
+
+    def __init__(self, clock, depth: int):
+        super().__init__(clock=clock)
+        self.depth = depth
+
+    def choose(self, running, limits, contexts):
+        super().choose(running, limits, contexts)
+        return [max(0, min(self.depth, x)) for x in limits]
+
+
+def test_a_step_after_steps_of_the_other_kind_is_charged_the_switch_penalty():
+    """One prompt, 6 tokens, nothing accepted (each step emits one token), plain costing 11 and one level 12.5 a
+    step. Fixed depth 2 drafts until the last step, whose limit (no token left to draft) makes it plain: only that
+    step pays, ``1 + plain``. A rule alternating plain and one level pays on every step after the first while the
+    penalty lasts one step; lasting two steps changes nothing there (each step's last two hold the other kind); no
+    penalty and a zero one charge alike, and the controller's replay is charged the same way."""
+    trace = tiny_trace([[0] * 6], LINEAR_COSTS)
+    switch = SwitchPenalty(plain=0.5, drafting=0.25, steps=1)
+    drafting_step = 11.0 + 1 + 0.5  # one level: batch 1, one extra row, one draft level (LINEAR_COSTS)
+    assert replay_fixed(trace, 1, 1, switch) == pytest.approx(6 * (5 * drafting_step + 11.0 * 1.5))
+    assert replay_fixed(trace, 1, 1, SwitchPenalty(0.0, 0.0)) == replay_fixed(trace, 1, 1)
+    alternate = lambda prompts: lambda running, limits, contexts: [  # noqa: E731
+        min(1, limits[0]) if (6 - 1 - limits[0]) % 2 else 0]  # fmt: skip
+    # steps 0..5 go plain, one level, plain, one level, plain, plain (the last has no token left to draft)
+    unpenalised = 6 * (4 * 11.0 + 2 * drafting_step)
+    assert replay_policy(trace, 1, alternate) == pytest.approx(unpenalised)
+    one_step = 6 * (11.0 + 2 * drafting_step * 1.25 + 2 * 11.0 * 1.5 + 11.0)  # the last plain follows a plain
+    assert replay_policy(trace, 1, alternate, switch) == pytest.approx(one_step)
+    two_steps = 6 * (11.0 + 2 * drafting_step * 1.25 + 3 * 11.0 * 1.5)  # the last plain: a drafting step 2 back
+    assert replay_policy(trace, 1, alternate, SwitchPenalty(0.5, 0.25, steps=2)) == pytest.approx(two_steps)
+    plain_only = replay(trace, 1, noise=0.0, controller=lambda clock: Fixed(clock, 0))
+    charged = replay(trace, 1, noise=0.0, controller=lambda clock: Fixed(clock, 0), switch=switch)
+    assert charged.seconds == plain_only.seconds  # never switching, never charged
+    with pytest.raises(ValueError, match="plain"):
+        SwitchPenalty(plain=-0.1, drafting=0.0)
+    with pytest.raises(ValueError, match="steps"):
+        SwitchPenalty(plain=0.1, drafting=0.0, steps=0)
+    with pytest.raises(TypeError, match="switch"):
+        replay_fixed(trace, 1, 1, (0.5, 0.25))
 
 
 def test_fixed_depths_are_charged_their_steps():
@@ -199,11 +242,12 @@ def test_a_controller_that_always_drafts_its_longest_fails_the_bound():
 def test_the_benchmark_records_a_trace_and_replays_it(tmp_path):
     """``bench/bench_adaptive_replay.py`` on the embedded pair, batches 1 and 2, depth 2, one round: a trace whose
     matches are the draft's accepted tokens (within the depth) and whose costs cover every recorded shape, then
-    the replay's table."""
+    the replay's table (with a switch penalty, named in its title)."""
     root = Path(__file__).resolve().parents[1]
     trace_path = tmp_path / "trace.json"
     args = ["--record", str(trace_path), "--trace", str(trace_path), "--batches", "1", "2", "--max-depth", "2",
-            "--rounds", "1", "--drift-passes", "12", "--seeds", "2", "--out", str(tmp_path), "--oracles"]  # fmt: skip
+            "--rounds", "1", "--drift-passes", "12", "--seeds", "2", "--out", str(tmp_path), "--oracles",
+            "--switch-penalty", "0.3", "0.1"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(root), "TRITON_INTERPRET": "0"}  # the CPU's own path, not the GPU stand-in
     done = subprocess.run([sys.executable, "bench/bench_adaptive_replay.py", *args], cwd=root, capture_output=True,
                           text=True, env=env, timeout=600)  # fmt: skip
@@ -217,6 +261,7 @@ def test_the_benchmark_records_a_trace_and_replays_it(tmp_path):
     # steps, a drift over about one step can take all of it).
     assert data["relative_noise"] >= 0 and data["drift"] >= 0 and data["relative_noise"] + data["drift"] > 0
     assert data["drift_steps"] >= 1
+    assert "switch penalty 30% / 10% over 4 steps" in (tmp_path / "adaptive_replay.md").read_text()
     for name in ("adaptive_replay", "adaptive_oracles"):
         table = (tmp_path / f"{name}.md").read_text()
         assert [line.split("|")[1].strip() for line in table.splitlines() if line[:3] in ("| 1", "| 2")] == ["1", "2"]

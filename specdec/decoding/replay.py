@@ -12,7 +12,9 @@ themselves -- so every seed's result is exact, and fixed depths (``replay_fixed`
 The replay mirrors the batch sweep (``bench/bench_e2e.py --sweep-only``): per batch size B, ``max(1, 6 //
 B)`` groups of B prompts from the trace's pool (cycled), ``new_tokens`` each; one untimed pass warms the
 controller, then ``passes`` timed passes; a step's cost is looked up by its shape (running requests,
-draft levels, extra rows), interpolated between the recorded shapes.
+draft levels, extra rows), interpolated between the recorded shapes. Optionally (``SwitchPenalty``) a step within a
+few steps of one of the other kind (plain after drafting, drafting after plain) costs more, as on a CPU whose
+caches hold the model (``bench/bench_step_mixing.py``).
 """
 
 from __future__ import annotations
@@ -92,6 +94,29 @@ class ReplayRun:
     mean_depth: float  # mean chosen depth over the timed passes' request-steps
 
 
+@dataclass(frozen=True)
+class SwitchPenalty:
+    """Step costs that depend on the steps before them (``bench/bench_step_mixing.py``): on a CPU whose caches hold
+    most of the model, plain and drafting steps can run their GEMMs on different copies of the weights, so a step
+    within ``steps`` steps of one of the other kind finds its working set evicted and costs ``1 + plain`` (a plain
+    step) or ``1 + drafting`` (a drafting one) times its recorded time. Measured on the embedded pair (Intel Xeon,
+    2026-12-05, ``bench/RESULTS.md``): plain 0.43-0.56 and drafting 0.10-0.20 at batch 8, 0.14-0.39 and 0.00-0.07
+    at batch 4, under 0.08 both at batch 2 and 32; at batch 8 two plain steps after drafting ones were as slow as
+    one."""
+
+    plain: float
+    drafting: float
+    steps: int = 4
+
+    def __post_init__(self):
+        for name in ("plain", "drafting"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0.0 <= value <= 10.0:
+                raise ValueError(f"{name} must be a share in [0, 10], got {value!r}")
+        if not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"steps must be an int >= 1, got {self.steps!r}")
+
+
 STALL_SLOWER = (0.15, 0.40)  # how much longer a stalled step takes, drawn uniformly (seen live: +15% to +36%)
 
 
@@ -161,10 +186,12 @@ def _groups(trace: Trace, batch: int) -> list[list[int]]:
     return [[(g * batch + i) % pool for i in range(batch)] for g in range(max(1, GROUP_WORK // batch))]
 
 
-def _run_group(trace: Trace, prompts: list[int], choose, observe) -> tuple[float, list[int]]:
+def _run_group(trace: Trace, prompts: list[int], choose, observe, switch: SwitchPenalty | None = None
+               ) -> tuple[float, list[int]]:  # fmt: skip
     """One batch decoded to ``new_tokens`` each; returns (recorded seconds, every request-step's depth)."""
     generated = {r: 0 for r in range(len(prompts))}
     seconds, depths_seen = 0.0, []
+    recent: list[bool] = []  # whether each of the group's last ``switch.steps`` steps drafted
     while generated:
         running = list(generated)
         limits = [trace.new_tokens - generated[r] - 1 for r in running]
@@ -172,6 +199,11 @@ def _run_group(trace: Trace, prompts: list[int], choose, observe) -> tuple[float
         depths = choose(running, limits, contexts)
         accepted = [min(d, trace.matches[prompts[r]][generated[r]]) for r, d in zip(running, depths)]
         cost = trace.step_seconds(len(running), max(depths), sum(depths))
+        if switch is not None:
+            drafting = max(depths) > 0
+            if any(kind != drafting for kind in recent):
+                cost *= 1.0 + (switch.drafting if drafting else switch.plain)
+            recent = (recent + [drafting])[-switch.steps :]
         seconds += cost
         observe(running, depths, accepted, contexts, cost)
         depths_seen += depths
@@ -186,10 +218,12 @@ def replay(
     trace: Trace, batch: int, *, noise: float | None = None, seed: int = 0, passes: int = 5,
     drift: float | None = None, drift_steps: float | None = None, stalls: float = 0.0,
     controller: Callable[[Callable[[], float]], AdaptiveSpeculation] | None = None,
+    switch: SwitchPenalty | None = None,
 ) -> ReplayRun:  # fmt: skip
     """The adaptive controller (``controller(clock)``, default ``AdaptiveSpeculation(clock=clock)``) on ``batch``
     requests at a time: recorded seconds per timed pass and the mean chosen depth. ``noise``, ``drift`` and
-    ``drift_steps`` default to the trace's; ``stalls``: the share of steps that stall (none by default)."""
+    ``drift_steps`` default to the trace's; ``stalls``: the share of steps that stall (none by default);
+    ``switch``: what a step costs more after steps of the other kind (none by default)."""
     if not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be an int >= 1, got {batch!r}")
     if not isinstance(stalls, (int, float)) or not 0.0 <= stalls <= 1.0:
@@ -209,29 +243,36 @@ def replay(
     for p in range(passes + 1):  # the first pass warms the controller, as the sweep's warm-up does
         for prompts in groups if p else groups[:1]:
             ctl.start()
-            seconds, depths = _run_group(trace, prompts, ctl.choose, observe)
+            seconds, depths = _run_group(trace, prompts, ctl.choose, observe, _switch(switch))
             if p:
                 total, chosen = total + seconds, chosen + depths
     return ReplayRun(total / passes, sum(chosen) / max(len(chosen), 1))
 
 
-def replay_fixed(trace: Trace, batch: int, depth: int) -> float:
+def replay_fixed(trace: Trace, batch: int, depth: int, switch: SwitchPenalty | None = None) -> float:
     """Recorded seconds of one pass drafting ``depth`` tokens per request every step (0: plain decoding)."""
     return replay_policy(trace, batch, lambda prompts: lambda running, limits, contexts: [
-        max(0, min(depth, x)) for x in limits])  # fmt: skip
+        max(0, min(depth, x)) for x in limits], switch)  # fmt: skip
 
 
-def replay_policy(trace: Trace, batch: int, policy: Callable[[list[int]], Callable]) -> float:
+def replay_policy(trace: Trace, batch: int, policy: Callable[[list[int]], Callable],
+                  switch: SwitchPenalty | None = None) -> float:  # fmt: skip
     """Recorded seconds of one pass of a fixed rule (no clock, no learning): ``policy(prompts)`` -- the group's
     prompt indices into the trace -- gives the group's ``choose(running, limits, contexts) -> depths``, where
     ``running`` indexes ``prompts`` and ``limits`` are the tokens each may still draft (what an oracle that
-    reads the trace needs)."""
+    reads the trace needs). ``switch``: as in ``replay``."""
     if not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be an int >= 1, got {batch!r}")
     if not callable(policy):
         raise TypeError(f"policy must be a callable taking the group's prompts, got {type(policy).__name__}")
     total = 0.0
     for prompts in _groups(trace, batch):
-        seconds, _ = _run_group(trace, prompts, policy(prompts), lambda *args: None)
+        seconds, _ = _run_group(trace, prompts, policy(prompts), lambda *args: None, _switch(switch))
         total += seconds
     return total
+
+
+def _switch(switch: SwitchPenalty | None) -> SwitchPenalty | None:
+    if switch is not None and not isinstance(switch, SwitchPenalty):
+        raise TypeError(f"switch must be a SwitchPenalty or None, got {type(switch).__name__}")
+    return switch
