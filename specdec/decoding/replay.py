@@ -100,7 +100,7 @@ class SwitchPenalty:
     most of the model, plain and drafting steps can run their GEMMs on different copies of the weights, so a step
     within ``steps`` steps of one of the other kind finds its working set evicted and costs ``1 + plain`` (a plain
     step) or ``1 + drafting`` (a drafting one) times its recorded time. Measured on the embedded pair (Intel Xeon,
-    2026-12-05, ``bench/RESULTS.md``): plain 0.43-0.56 and drafting 0.10-0.20 at batch 8, 0.14-0.39 and 0.00-0.07
+    2026-12-05, ``bench/RESULTS.md``): plain 0.43-0.56 and drafting 0.10-0.20 at batch 8, 0.17-0.39 and 0.00-0.07
     at batch 4, under 0.08 both at batch 2 and 32; at batch 8 two plain steps after drafting ones were as slow as
     one."""
 
