@@ -1,18 +1,21 @@
-"""Step times when plain and drafting steps mix, against the same steps in runs of their own (issue 16).
+"""Step times when steps of two depths mix, against the same steps in runs of their own (issue 16).
 
 The adaptive controller prices a step by its shape alone. On a CPU whose caches hold most of a small model
 that is not the whole story: plain steps run the target's few-row kernel on its packed weights, drafting
 steps the draft model and oneDNN on other copies of the weights, so a step after steps of the other kind
 finds its working set evicted. This benchmark decodes the embedded pair's held-out prompts at a fixed
 pattern of depths per step (greedy, EOS ignored), one decoder per pattern, the patterns interleaved round by
-round, and reports each kind of step's median thread time within each pattern:
+round, and reports each depth's median step thread time within each pattern. With ``--against 0`` (plain
+decoding, the default) and ``--depth D``:
 
-* ``plain``: every step plain; ``K=D``: every step drafts D tokens per request (the peers: each kind alone);
-* ``mostly plain``: 2 drafting steps in every 6; ``mostly drafting``: 2 plain steps in every 6.
+* ``plain``: every step plain; ``K=D``: every step drafts D tokens per request (the peers: each depth alone);
+* ``mostly plain``: 2 steps of depth D in every 6, the rest plain; ``mostly K=D``: 2 plain steps in every 6.
 
-Only steps that run every request of the batch count (a batch's last steps run fewer).
+``--against E`` mixes depth D with depth E instead of plain (two drafting depths whose row counts may take
+different GEMM paths). Only steps that run every request of the batch at the pattern's depth count.
 
-    python bench/bench_step_mixing.py --out OUT              # batches 8 and 32, depth 2, 5 rounds (~2 min)
+    python bench/bench_step_mixing.py --out OUT              # batches 8 and 32, depth 2 against plain, 5 rounds
+    python bench/bench_step_mixing.py --batches 2 --depth 5 --against 2   # two drafting depths
     python bench/bench_step_mixing.py --quick                # a smoke run (tests/test_bench_step_mixing.py)
 """
 
@@ -45,22 +48,27 @@ class PatternedDepths(AdaptiveSpeculation):
         self.step = 0
 
     def choose(self, running, limits, contexts):
-        depth = self.pattern(self.step)
+        self.depth = self.pattern(self.step)
         self.step += 1
         self._started = self.clock()
-        return [max(0, min(depth, limit)) for limit in limits]
+        return [max(0, min(self.depth, limit)) for limit in limits]
 
     def observe(self, running, nodes, depths, accepted, contexts):
-        if len(running) == self.batch:
-            self.times.append((max(depths), self.clock() - self._started))
+        if len(running) == self.batch and max(depths) == self.depth:
+            self.times.append((self.depth, self.clock() - self._started))
 
 
-def patterns(depth: int) -> dict:
+def label(depth: int) -> str:
+    return "plain" if depth == 0 else f"K={depth}"
+
+
+def patterns(depth: int, against: int) -> dict:
+    """Pattern name -> the depth of step k of a stream."""
     return {
-        "plain": lambda k: 0,
-        f"K={depth}": lambda k: depth,
-        "mostly plain": lambda k: depth if k % 6 in (3, 4) else 0,
-        "mostly drafting": lambda k: 0 if k % 6 in (3, 4) else depth,
+        label(against): lambda k: against,
+        label(depth): lambda k: depth,
+        f"mostly {label(against)}": lambda k: depth if k % 6 in (3, 4) else against,
+        f"mostly {label(depth)}": lambda k: against if k % 6 in (3, 4) else depth,
     }
 
 
@@ -68,6 +76,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 32], help="batch sizes")
     parser.add_argument("--depth", type=int, default=2, help="the drafting steps' chain length")
+    parser.add_argument("--against", type=int, default=0, help="the depth mixed with --depth (0: plain decoding)")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (each runs every pattern once)")
     parser.add_argument("--new-tokens", type=int, default=48, help="tokens per request")
     parser.add_argument("--quick", action="store_true", help="a smoke run: batch 2, one round, 24 tokens")
@@ -79,20 +88,25 @@ def main() -> None:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.depth < 1:
         parser.error("--depth must be >= 1")
+    if not 0 <= args.against != args.depth:
+        parser.error("--against must be >= 0 and differ from --depth")
     batches, rounds, new_tokens = ([2], 1, 24) if args.quick else (args.batches, args.rounds, args.new_tokens)
     cpu_threads("cpu")
     target, draft, tokenizer = load_pair("cpu", assets=ASSETS)
     pool = [tokenizer.encode(p["text"]).ids for p in heldout_prompts(ASSETS)]
+    depths = (args.against, args.depth)
+    a, d = label(args.against), label(args.depth)
     table = Table(
-        f"Step times, plain and drafting steps mixed, embedded pair, cpu, one thread, greedy, depth {args.depth}, "
-        f"{new_tokens} tokens per request, {rounds} rounds: median ms per kind of step, and over the same kind's "
+        f"Step times, steps of depth {args.against} and {args.depth} mixed, embedded pair, cpu, one thread, greedy, "
+        f"{new_tokens} tokens per request, {rounds} rounds: median ms per depth's step, and over the same depth's "
         f"median in a run of its own",
-        ["batch", "pattern", "plain step ms", "drafting step ms", "plain / alone", "drafting / alone"],
+        ["batch", "pattern", f"{a} step ms", f"{d} step ms", f"{a} / alone", f"{d} / alone"],
     )  # fmt: skip
     for batch in batches:
         prompts = [pool[i % len(pool)] for i in range(batch)]
-        plan = {name: PatternedDepths(p, batch) for name, p in patterns(args.depth).items()}
-        decoders = [(c, SpeculativeDecoder(target, DraftModelStrategy(draft, (1,) * args.depth), adaptive=c))
+        plan = {name: PatternedDepths(p, batch) for name, p in patterns(args.depth, args.against).items()}
+        chain = (1,) * max(depths)
+        decoders = [(c, SpeculativeDecoder(target, DraftModelStrategy(draft, chain), adaptive=c))
                     for c in plan.values()]  # fmt: skip
         for controller, decoder in decoders:  # warm-up, not timed
             decoder.generate(prompts, max_new_tokens=new_tokens, seed=0, eos_token_id=None)
@@ -101,15 +115,15 @@ def main() -> None:
             for _, decoder in decoders[r % len(decoders) :] + decoders[: r % len(decoders)]:
                 decoder.generate(prompts, max_new_tokens=new_tokens, seed=0, eos_token_id=None)
 
-        def median_ms(controller, drafting: bool) -> float | None:
-            times = [t for depth, t in controller.times if (depth > 0) == drafting]
+        def median_ms(controller, depth: int) -> float | None:
+            times = [t for own, t in controller.times if own == depth]
             return statistics.median(times) * 1e3 if times else None
 
-        alone = (median_ms(plan["plain"], False), median_ms(plan[f"K={args.depth}"], True))
+        alone = [median_ms(plan[label(depth)], depth) for depth in depths]
         for name, controller in plan.items():
-            own = (median_ms(controller, False), median_ms(controller, True))
+            own = [median_ms(controller, depth) for depth in depths]
             cells = [f"{v:.2f}" if v is not None else "-" for v in own]
-            ratios = [f"{v / a:.2f}x" if v is not None and a else "-" for v, a in zip(own, alone)]
+            ratios = [f"{v / ref:.2f}x" if v is not None and ref else "-" for v, ref in zip(own, alone)]
             table.add(batch, name, *cells, *ratios)
     table.write(args.out, "step_mixing")
 
