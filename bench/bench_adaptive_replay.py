@@ -237,13 +237,12 @@ def main() -> None:
     if not args.trace:
         return
     trace = Trace.load(args.trace)
-    switched = ""
     try:
         switch = SwitchPenalty(*args.switch_penalty, args.switch_steps) if args.switch_penalty else None
     except ValueError as error:
         parser.error(f"--switch-penalty / --switch-steps: {error}")
-    if switch is not None:
-        switched = f", switch penalty {switch.plain:.0%} / {switch.drafting:.0%} over {switch.steps} steps"
+    switched = "" if switch is None else (
+        f", switch penalty {switch.plain:.0%} / {switch.drafting:.0%} over {switch.steps} steps")  # fmt: skip
     noise = trace.relative_noise if args.noise is None else args.noise
     drift = trace.drift if args.drift is None else args.drift
     drift_steps = trace.drift_steps if args.drift_steps is None else args.drift_steps

@@ -95,6 +95,7 @@ def main() -> None:
     target, draft, tokenizer = load_pair("cpu", assets=ASSETS)
     pool = [tokenizer.encode(p["text"]).ids for p in heldout_prompts(ASSETS)]
     depths = (args.against, args.depth)
+    chain = (1,) * max(depths)  # one strategy length for every pattern, so only the depths differ
     a, d = label(args.against), label(args.depth)
     table = Table(
         f"Step times, steps of depth {args.against} and {args.depth} mixed, embedded pair, cpu, one thread, greedy, "
@@ -105,7 +106,6 @@ def main() -> None:
     for batch in batches:
         prompts = [pool[i % len(pool)] for i in range(batch)]
         plan = {name: PatternedDepths(p, batch) for name, p in patterns(args.depth, args.against).items()}
-        chain = (1,) * max(depths)
         decoders = [(c, SpeculativeDecoder(target, DraftModelStrategy(draft, chain), adaptive=c))
                     for c in plan.values()]  # fmt: skip
         for controller, decoder in decoders:  # warm-up, not timed

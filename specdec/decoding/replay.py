@@ -224,8 +224,7 @@ def replay(
     requests at a time: recorded seconds per timed pass and the mean chosen depth. ``noise``, ``drift`` and
     ``drift_steps`` default to the trace's; ``stalls``: the share of steps that stall (none by default);
     ``switch``: what a step costs more after steps of the other kind (none by default)."""
-    if not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+    _check(batch, switch)
     if not isinstance(stalls, (int, float)) or not 0.0 <= stalls <= 1.0:
         raise ValueError(f"stalls must be a share in [0, 1], got {stalls!r}")
     clock = _NoisyClock(
@@ -243,7 +242,7 @@ def replay(
     for p in range(passes + 1):  # the first pass warms the controller, as the sweep's warm-up does
         for prompts in groups if p else groups[:1]:
             ctl.start()
-            seconds, depths = _run_group(trace, prompts, ctl.choose, observe, _switch(switch))
+            seconds, depths = _run_group(trace, prompts, ctl.choose, observe, switch)
             if p:
                 total, chosen = total + seconds, chosen + depths
     return ReplayRun(total / passes, sum(chosen) / max(len(chosen), 1))
@@ -261,18 +260,19 @@ def replay_policy(trace: Trace, batch: int, policy: Callable[[list[int]], Callab
     prompt indices into the trace -- gives the group's ``choose(running, limits, contexts) -> depths``, where
     ``running`` indexes ``prompts`` and ``limits`` are the tokens each may still draft (what an oracle that
     reads the trace needs). ``switch``: as in ``replay``."""
-    if not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+    _check(batch, switch)
     if not callable(policy):
         raise TypeError(f"policy must be a callable taking the group's prompts, got {type(policy).__name__}")
     total = 0.0
     for prompts in _groups(trace, batch):
-        seconds, _ = _run_group(trace, prompts, policy(prompts), lambda *args: None, _switch(switch))
+        seconds, _ = _run_group(trace, prompts, policy(prompts), lambda *args: None, switch)
         total += seconds
     return total
 
 
-def _switch(switch: SwitchPenalty | None) -> SwitchPenalty | None:
+def _check(batch: int, switch: SwitchPenalty | None) -> None:
+    """The arguments every replay takes: a batch of at least one request, a ``SwitchPenalty`` or none."""
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be an int >= 1, got {batch!r}")
     if switch is not None and not isinstance(switch, SwitchPenalty):
         raise TypeError(f"switch must be a SwitchPenalty or None, got {type(switch).__name__}")
-    return switch
