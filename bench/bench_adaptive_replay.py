@@ -56,12 +56,12 @@ NEW_TOKENS = 48
 
 def record(path: Path, rounds: int, batches: list[int], max_depth: int, drift_passes: int) -> None:
     """Writes the trace of the embedded pair on this machine (CPU, one intra-op thread, fp32)."""
-    from specdec.cli.demo import ASSETS, heldout_prompts, load_pair
+    from specdec.cli.demo import ASSETS, heldout_token_ids, load_pair
     from specdec.decoding import AdaptiveSpeculation, DraftModelStrategy, SpeculativeDecoder
 
     cpu_threads("cpu")
     target, draft, tokenizer = load_pair("cpu", assets=ASSETS)
-    pool = [tokenizer.encode(p["text"]).ids for p in heldout_prompts(ASSETS)]
+    pool = heldout_token_ids(tokenizer)
     greedy = {"temperature": 0.0, "seed": 0, "eos_token_id": None}
     texts = SpeculativeDecoder(target, None).generate(pool, max_new_tokens=NEW_TOKENS + max_depth, **greedy).tokens
     matches = []

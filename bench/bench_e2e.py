@@ -67,7 +67,7 @@ from specdec.cli.demo import (  # noqa: E402
     Run,
     decode_all,
     first_difference,
-    heldout_prompts,
+    heldout_token_ids,
     load_pair,
     medusa_row,
     strategies,
@@ -533,7 +533,7 @@ def main() -> None:
     num_prompts, new_tokens = (1, 8) if args.dry_run else (2, 32) if args.quick else (6, 96)
     repeats = args.repeats or (1 if args.quick or device.startswith("cuda") else 3)
     target, draft, tokenizer = load_pair(device, assets=ASSETS)
-    prompts = [tokenizer.encode(p["text"]).ids for p in heldout_prompts(ASSETS)[:num_prompts]]
+    prompts = heldout_token_ids(tokenizer)[:num_prompts]
     if args.eagle_only:
         eagle_table(target, draft, prompts, new_tokens, device, repeats).write(args.out, "e2e_eagle")
         return
@@ -543,7 +543,7 @@ def main() -> None:
             table.write(args.out, "e2e_vllm")
         return
     if args.sweep_only:
-        pool = [tokenizer.encode(p["text"]).ids for p in heldout_prompts(ASSETS)]
+        pool = heldout_token_ids(tokenizer)
         if args.sweep_decoders < 1:
             raise SystemExit(f"--sweep-decoders must be >= 1, got {args.sweep_decoders}")
         batch_sweep(target, draft, pool, device, args.quick, repeats, args.out, args.batches, args.sweep_decoders)
@@ -638,7 +638,7 @@ def main() -> None:
     if args.dry_run:  # the sweep decodes every batch size with eight decoders: a run of its own
         print("\nAdaptive batch sweep: not in a dry run (bench/bench_e2e.py --sweep-only)")
     else:
-        pool = [tokenizer.encode(p["text"]).ids for p in heldout_prompts(ASSETS)]
+        pool = heldout_token_ids(tokenizer)
         batch_sweep(target, draft, pool, device, args.quick, repeats, args.out)
 
 

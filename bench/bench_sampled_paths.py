@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Table, bench_args, clock, cpu_threads  # noqa: E402
 
-from specdec.cli.demo import ASSETS, heldout_prompts, load_pair  # noqa: E402
+from specdec.cli.demo import heldout_token_ids, load_pair  # noqa: E402
 from specdec.decoding import DraftModelStrategy, NoDraft, SpeculativeDecoder, draft_model, verification  # noqa: E402
 from specdec.kernels import SampleResult, filtered_probs, run_verify_tree, sample_probs  # noqa: E402
 
@@ -65,7 +65,7 @@ def main() -> None:
     cpu_threads(args.device)
     now = clock(args.device)
     target, draft, tokenizer = load_pair(device=args.device)
-    pool = [tokenizer.encode(p["text"]).ids for p in heldout_prompts(ASSETS)]
+    pool = heldout_token_ids(tokenizer)
     batches, rounds, new_tokens = ((2,), 1, 4) if args.dry_run else ((1, 2, 6), 9, 64)
     kwargs = dict(max_new_tokens=new_tokens, eos_token_id=None, temperature=1.0, seed=1)
     table = Table(

@@ -31,7 +31,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 from common import Table, cpu_threads  # noqa: E402
 
-from specdec.cli.demo import ASSETS, heldout_prompts, load_pair  # noqa: E402
+from specdec.cli.demo import ASSETS, heldout_token_ids, load_pair  # noqa: E402
 from specdec.decoding import AdaptiveSpeculation, DraftModelStrategy, SpeculativeDecoder  # noqa: E402
 
 
@@ -93,7 +93,7 @@ def main() -> None:
     batches, rounds, new_tokens = ([2], 1, 24) if args.quick else (args.batches, args.rounds, args.new_tokens)
     cpu_threads("cpu")
     target, draft, tokenizer = load_pair("cpu", assets=ASSETS)
-    pool = [tokenizer.encode(p["text"]).ids for p in heldout_prompts(ASSETS)]
+    pool = heldout_token_ids(tokenizer)
     depths = (args.against, args.depth)
     chain = (1,) * max(depths)  # one strategy length for every pattern, so only the depths differ
     a, d = label(args.against), label(args.depth)

@@ -306,11 +306,11 @@ def test_opcheck():
 def test_embedded_pair_decodes_the_same_with_and_without_the_kernel(cpu_default, kernel_calls, monkeypatch):
     """On a CPU's default path, batched decoding (6 requests, 1 query each) and a K=4 chain's verification (5
     queries) run the kernel: their greedy tokens are those of SDPA."""
-    from specdec.cli.demo import ASSETS, heldout_prompts, load_pair
+    from specdec.cli.demo import heldout_token_ids, load_pair
     from specdec.decoding import DraftModelStrategy, SpeculativeDecoder
 
     target, draft, tokenizer = load_pair("cpu")
-    prompts = [tokenizer.encode(p["text"]).ids for p in heldout_prompts(ASSETS)[:6]]
+    prompts = heldout_token_ids(tokenizer)[:6]
     runs = {}
     real_applies = cpu_attention.applies
     for kernel in (True, False):

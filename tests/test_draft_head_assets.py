@@ -30,7 +30,7 @@ def target():
 def greedy_text(target):
     """A held-out prompt and the target's greedy continuation, with the target's features for every token."""
     tokenizer = demo.load_pair("cpu")[2]
-    prompt = tokenizer.encode(demo.heldout_prompts()[0]["text"]).ids
+    prompt = demo.heldout_token_ids(tokenizer)[0]
     with use_backend("torch"):
         tokens = prompt + generate(target, [prompt], max_new_tokens=48, eos_token_id=None)[0]
         cache = target.new_cache(1, len(tokens))

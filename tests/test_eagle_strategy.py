@@ -16,7 +16,7 @@ from sampling_helpers import model_joint
 from sync_counter import events_per_step, run_under_sync_debug_error
 
 from specdec import use_backend
-from specdec.cli.demo import ASSETS, heldout_prompts, load_pair
+from specdec.cli.demo import ASSETS, heldout_token_ids, load_pair
 from specdec.decoding import SpeculativeDecoder
 from specdec.decoding.autoregressive import generate as autoregressive_generate
 from specdec.decoding.eagle import EagleStrategy
@@ -36,7 +36,7 @@ EAGLES = {
 def embedded():
     target, _, tokenizer = load_pair()
     head = EagleHead.from_pretrained(ASSETS.parent / "eagle", target)
-    prompts = [tokenizer.encode(p["text"]).ids for p in heldout_prompts(ASSETS)[:8]]
+    prompts = heldout_token_ids(tokenizer)[:8]
     return target, head, prompts
 
 

@@ -33,7 +33,7 @@ def pair():
 @pytest.fixture(scope="module")
 def prompt_ids(pair):
     tokenizer = pair[2]
-    return [tokenizer.encode(p["text"]).ids for p in demo.heldout_prompts()[:2]]
+    return demo.heldout_token_ids(tokenizer)[:2]
 
 
 @pytest.fixture(scope="module")

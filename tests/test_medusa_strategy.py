@@ -36,7 +36,7 @@ def tiny():
 @pytest.fixture(scope="module")
 def embedded():
     target, _, tokenizer = demo.load_pair("cpu")
-    prompts = [tokenizer.encode(p["text"]).ids for p in demo.heldout_prompts()[:8]]
+    prompts = demo.heldout_token_ids(tokenizer)[:8]
     return target, MedusaStrategy.from_pretrained(demo.ASSETS.parent / "medusa", target), prompts
 
 

@@ -57,6 +57,11 @@ def heldout_prompts(assets: str | Path = ASSETS) -> list[dict]:
     return json.loads((Path(assets) / "eval" / "prompts.json").read_text())
 
 
+def heldout_token_ids(tokenizer, assets: str | Path = ASSETS) -> list[list[int]]:
+    """The held-out prompts as ``tokenizer``'s token ids: the prompt pool of the benchmarks and tests."""
+    return [tokenizer.encode(p["text"]).ids for p in heldout_prompts(assets)]
+
+
 def strategies(draft, tree_rule: str = "deterministic") -> list[tuple[str, object]]:
     """(label, strategy) for each way of decoding the demo compares; the first is the baseline.
 
