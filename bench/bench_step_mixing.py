@@ -24,38 +24,21 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 from common import Table, cpu_threads  # noqa: E402
+from forced_depths import ForcedDepths  # noqa: E402
 
 from specdec.cli.demo import ASSETS, heldout_token_ids, load_pair  # noqa: E402
-from specdec.decoding import AdaptiveSpeculation, DraftModelStrategy, SpeculativeDecoder  # noqa: E402
+from specdec.decoding import DraftModelStrategy, SpeculativeDecoder  # noqa: E402
 
 
-class PatternedDepths(AdaptiveSpeculation):
-    """Not adaptive: step k of each stream drafts ``pattern(k)`` tokens per request (within its limit); records each
-    step's thread time and depth when every request of the batch ran."""
-
-    def __init__(self, pattern, batch: int):
-        super().__init__(clock=time.thread_time)
-        self.pattern, self.batch, self.step, self.times = pattern, batch, 0, []
-
-    def start(self) -> None:
-        super().start()
-        self.step = 0
-
-    def choose(self, running, limits, contexts):
-        self.depth = self.pattern(self.step)
-        self.step += 1
-        self._started = self.clock()
-        return [max(0, min(self.depth, limit)) for limit in limits]
-
-    def observe(self, running, nodes, depths, accepted, contexts):
-        if len(running) == self.batch and max(depths) == self.depth:
-            self.times.append((self.depth, self.clock() - self._started))
+def median_ms(controller: ForcedDepths, batch: int, depth: int) -> float | None:
+    """The median ms of ``controller``'s steps that ran all ``batch`` requests at ``depth``."""
+    times = [s.seconds for s in controller.steps if s.running == batch and s.depth == s.drafted == depth]
+    return statistics.median(times) * 1e3 if times else None
 
 
 def label(depth: int) -> str:
@@ -105,23 +88,19 @@ def main() -> None:
     )  # fmt: skip
     for batch in batches:
         prompts = [pool[i % len(pool)] for i in range(batch)]
-        plan = {name: PatternedDepths(p, batch) for name, p in patterns(args.depth, args.against).items()}
+        plan = {name: ForcedDepths(p) for name, p in patterns(args.depth, args.against).items()}
         decoders = [(c, SpeculativeDecoder(target, DraftModelStrategy(draft, chain), adaptive=c))
                     for c in plan.values()]  # fmt: skip
         for controller, decoder in decoders:  # warm-up, not timed
             decoder.generate(prompts, max_new_tokens=new_tokens, seed=0, eos_token_id=None)
-            controller.times.clear()
+            controller.steps.clear()
         for r in range(rounds):
             for _, decoder in decoders[r % len(decoders) :] + decoders[: r % len(decoders)]:
                 decoder.generate(prompts, max_new_tokens=new_tokens, seed=0, eos_token_id=None)
 
-        def median_ms(controller, depth: int) -> float | None:
-            times = [t for own, t in controller.times if own == depth]
-            return statistics.median(times) * 1e3 if times else None
-
-        alone = [median_ms(plan[label(depth)], depth) for depth in depths]
+        alone = [median_ms(plan[label(depth)], batch, depth) for depth in depths]
         for name, controller in plan.items():
-            own = [median_ms(controller, depth) for depth in depths]
+            own = [median_ms(controller, batch, depth) for depth in depths]
             cells = [f"{v:.2f}" if v is not None else "-" for v in own]
             ratios = [f"{v / ref:.2f}x" if v is not None and ref else "-" for v, ref in zip(own, alone)]
             table.add(batch, name, *cells, *ratios)
