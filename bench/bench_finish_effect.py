@@ -32,7 +32,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
-from common import Table, cpu_threads  # noqa: E402
+from common import Table, cpu_threads, positive_int  # noqa: E402
 from forced_depths import ForcedDepths, StepRecord  # noqa: E402
 
 from specdec.cli.demo import ASSETS, heldout_token_ids, load_pair  # noqa: E402
@@ -64,17 +64,13 @@ def tail_share(steps: Sequence[StepRecord], batch: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, nargs="+", default=[8, 16], help="batch sizes")
-    parser.add_argument("--max-depth", type=int, default=4, help="the deepest fixed chain (depths 0 .. this)")
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (each runs every depth once)")
-    parser.add_argument("--new-tokens", type=int, default=48, help="tokens per request")
+    parser.add_argument("--batches", type=positive_int, nargs="+", default=[8, 16], help="batch sizes")
+    parser.add_argument("--max-depth", type=positive_int, default=4, help="the deepest fixed chain (depths 0 .. this)")
+    parser.add_argument("--rounds", type=positive_int, default=5, help="timed rounds (each runs every depth once)")
+    parser.add_argument("--new-tokens", type=positive_int, default=48, help="tokens per request")
     parser.add_argument("--quick", action="store_true", help="a smoke run: batch 2, depths 0-2, one round, 16 tokens")
     parser.add_argument("--out", type=Path, help="directory for the table")
     args = parser.parse_args()
-    for name in ("batches", "max_depth", "rounds", "new_tokens"):
-        values = getattr(args, name)
-        if min(values if isinstance(values, list) else [values]) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
     batches, top, rounds, new_tokens = (
         ([2], 2, 1, 16) if args.quick else (args.batches, args.max_depth, args.rounds, args.new_tokens)
     )

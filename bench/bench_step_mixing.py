@@ -28,7 +28,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
-from common import Table, cpu_threads  # noqa: E402
+from common import Table, cpu_threads, positive_int  # noqa: E402
 from forced_depths import ForcedDepths  # noqa: E402
 
 from specdec.cli.demo import ASSETS, heldout_token_ids, load_pair  # noqa: E402
@@ -57,20 +57,14 @@ def patterns(depth: int, against: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, nargs="+", default=[8, 32], help="batch sizes")
-    parser.add_argument("--depth", type=int, default=2, help="the drafting steps' chain length")
+    parser.add_argument("--batches", type=positive_int, nargs="+", default=[8, 32], help="batch sizes")
+    parser.add_argument("--depth", type=positive_int, default=2, help="the drafting steps' chain length")
     parser.add_argument("--against", type=int, default=0, help="the depth mixed with --depth (0: plain decoding)")
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (each runs every pattern once)")
-    parser.add_argument("--new-tokens", type=int, default=48, help="tokens per request")
+    parser.add_argument("--rounds", type=positive_int, default=5, help="timed rounds (each runs every pattern once)")
+    parser.add_argument("--new-tokens", type=positive_int, default=48, help="tokens per request")
     parser.add_argument("--quick", action="store_true", help="a smoke run: batch 2, one round, 24 tokens")
     parser.add_argument("--out", type=Path, help="directory for the table")
     args = parser.parse_args()
-    for name in ("batches", "rounds", "new_tokens"):
-        values = getattr(args, name)
-        if min(values if isinstance(values, list) else [values]) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.depth < 1:
-        parser.error("--depth must be >= 1")
     if not 0 <= args.against != args.depth:
         parser.error("--against must be >= 0 and differ from --depth")
     batches, rounds, new_tokens = ([2], 1, 24) if args.quick else (args.batches, args.rounds, args.new_tokens)

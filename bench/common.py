@@ -44,6 +44,17 @@ def bench_args(description: str, extra: Callable[[argparse.ArgumentParser], None
     return args
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (argparse names the argument in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
 def cpu_threads(device: str) -> None:
     """One intra-op thread on the CPU: ``time.thread_time`` then measures all of the work (and a shared
     machine's spinning OpenMP threads do not distort small ops)."""

@@ -37,16 +37,35 @@ def i32(*values, device="cpu") -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32, device=device)
 
 
+# ---- benchmarks -------------------------------------------------------------------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_bench(script: str, *args: str, cpu_path: bool = False, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``python bench/<script> <args>`` in a fresh process from the repository root, the package importable; with
+    ``cpu_path``, the CPU's own path (``TRITON_INTERPRET=0``), not Triton's interpreter standing in for a GPU."""
+    env = {**os.environ, "PYTHONPATH": ROOT, **({"TRITON_INTERPRET": "0"} if cpu_path else {})}
+    return subprocess.run([sys.executable, os.path.join("bench", script), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def table_rows(path, first_cell: str) -> list[list[str]]:
+    """The cells, stripped, of the markdown table rows in the file ``path`` whose first cell is ``first_cell``."""
+    with open(path) as table:
+        rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in table.read().splitlines()]
+    return [cells for cells in rows if cells and cells[0] == first_cell]
+
+
 def generic_version_runs(script: str, switch: str) -> dict[str, list[str]]:
     """The words ``script`` prints in a fresh Python process (run from the repository root) with the environment
     switch ``switch`` at "1" (a C++ kernel's generic version forced; the choice is made once per process) and at
     "0". Where this CPU has AVX2 + FMA (Linux), the two runs must round differently somewhere (fused multiply-adds
     against separate ones): the switch took effect."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     runs = {}
     for generic in ("1", "0"):
-        env = {**os.environ, switch: generic, "PYTHONPATH": root}
-        done = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True,
+        env = {**os.environ, switch: generic, "PYTHONPATH": ROOT}
+        done = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
                               timeout=120)  # fmt: skip
         assert done.returncode == 0, done.stderr
         runs[generic] = done.stdout.split()

@@ -7,13 +7,12 @@ step-cost model's pooling of shapes, and the controller's choices against fixed 
 
 import json
 import math
-import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_bench
 
 from specdec.decoding.adaptive import AdaptiveSpeculation, StepCostModel
 from specdec.decoding.replay import SwitchPenalty, Trace, fit_drift, replay, replay_fixed, replay_policy
@@ -243,14 +242,11 @@ def test_the_benchmark_records_a_trace_and_replays_it(tmp_path):
     """``bench/bench_adaptive_replay.py`` on the embedded pair, batches 1 and 2, depth 2, one round: a trace whose
     matches are the draft's accepted tokens (within the depth) and whose costs cover every recorded shape, then
     the replay's table (with a switch penalty, named in its title)."""
-    root = Path(__file__).resolve().parents[1]
     trace_path = tmp_path / "trace.json"
     args = ["--record", str(trace_path), "--trace", str(trace_path), "--batches", "1", "2", "--max-depth", "2",
             "--rounds", "1", "--drift-passes", "12", "--seeds", "2", "--out", str(tmp_path), "--oracles",
             "--switch-penalty", "0.3", "0.1"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(root), "TRITON_INTERPRET": "0"}  # the CPU's own path, not the GPU stand-in
-    done = subprocess.run([sys.executable, "bench/bench_adaptive_replay.py", *args], cwd=root, capture_output=True,
-                          text=True, env=env, timeout=600)  # fmt: skip
+    done = run_bench("bench_adaptive_replay.py", *args, cpu_path=True)
     assert done.returncode == 0, done.stderr
     data = json.loads(trace_path.read_text())
     assert all(len(row) == data["new_tokens"] and set(row) <= {0, 1, 2} for row in data["matches"])

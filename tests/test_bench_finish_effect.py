@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import ROOT, run_bench, table_rows
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 from bench_finish_effect import full_batch_ms, tail_share, tokens_at_depth  # noqa: E402
 from forced_depths import StepRecord  # noqa: E402
 
@@ -38,15 +36,9 @@ def test_a_shallower_chain_emits_what_the_deeper_one_accepted_up_to_its_depth():
 
 
 def test_the_quick_run_reports_every_depth_against_plain_decoding(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "0"}  # the CPU's own path, not the GPU stand-in
-    done = subprocess.run([sys.executable, "bench/bench_finish_effect.py", "--quick", "--out", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    done = run_bench("bench_finish_effect.py", "--quick", "--out", str(tmp_path), cpu_path=True)
     assert done.returncode == 0, done.stderr
-    rows = [
-        [cell.strip() for cell in line.split("|")[1:-1]]
-        for line in (tmp_path / "finish_effect.md").read_text().splitlines()
-        if line.startswith("| 2 ")
-    ]
+    rows = table_rows(tmp_path / "finish_effect.md", "2")
     assert [row[1] for row in rows] == ["0", "1", "2"]
     assert rows[0][3] == "1.000x" and rows[0][6] == "1.000x" and rows[0][7] == "0.00"  # plain: no request ends early
     per_step = [float(row[5]) for row in rows]
@@ -56,7 +48,5 @@ def test_the_quick_run_reports_every_depth_against_plain_decoding(tmp_path):
 
 
 def test_the_benchmark_refuses_a_depth_under_one():
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "bench/bench_finish_effect.py", "--max-depth", "0"], cwd=ROOT,
-                          capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
-    assert done.returncode == 2 and "--max-depth must be >= 1" in done.stderr
+    done = run_bench("bench_finish_effect.py", "--max-depth", "0", timeout=120)
+    assert done.returncode == 2 and "--max-depth: must be an integer >= 1" in done.stderr

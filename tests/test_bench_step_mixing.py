@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from helpers import run_bench, table_rows
 
 
 def quick_table(tmp_path: Path, *args: str) -> dict[str, list[str]]:
     """``--quick`` with ``args``: pattern -> its cells after the batch and the name."""
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root), "TRITON_INTERPRET": "0"}  # the CPU's own path, not the GPU stand-in
-    done = subprocess.run([sys.executable, "bench/bench_step_mixing.py", "--quick", *args, "--out", str(tmp_path)],
-                          cwd=root, capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    done = run_bench("bench_step_mixing.py", "--quick", *args, "--out", str(tmp_path), cpu_path=True)
     assert done.returncode == 0, done.stderr
-    rows = [
-        [cell.strip() for cell in line.split("|")[1:-1]]
-        for line in (tmp_path / "step_mixing.md").read_text().splitlines()
-        if line.startswith("| 2 ")
-    ]
-    return {row[1]: row[2:] for row in rows}
+    return {row[1]: row[2:] for row in table_rows(tmp_path / "step_mixing.md", "2")}
 
 
 def test_the_mixing_benchmark_times_each_depths_steps_in_each_pattern(tmp_path):
@@ -38,9 +29,7 @@ def test_the_mixing_benchmark_times_each_depths_steps_in_each_pattern(tmp_path):
 
 
 def test_the_mixing_benchmark_refuses_a_depth_under_one_and_a_depth_against_itself():
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    for args, message in ((["--depth", "0"], "--depth must be >= 1"), (["--against", "2"], "--against must be")):
-        done = subprocess.run([sys.executable, "bench/bench_step_mixing.py", *args], cwd=root, capture_output=True,
-                              text=True, env=env, timeout=120)  # fmt: skip
+    refusals = ((["--depth", "0"], "--depth: must be an integer >= 1"), (["--against", "2"], "--against must be"))
+    for args, message in refusals:
+        done = run_bench("bench_step_mixing.py", *args, timeout=120)
         assert done.returncode == 2 and message in done.stderr

@@ -3,13 +3,10 @@
 stays on SDPA, the generic version, threads, bad arguments, and the embedded pair's greedy tokens."""
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import assert_close, generic_version_runs
+from helpers import assert_close, generic_version_runs, run_bench, table_rows
 
 from specdec import use_backend
 from specdec.kernels import build_tree_metadata, cpu_attention, plan_attention, run_attention
@@ -328,10 +325,6 @@ def test_embedded_pair_decodes_the_same_with_and_without_the_kernel(cpu_default,
 def test_the_attention_benchmark_runs(tmp_path):
     """``bench/bench_cpu_attention.py --dry-run``: one timed call per cell (both paths checked equal), the table
     written with a warm and a cold row per shape."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": root}
-    done = subprocess.run([sys.executable, "bench/bench_cpu_attention.py", "--dry-run", "--out", str(tmp_path)],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = run_bench("bench_cpu_attention.py", "--dry-run", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr
-    rows = [line for line in (tmp_path / "cpu_attention.md").read_text().splitlines() if line.startswith("| 2 ")]
-    assert [row.split("|")[5].strip() for row in rows] == ["warm", "cold"]
+    assert [cells[4] for cells in table_rows(tmp_path / "cpu_attention.md", "2")] == ["warm", "cold"]

@@ -1,14 +1,11 @@
 """Multi-row CPU linear layers: the extension's skinny-GEMM kernel and oneDNN with packed weights
 (``specdec.model.cpu_linear``)."""
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import generic_version_runs, tiny_config
+from helpers import generic_version_runs, run_bench, tiny_config
 
 from specdec import use_backend
 from specdec.decoding import DraftModelStrategy, SpeculativeDecoder
@@ -294,10 +291,7 @@ def _chain_and_batch_tokens(target, draft, chain_prompts, batch_prompts, new_tok
 def test_the_gemm_benchmark_runs_and_names_what_the_model_runs(tmp_path):
     """``bench/bench_cpu_linear.py --dry-run``: one timed call per cell, the table written, every row's last
     column one of the three GEMMs (the skinny column only with the extension)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": root}
-    done = subprocess.run([sys.executable, "bench/bench_cpu_linear.py", "--dry-run", "--out", str(tmp_path)], cwd=root,
-                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = run_bench("bench_cpu_linear.py", "--dry-run", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr
     table = (tmp_path / "cpu_linear.md").read_text()
     rows = [line.split("|")[1:-1] for line in table.splitlines() if line.startswith("| qkv")]

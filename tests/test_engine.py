@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from helpers import noisy_copy, random_model, tiny_config
+from helpers import noisy_copy, random_model, run_bench, tiny_config
 from sampling_helpers import assert_sequences_follow, model_joint
 
 from specdec.decoding import (
@@ -315,12 +315,7 @@ def test_a_sampled_step_of_roots_alone_is_sampling(pair, monkeypatch):
 def test_the_sampled_paths_benchmark_runs(tmp_path):
     """``bench/bench_sampled_paths.py --dry-run``: each pair of paths decodes, their tokens equal, the table
     written."""
-    import subprocess
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": root, "TRITON_INTERPRET": "0"}
-    done = subprocess.run([sys.executable, "bench/bench_sampled_paths.py", "--dry-run", "--out", str(tmp_path)],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = run_bench("bench_sampled_paths.py", "--dry-run", "--out", str(tmp_path), cpu_path=True)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line for line in (tmp_path / "sampled_paths.md").read_text().splitlines() if " vs " in line]
     assert len(rows) == 2 and all(row.rstrip(" |").endswith("yes") for row in rows)
