@@ -73,6 +73,7 @@ from specdec.cli.demo import (  # noqa: E402
     strategies,
 )
 from specdec.decoding import DraftModelStrategy  # noqa: E402
+from specdec.decoding.replay import sweep_groups  # noqa: E402
 
 
 class ForwardCounter:
@@ -457,7 +458,7 @@ def batch_sweep(
 
     results, paired = {}, {}
     for batch in batches:
-        groups = [[pool[(g * batch + i) % len(pool)] for i in range(batch)] for g in range(max(1, 6 // batch))]
+        groups = sweep_groups(pool, batch)
         plan = [(label, SpeculativeDecoder(target, s, adaptive=a), t) for label, s, a, t in methods()]
         for _, decoder, t in plan:  # warm-up
             decoder.generate(groups[0], max_new_tokens=new_tokens, temperature=t, seed=0, eos_token_id=None)

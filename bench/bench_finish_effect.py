@@ -33,10 +33,11 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 from common import Table, cpu_threads, positive_int  # noqa: E402
-from forced_depths import ForcedDepths, StepRecord  # noqa: E402
+from forced_depths import ForcedDepths, StepRecord, full_batch_ms  # noqa: E402
 
 from specdec.cli.demo import ASSETS, heldout_token_ids, load_pair  # noqa: E402
 from specdec.decoding import DraftModelStrategy, SpeculativeDecoder  # noqa: E402
+from specdec.decoding.replay import sweep_groups  # noqa: E402
 
 
 def tokens_at_depth(steps: Sequence[StepRecord], batch: int, depth: int) -> float | None:
@@ -48,12 +49,6 @@ def tokens_at_depth(steps: Sequence[StepRecord], batch: int, depth: int) -> floa
         if s.running == batch and s.drafted >= depth and None not in s.accepted
     ]
     return sum(counts) / len(counts) if counts else None
-
-
-def full_batch_ms(steps: Sequence[StepRecord], batch: int, depth: int) -> float | None:
-    """The median ms of the steps that ran all ``batch`` requests at ``depth``."""
-    times = [s.seconds for s in steps if s.running == batch and s.depth == s.drafted == depth]
-    return statistics.median(times) * 1e3 if times else None
 
 
 def tail_share(steps: Sequence[StepRecord], batch: int) -> float:
@@ -86,7 +81,7 @@ def main() -> None:
          "tail share"],
     )  # fmt: skip
     for batch in batches:
-        groups = [[pool[(g * batch + i) % len(pool)] for i in range(batch)] for g in range(max(1, 6 // batch))]
+        groups = sweep_groups(pool, batch)
         controllers = [ForcedDepths(lambda k, d=d: d) for d in depths]
         decoders = [SpeculativeDecoder(target, DraftModelStrategy(draft, (1,) * top), adaptive=c) for c in controllers]
         for controller, decoder in zip(controllers, decoders):  # warm-up, not timed

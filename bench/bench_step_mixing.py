@@ -22,23 +22,16 @@ different GEMM paths). Only steps that run every request of the batch at the pat
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 from common import Table, cpu_threads, positive_int  # noqa: E402
-from forced_depths import ForcedDepths  # noqa: E402
+from forced_depths import ForcedDepths, full_batch_ms  # noqa: E402
 
 from specdec.cli.demo import ASSETS, heldout_token_ids, load_pair  # noqa: E402
 from specdec.decoding import DraftModelStrategy, SpeculativeDecoder  # noqa: E402
-
-
-def median_ms(controller: ForcedDepths, batch: int, depth: int) -> float | None:
-    """The median ms of ``controller``'s steps that ran all ``batch`` requests at ``depth``."""
-    times = [s.seconds for s in controller.steps if s.running == batch and s.depth == s.drafted == depth]
-    return statistics.median(times) * 1e3 if times else None
 
 
 def label(depth: int) -> str:
@@ -92,9 +85,9 @@ def main() -> None:
             for _, decoder in decoders[r % len(decoders) :] + decoders[: r % len(decoders)]:
                 decoder.generate(prompts, max_new_tokens=new_tokens, seed=0, eos_token_id=None)
 
-        alone = [median_ms(plan[label(depth)], batch, depth) for depth in depths]
+        alone = [full_batch_ms(plan[label(depth)].steps, batch, depth) for depth in depths]
         for name, controller in plan.items():
-            own = [median_ms(controller, batch, depth) for depth in depths]
+            own = [full_batch_ms(controller.steps, batch, depth) for depth in depths]
             cells = [f"{v:.2f}" if v is not None else "-" for v in own]
             ratios = [f"{v / ref:.2f}x" if v is not None and ref else "-" for v, ref in zip(own, alone)]
             table.add(batch, name, *cells, *ratios)

@@ -8,8 +8,9 @@ learnt, and each step is kept as a ``StepRecord``.
 
 from __future__ import annotations
 
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from specdec.decoding import AdaptiveSpeculation
@@ -48,3 +49,9 @@ class ForcedDepths(AdaptiveSpeculation):
     def observe(self, running, nodes, depths, accepted, contexts):
         seconds = self.clock() - self._started
         self.steps.append(StepRecord(len(running), self.depth, max(depths, default=0), seconds, tuple(accepted)))
+
+
+def full_batch_ms(steps: Sequence[StepRecord], batch: int, depth: int) -> float | None:
+    """The median ms of the ``steps`` that ran all ``batch`` requests at ``depth`` (None without any)."""
+    times = [s.seconds for s in steps if s.running == batch and s.depth == s.drafted == depth]
+    return statistics.median(times) * 1e3 if times else None

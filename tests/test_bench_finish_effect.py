@@ -9,8 +9,8 @@ import pytest
 from helpers import ROOT, run_bench, table_rows
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from bench_finish_effect import full_batch_ms, tail_share, tokens_at_depth  # noqa: E402
-from forced_depths import StepRecord  # noqa: E402
+from bench_finish_effect import tail_share, tokens_at_depth  # noqa: E402
+from forced_depths import StepRecord, full_batch_ms  # noqa: E402
 
 
 def test_a_shallower_chain_emits_what_the_deeper_one_accepted_up_to_its_depth():

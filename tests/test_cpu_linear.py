@@ -1,11 +1,10 @@
 """Multi-row CPU linear layers: the extension's skinny-GEMM kernel and oneDNN with packed weights
 (``specdec.model.cpu_linear``)."""
 
-
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import generic_version_runs, run_bench, tiny_config
+from helpers import generic_version_runs, run_bench, table_rows, tiny_config
 
 from specdec import use_backend
 from specdec.decoding import DraftModelStrategy, SpeculativeDecoder
@@ -293,7 +292,6 @@ def test_the_gemm_benchmark_runs_and_names_what_the_model_runs(tmp_path):
     column one of the three GEMMs (the skinny column only with the extension)."""
     done = run_bench("bench_cpu_linear.py", "--dry-run", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr
-    table = (tmp_path / "cpu_linear.md").read_text()
-    rows = [line.split("|")[1:-1] for line in table.splitlines() if line.startswith("| qkv")]
-    assert len(rows) == 2 and {cells[-1].strip() for cells in rows} <= {"F.linear", "packed", "skinny"}
-    assert ("skinny us" in table) == skinny_available()
+    rows = table_rows(tmp_path / "cpu_linear.md", "qkv")
+    assert len(rows) == 2 and {cells[-1] for cells in rows} <= {"F.linear", "packed", "skinny"}
+    assert ("skinny us" in (tmp_path / "cpu_linear.md").read_text()) == skinny_available()

@@ -22,14 +22,16 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from specdec.decoding.adaptive import AdaptiveSpeculation
 
 DEFAULT_NOISE = 0.05  # relative step-time noise when a trace does not say
 GROUP_WORK = 6  # requests per batch-size's work, as in the sweep: max(1, 6 // B) groups of B
+T = TypeVar("T")
 
 
 @dataclass
@@ -181,9 +183,10 @@ def _least_squares_nonnegative(f: list[float], y: list[float]) -> tuple[float, f
     return a, b
 
 
-def _groups(trace: Trace, batch: int) -> list[list[int]]:
-    pool = len(trace.matches)
-    return [[(g * batch + i) % pool for i in range(batch)] for g in range(max(1, GROUP_WORK // batch))]
+def sweep_groups(pool: Sequence[T], batch: int) -> list[list[T]]:
+    """The batch sweep's work at batch size ``batch``: ``max(1, GROUP_WORK // batch)`` groups of ``batch`` items of
+    ``pool``, cycled (``bench/bench_e2e.py --sweep-only``, the replay and ``bench/bench_finish_effect.py``)."""
+    return [[pool[(g * batch + i) % len(pool)] for i in range(batch)] for g in range(max(1, GROUP_WORK // batch))]
 
 
 def _run_group(trace: Trace, prompts: list[int], choose, observe, switch: SwitchPenalty | None = None
@@ -238,7 +241,7 @@ def replay(
         clock.advance(cost)
         ctl.observe(running, [d + 1 for d in depths], depths, accepted, contexts)
 
-    groups, total, chosen = _groups(trace, batch), 0.0, []
+    groups, total, chosen = sweep_groups(range(len(trace.matches)), batch), 0.0, []
     for p in range(passes + 1):  # the first pass warms the controller, as the sweep's warm-up does
         for prompts in groups if p else groups[:1]:
             ctl.start()
@@ -264,7 +267,7 @@ def replay_policy(trace: Trace, batch: int, policy: Callable[[list[int]], Callab
     if not callable(policy):
         raise TypeError(f"policy must be a callable taking the group's prompts, got {type(policy).__name__}")
     total = 0.0
-    for prompts in _groups(trace, batch):
+    for prompts in sweep_groups(range(len(trace.matches)), batch):
         seconds, _ = _run_group(trace, prompts, policy(prompts), lambda *args: None, switch)
         total += seconds
     return total
