@@ -15,7 +15,15 @@ import pytest
 from helpers import run_bench
 
 from specdec.decoding.adaptive import AdaptiveSpeculation, StepCostModel
-from specdec.decoding.replay import SwitchPenalty, Trace, fit_drift, replay, replay_fixed, replay_policy
+from specdec.decoding.replay import (
+    SwitchPenalty,
+    Trace,
+    fit_drift,
+    replay,
+    replay_fixed,
+    replay_policy,
+    sweep_groups,
+)
 
 TRACE = Path(__file__).parent / "data" / "adaptive_trace.json"  # recorded before ragged steps ran on the kernel
 CURRENT_TRACE = Path(__file__).resolve().parents[1] / "bench" / "traces" / "embedded_pair_cpu_dbf04f7.json"
@@ -48,6 +56,16 @@ def test_a_trace_missing_what_a_replay_needs_is_refused():
         replay_fixed(tiny_trace([[0] * 6], LINEAR_COSTS), 0, 1)
     with pytest.raises(TypeError, match="policy"):
         replay_policy(tiny_trace([[0] * 6], LINEAR_COSTS), 1, "depth 2")
+
+
+def test_the_sweeps_work_is_six_requests_cycled_through_the_pool():
+    assert sweep_groups(range(4), 1) == [[0], [1], [2], [3], [0], [1]]
+    assert sweep_groups(range(4), 4) == [[0, 1, 2, 3]]
+    assert sweep_groups(range(4), 8) == [[0, 1, 2, 3, 0, 1, 2, 3]]  # one group, however large the batch
+    with pytest.raises(ValueError, match="batch"):
+        sweep_groups(range(4), 0)
+    with pytest.raises(ValueError, match="pool"):
+        sweep_groups([], 2)
 
 
 class Fixed(AdaptiveSpeculation):

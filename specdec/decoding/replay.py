@@ -185,7 +185,15 @@ def _least_squares_nonnegative(f: list[float], y: list[float]) -> tuple[float, f
 
 def sweep_groups(pool: Sequence[T], batch: int) -> list[list[T]]:
     """The batch sweep's work at batch size ``batch``: ``max(1, GROUP_WORK // batch)`` groups of ``batch`` items of
-    ``pool``, cycled (``bench/bench_e2e.py --sweep-only``, the replay and ``bench/bench_finish_effect.py``)."""
+    ``pool``, cycled (``bench/bench_e2e.py --sweep-only``, the replay and ``bench/bench_finish_effect.py``).
+
+    >>> sweep_groups("abcde", 2)
+    [['a', 'b'], ['c', 'd'], ['e', 'a']]
+    """
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+    if len(pool) == 0:
+        raise ValueError("pool must hold at least one item")
     return [[pool[(g * batch + i) % len(pool)] for i in range(batch)] for g in range(max(1, GROUP_WORK // batch))]
 
 
