@@ -1,10 +1,18 @@
 """A bounded paged target cache shared on demand: plans, pausing and resuming, 'cache' endings, nothing lost."""
 
 import pytest
-from helpers import noisy_copy, random_model, tiny_config
+from helpers import noisy_copy, random_eagle_head, random_heads, random_model, tiny_config
 
 from specdec import use_backend
-from specdec.decoding import FINISH_REASONS, DraftModelStrategy, NgramStrategy, NoDraft, SpeculativeDecoder
+from specdec.decoding import (
+    FINISH_REASONS,
+    DraftModelStrategy,
+    EagleStrategy,
+    MedusaStrategy,
+    NgramStrategy,
+    NoDraft,
+    SpeculativeDecoder,
+)
 from specdec.decoding.schedule import plan_step
 from specdec.model import PagedBlocks
 
@@ -87,11 +95,17 @@ def pair():
     return target, noisy_copy(target, 1, 0.3)
 
 
+# each strategy from (target, draft); the heads are random (far from the target) but fixed by their seeds
 STRATEGIES = {
-    "autoregressive": lambda draft: NoDraft(),
-    "chain": lambda draft: DraftModelStrategy(draft, (1,) * 4),
-    "tree": lambda draft: DraftModelStrategy(draft, (3, 2, 1), rule="deterministic"),
-    "ngram": lambda draft: NgramStrategy(num_draft=4, max_ngram=3),
+    "autoregressive": lambda target, draft: NoDraft(),
+    "chain": lambda target, draft: DraftModelStrategy(draft, (1,) * 4),
+    "tree": lambda target, draft: DraftModelStrategy(draft, (3, 2, 1), rule="deterministic"),
+    "ngram": lambda target, draft: NgramStrategy(num_draft=4, max_ngram=3),
+    "medusa": lambda target, draft: MedusaStrategy(random_heads(target, 5), [[0], [1], [0, 0], [0, 0, 0]]),
+    "eagle2": lambda target, draft: EagleStrategy(random_eagle_head(target, 6), tree_budget=8, depth=3, top_k=2),
+    "eagle1": lambda target, draft: EagleStrategy(
+        random_eagle_head(target, 6), static_tree=[[0], [1], [0, 0], [0, 0, 0]], depth=3, top_k=2
+    ),
 }
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [3] * 10]
 
@@ -100,11 +114,28 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [3] * 10]
 def test_paused_requests_resume_and_match_an_unbounded_run(pair, strategy):
     target, draft = pair
     sampling = dict(max_new_tokens=30, eos_token_id=None)
-    expected = SpeculativeDecoder(target, STRATEGIES[strategy](draft)).generate(PROMPTS, **sampling)
-    decoder = SpeculativeDecoder(target, STRATEGIES[strategy](draft), cache_layout="paged", block_size=4, num_blocks=14)
+    expected = SpeculativeDecoder(target, STRATEGIES[strategy](target, draft)).generate(PROMPTS, **sampling)
+    decoder = SpeculativeDecoder(
+        target, STRATEGIES[strategy](target, draft), cache_layout="paged", block_size=4, num_blocks=14
+    )
     result = decoder.generate(PROMPTS, **sampling)
     assert sum(s.preemptions for s in result.stats) >= 2, "14 blocks cannot hold 4 requests of up to 40 tokens"
     assert result.tokens == expected.tokens  # greedy: the same tokens, every one of them
+    assert [s.finish_reason for s in result.stats] == ["length"] * 4
+
+
+@pytest.mark.parametrize("strategy", ["medusa", "eagle2", "eagle1"])
+def test_sampled_head_drafting_resumes_after_pausing(pair, strategy):
+    """A head drafter's per-request state (Medusa's candidates, EAGLE's pending features) outlives a pause."""
+    target, draft = pair
+    sampling = dict(max_new_tokens=30, eos_token_id=None, temperature=1.0, seed=5)
+    decoder = SpeculativeDecoder(
+        target, STRATEGIES[strategy](target, draft), adaptive=False, cache_layout="paged", block_size=4,
+        num_blocks=14,
+    )  # fmt: skip
+    result = decoder.generate(PROMPTS, **sampling)
+    assert sum(s.preemptions for s in result.stats) >= 2
+    assert [len(t) for t in result.tokens] == [30] * 4
     assert [s.finish_reason for s in result.stats] == ["length"] * 4
 
 
@@ -122,8 +153,10 @@ def test_sampled_tokens_do_not_depend_on_pausing(pair):
 def test_a_request_the_pool_cannot_hold_ends_cache_and_keeps_its_tokens(pair, strategy):
     target, draft = pair
     prompts, sampling = PROMPTS[:2], dict(max_new_tokens=[40, 6], eos_token_id=None)
-    expected = SpeculativeDecoder(target, STRATEGIES[strategy](draft)).generate(prompts, **sampling).tokens
-    decoder = SpeculativeDecoder(target, STRATEGIES[strategy](draft), cache_layout="paged", block_size=4, num_blocks=6)
+    expected = SpeculativeDecoder(target, STRATEGIES[strategy](target, draft)).generate(prompts, **sampling).tokens
+    decoder = SpeculativeDecoder(
+        target, STRATEGIES[strategy](target, draft), cache_layout="paged", block_size=4, num_blocks=6
+    )
     steps = list(decoder.stream(prompts, **sampling))
     streamed = [[], []]
     for step in steps:

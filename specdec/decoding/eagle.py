@@ -180,7 +180,18 @@ class EagleStrategy:
         path = result.accepted_path.long()
         rows = result.node_offsets[:-1, None].long() + path.clamp(min=0)  # [R, P] rows of result.hidden
         features = result.hidden.index_select(0, rows.flatten()).view(*path.shape, -1)
-        self.pending = (list(result.running), features, [a + 1 for a in result.accepted])
+        slots, counts = list(result.running), [a + 1 for a in result.accepted]
+        if self.pending is not None:  # a request paused for cache blocks keeps its features until it resumes
+            old_slots, old_features, old_counts = self.pending
+            gone = set(slots) | set(result.finished)
+            carried = [i for i, b in enumerate(old_slots) if b not in gone]
+            if carried:
+                width = max(features.shape[1], old_features.shape[1])
+                kept = old_features.index_select(0, to_device(carried, torch.int64, features.device))
+                features = torch.cat([_pad_width(features, width), _pad_width(kept, width)])
+                slots += [old_slots[i] for i in carried]
+                counts += [old_counts[i] for i in carried]
+        self.pending = (slots, features, counts)
         if result.finished:
             self.cache.release(result.finished)
             for b in result.finished:
@@ -374,3 +385,8 @@ def _to(values, device):
     if isinstance(values, (list, tuple)):
         return type(values)(_to(v, device) for v in values)
     return values
+
+
+def _pad_width(features: torch.Tensor, width: int) -> torch.Tensor:
+    """``features [R, P, H]`` padded with zero rows to ``[R, width, H]`` (rows past a request's count are never fed)."""
+    return torch.nn.functional.pad(features, (0, 0, 0, width - features.shape[1]))
