@@ -79,7 +79,8 @@ def strategies(draft, tree_rule: str = "deterministic") -> list[tuple[str, objec
     ]
 
 
-# EAGLE-2 over the shipped head (specdec/assets/eagle); its confidences sharpened (bench/RESULTS.md, EAGLE section).
+# EAGLE-2 over the shipped head (specdec/assets/eagle); its confidences sharpened (the head is under-confident at
+# depth 2 and beyond; ``bench/bench_e2e.py --eagle-only`` runs it beside the paper's confidences).
 EAGLE = dict(tree_budget=12, depth=5, top_k=2, confidence_temperature=0.3)
 
 

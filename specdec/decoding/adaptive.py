@@ -20,14 +20,13 @@ controller measures both as it goes and re-decides every step:
   not by the fit. Ragged fills a row or two apart share one mean: the choice between depths turns
   on a few percent, each step's time is noisy by about as much, and fills counted apart were each
   priced from one or two steps (``specdec.decoding.replay`` measures what that cost).
-  The machine's speed drifts (other processes, clocks, caches: on a shared CPU its log moves by ~0.1-0.2
-  with a correlation of tens of steps), and a shape measured in a slow minute would otherwise stay dear
+  The machine's speed drifts (other processes, clocks, caches; ``bench/bench_adaptive_replay.py --record``
+  measures it), and a shape measured in a slow minute would otherwise stay dear
   against one measured in a fast one. So each step of a shape measured before moves a running speed
   factor by part of how far it came from that shape's price, and every time is stored divided by the
   factor at its step: prices compare shapes at one speed (the first step's), whenever they were measured.
   A shape's first step runs cold -- first-use costs such as kernels compiled or weights packed for a new
-  shape land in it (on the CPU the very first step took ~1.2x its later time, and before the decoder packed
-  its weights ahead the first plain step 2-5x) -- so it prices the shape only until the shape's next step
+  shape land in it -- so it prices the shape only until the shape's next step
   replaces it, and no step enters the fit at more than ``FIT_OUTLIER_CAP`` times the fit's prediction, nor a warm
   shape's mean at more than ``SHAPE_STEP_CAP`` off the shape's price (a stalled step would otherwise price the shape
   in use out until an exploration measured it again).
@@ -55,15 +54,14 @@ shape is priced by it -- but it is paid whenever drafting starts again. With the
 times each catch-up (``restart_clock``), keeps a running price per owed token, and adds the owed tokens' price to
 every drafting shape: in full to an exploration step (one step pays it), and spread over the steps left in the
 stream (the longest request's) to the choice, so drafting restarts only where it gains more than the catch-up
-costs (at batch 32 on one CPU thread a deferred draft prefill costs about 1.5 plain steps, and drafting one level
-runs within a few percent of plain decoding).
+costs (at large batches a deferred draft prefill can cost more than drafting one level gains).
 
 Timing adds no synchronisation: the engine reads the host clock at the start of a step (after the
 strategy's optional ``prepare``, work owed from earlier steps such as a deferred draft prefill:
 ``restart_clock``) and right after the step's one read-back (which waits for the device anyway), so
 the time between the two is the step's time on any device. The controller's own Python falls outside
-it (40-300 us a step on a CPU thread: it is kept cheap, not priced). The clock is injectable (tests
-drive it); by default it is ``time.perf_counter``.
+it: it is kept cheap, not priced. The clock is injectable (tests drive it); by default it is
+``time.perf_counter``.
 
 Strategies need nothing but the contract (per-request ``max_depth`` / ``max_nodes`` in each
 ``StepContext``). Two optional hooks sharpen the prices: ``strategy.draft_nodes(depth)``, the nodes (root
@@ -97,9 +95,9 @@ SKIPS_BEFORE_EXPLORING = 7
 SPEED_GAIN = 0.5
 SPEED_ERROR_CAP = 0.25
 FIT_OUTLIER_CAP = 3.0  # a step slower than this many times the fit's price enters the fit at that price
-# A warm shape's running mean takes each step within this share of the shape's price: on one CPU thread 1-2% of the
-# steps stall 15-36% over their neighbours (Gaussian noise puts the 95th percentile near +5%), and one stall on the
-# shape in use would otherwise price it out until an exploration measures it again.
+# A warm shape's running mean takes each step within this share of the shape's price: live step times have a
+# heavier tail than Gaussian noise (a few steps stall well over their neighbours), and one stall on the shape in
+# use would otherwise price it out until an exploration measures it again.
 SHAPE_STEP_CAP = 0.1
 OWED_DECAY = 0.7  # weight of the earlier catch-ups in the running price of an owed token
 

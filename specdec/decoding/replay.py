@@ -101,10 +101,8 @@ class SwitchPenalty:
     """Step costs that depend on the steps before them (``bench/bench_step_mixing.py``): on a CPU whose caches hold
     most of the model, plain and drafting steps can run their GEMMs on different copies of the weights, so a step
     within ``steps`` steps of one of the other kind finds its working set evicted and costs ``1 + plain`` (a plain
-    step) or ``1 + drafting`` (a drafting one) times its recorded time. Measured on the embedded pair (Intel Xeon,
-    2026-12-05, ``bench/RESULTS.md``): plain 0.43-0.56 and drafting 0.10-0.20 at batch 8, 0.17-0.39 and 0.00-0.07
-    at batch 4, under 0.08 both at batch 2 and 32; at batch 8 two plain steps after drafting ones were as slow as
-    one."""
+    step) or ``1 + drafting`` (a drafting one) times its recorded time; ``bench/bench_step_mixing.py`` measures both
+    shares per batch size."""
 
     plain: float
     drafting: float
@@ -119,15 +117,14 @@ class SwitchPenalty:
             raise ValueError(f"steps must be an int >= 1, got {self.steps!r}")
 
 
-STALL_SLOWER = (0.15, 0.40)  # how much longer a stalled step takes, drawn uniformly (seen live: +15% to +36%)
+STALL_SLOWER = (0.15, 0.40)  # how much longer a stalled step takes, drawn uniformly (spanning what live runs show)
 
 
 class _NoisyClock:
     """The controller's clock: advanced by each step's recorded cost times the machine's speed (a drift: its log an
     AR(1) process of stationary standard deviation ``drift`` and correlation ``exp(-1 / drift_steps)`` from one
     step to the next) times independent noise; a share ``stalls`` of the steps also stall (``STALL_SLOWER``: a page
-    fault, a preempted thread -- live, 1-2% of the steps of one shape ran 15-36% over their neighbours, where the
-    Gaussian noise puts the 95th percentile near +5%)."""
+    fault, a preempted thread: live step times have a heavier tail than Gaussian noise)."""
 
     def __init__(self, noise: float, seed: int, drift: float = 0.0, drift_steps: float = 1.0, stalls: float = 0.0):
         self.now, self.noise, self.rng = 0.0, noise, random.Random(seed)

@@ -42,8 +42,8 @@ if available():  # for torch.compile and torch.library.opcheck: the op only writ
 @functools.cache
 def vector_cpu() -> bool:
     """This CPU runs the kernel's AVX2 + FMA version (torch's CPU capability is AVX2 or AVX-512). Elsewhere the
-    extension runs its generic version, measured slower than SDPA (forced with SPECDEC_ATTENTION_GENERIC=1 on an
-    AMD EPYC: 0.2-0.7x SDPA's speed on the embedded target's shapes), so SDPA stays."""
+    extension runs its generic version, slower than SDPA on the embedded target's shapes (forced with
+    SPECDEC_ATTENTION_GENERIC=1; ``bench/bench_cpu_attention.py`` compares them), so SDPA stays."""
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 

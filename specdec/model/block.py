@@ -12,8 +12,8 @@ Per layer, op bodies chosen once (``forward_plan.LAYER_OPS``), no checks, no dis
     residual += x @ W_down;  x_in = RMSNorm(residual) add_rms_norm with the next layer's (or the final) norm
 
 Weights are read from the modules' ``_parameters`` dicts (``LayerParams``): always the current
-tensors (loading swaps entries, not dicts), without the ~0.5 us each ``nn.Module`` attribute
-lookup costs (a forward would make a hundred).
+tensors (loading swaps entries, not dicts), without the cost of an ``nn.Module`` attribute
+lookup (a forward would make a hundred).
 """
 
 from __future__ import annotations

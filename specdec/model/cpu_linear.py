@@ -2,19 +2,20 @@
 
 Multi-row forwards are every verification of a chain or tree, a batch's decode, a draft level of a
 batch and the prefill. PyTorch's ``F.linear`` runs one row (decode at batch 1) well, but a few rows
-poorly on some CPUs: on the 2-core AMD EPYC these policies were chosen on, at 6 rows the embedded
-target's fused gate/up took 4-5x, and every other layer ~2x, the time of reading its weight once. So
-``linear_for`` picks, once per forward:
+poorly on some CPUs (far slower than reading the weight once). So ``linear_for`` picks, once per forward,
+the path that runs each layer at its row count fastest (``bench/bench_cpu_linear.py`` times all three):
 
 * up to ``SKINNY_MAX_ROWS`` rows: ``few_rows_linear``, which sends a layer to ``skinny_linear``, the
   extension's kernel (``csrc/skinny_linear_cpu.cpp``: it streams a packed copy of the weight once per 8
   rows), where that kernel was measured faster: from 2 to 8 rows every layer, from 9 rows and at one
   row the large weights (``PACK_MIN_ELEMENTS`` and up: the fused gate/up, the LM head); the rest stays on
-  ``F.linear`` (bench/RESULTS.md, "A skinny-GEMM kernel for a few rows");
+  ``F.linear``;
 * more rows, or without the extension (or with ``SPECDEC_BACKEND=torch``): ``packed_linear``, oneDNN with
   the weight reordered ("packed") for it, which wins over ``F.linear`` on the larger weights of such
-  forwards (the gain is machine-dependent: on an Intel Xeon with AVX-512 only the LM head gains), and
-  ``F.linear`` for one row.
+  forwards (by a margin that depends on the CPU), and ``F.linear`` for one row.
+
+The thresholds are fixed, not timed at run time: a timed choice would make the arithmetic (and so, at ties,
+greedy tokens) depend on timing.
 
 Where Triton's interpreter runs the kernels on CPU tensors (``TRITON_INTERPRET=1``, the backend not forced
 to ``torch``), the forward stands in for a GPU's and keeps a GPU's GEMMs: ``F.linear`` throughout (what
@@ -22,10 +23,10 @@ to ``torch``), the forward stands in for a GPU's and keeps a GPU's GEMMs: ``F.li
 
 Both packs are made on a weight's first use and kept on the weight tensor itself: a pack lives as long
 as the weight and costs a second copy of it. A decoder makes its models' skinny packs when it is built
-(``pack_ahead``): made lazily, they landed in the first few-rows step, which then took 2-5x its time --
-the first plain step the adaptive controller measured, so plain decoding was priced out. A pack records
-the weight's version and storage, so a weight changed in place or swapped by loading is packed again,
-never served stale. Inference-mode weights (no version counter), float16/bfloat16, autograd and
+(``pack_ahead``): made lazily, they landed in the first few-rows step, which then ran several times its
+later time -- the first plain step the adaptive controller measured, so plain decoding was priced out. A
+pack records the weight's version and storage, so a weight changed in place or swapped by loading is
+packed again, never served stale. Inference-mode weights (no version counter), float16/bfloat16, autograd and
 ``torch.compile`` (its graph keeps ``F.linear``) stay on ``F.linear``; so do weights below
 ``PACK_MIN_ELEMENTS`` on the oneDNN path (there the call's own cost wins). Results agree with ``F.linear``
 up to float rounding (other summation orders), not bit for bit.
@@ -41,13 +42,13 @@ import torch.nn.functional as F
 
 from specdec import _backend
 
-# Measured at 6 rows, one thread, AMD EPYC: 256 x 256 to 768 x 256 weights ran alike or slower packed,
-# 256 x 1536 (the fused gate/up) 1.3-1.5x and 256 x 4096 (an LM head) 1.6-2x faster.
+# Below this size a weight runs alike or slower packed (the call's own cost wins); the fused gate/up and an LM
+# head of the embedded target are above it (bench/bench_cpu_linear.py).
 PACK_MIN_ELEMENTS = 1 << 18
 PACK_ROWS = 32  # the row count the layout is packed for (any count >= 2 runs alike)
 AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-# The skinny kernel reads the weight once per pass of 8 rows: up to 8 rows it beat F.linear and oneDNN on every
-# layer of the embedded target, up to 16 on the large ones only, beyond that oneDNN's blocking wins (AMD EPYC).
+# The skinny kernel reads the weight once per pass of 8 rows: up to 8 rows it serves every layer, up to 16 the
+# large ones only; beyond that oneDNN's blocking is the choice (bench/bench_cpu_linear.py decides both).
 SKINNY_ALL_ROWS = 8
 SKINNY_MAX_ROWS = 16
 
