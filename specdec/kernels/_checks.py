@@ -21,25 +21,30 @@ def check_tensor(
     device: torch.device | None = None,
     contiguous: bool = False,
 ) -> torch.Tensor:
-    """Check one tensor argument; ``None`` entries of ``shape`` match any size."""
+    """Check one tensor argument; ``None`` entries of ``shape`` match any size.
+
+    Host attributes only (dtype, sizes, device, strides), compared directly: public ops call this
+    for every argument of every call."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if dtype is not None:
+    if dtype is not None and value.dtype is not dtype:
         allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
         if value.dtype not in allowed:
             names = " or ".join(str(d).replace("torch.", "") for d in allowed)
             raise TypeError(f"{name} must have dtype {names}, got {str(value.dtype).replace('torch.', '')}")
     if shape is not None:
         ndim = len(shape)
-    if ndim is not None and value.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(value.shape)}")
+    got = value.shape
+    if ndim is not None and len(got) != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(got)}")
     if shape is not None:
-        for axis, (want, got) in enumerate(zip(shape, value.shape)):
-            if want is not None and want != got:
+        for axis, (want, size) in enumerate(zip(shape, got)):
+            if want is not None and want != size:
                 expected = tuple("*" if s is None else s for s in shape)
-                raise ValueError(f"{name} must have shape {expected}, got {tuple(value.shape)} (dimension {axis})")
-    if device is not None and value.device != torch.device(device):
-        raise ValueError(f"{name} is on {value.device} but the other inputs are on {device}")
+                raise ValueError(f"{name} must have shape {expected}, got {tuple(got)} (dimension {axis})")
+    if device is not None and value.device != device:
+        if value.device != torch.device(device):  # (``device`` may be given as a string)
+            raise ValueError(f"{name} is on {value.device} but the other inputs are on {device}")
     if contiguous and not value.is_contiguous():
         raise ValueError(f"{name} must be contiguous; call .contiguous() first")
     return value

@@ -38,3 +38,14 @@ def jit(fn=None, *, do_not_specialize=()):
     if triton is None:
         return fn
     return triton.jit(fn, do_not_specialize=list(do_not_specialize)) if do_not_specialize else triton.jit(fn)
+
+
+def next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2`` on the host (the smallest power of two >= n, 0 for 0): Triton's is a
+    constexpr function whose host calls cost microseconds, and launchers call it on every launch."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints, on the host (as ``next_power_of_2``)."""
+    return -(-a // b)

@@ -17,7 +17,7 @@ import torch
 
 from specdec.kernels._checks import check_tensor
 from specdec.kernels._op import register_op
-from specdec.kernels._triton import jit, tl, triton
+from specdec.kernels._triton import cdiv, jit, next_power_of_2, tl
 from specdec.kernels.sampling_params import SamplingParams, check_params
 from specdec.kernels.target_stats import (
     row_argmax_tl,
@@ -91,12 +91,12 @@ def _filtered_probs_triton(logits, temperature, top_k, top_p, probs, invalid) ->
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     block = vocab_block(vocab)
-    n_tiles = triton.cdiv(vocab, block)
+    n_tiles = cdiv(vocab, block)
     thr, inv_row = filter_thresholds_triton(logits, temperature, top_k, top_p, block)
     stats = row_stats_triton(logits, inv_row, thr, block)
     args = (logits, inv_row, thr, *stats, temperature, probs, invalid, vocab, n_tiles, logits.stride(0),
             probs.stride(0))  # fmt: skip
-    meta = dict(BLOCK=block, T_PAD=triton.next_power_of_2(n_tiles))
+    meta = dict(BLOCK=block, T_PAD=next_power_of_2(n_tiles))
     launch(_probs_kernel, (rows, n_tiles), args, meta, dict(num_warps=4), PROBS_SPACE)
 
 
@@ -164,7 +164,7 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams, *, out: Filtere
     if out.probs.stride(-1) != 1:
         raise ValueError("out.probs must have unit stride in its last dimension")
     check_tensor("out.invalid", out.invalid, dtype=torch.bool, shape=(rows,), device=device, contiguous=True)
-    _filtered_probs_op(logits, params.temperature, params.top_k, params.top_p, *out)
+    _filtered_probs_op.run(logits, params.temperature, params.top_k, params.top_p, *out)
     return out
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.kernels._triton import jit, tl, triton
+from specdec.kernels._triton import jit, next_power_of_2, tl
 from specdec.kernels.sample_probs import pick_in_tile_tl, pick_tile_tl
 from specdec.kernels.target_stats import row_argmax_tl, row_normaliser_tl, target_tile_tl
 from specdec.kernels.tree_walk import (
@@ -134,15 +134,18 @@ FINAL_SAMPLE_SPACE = TuningSpace(candidates(num_warps=(2, 4, 8)), key=("V", "RUL
 
 
 def final_sample_triton(logits, tokens, parents, q, thr, inv_row, stats, params, fin_i, fin_f, out_tok, num_acc, *,
-                        rule: str, chain: bool, block: int) -> None:  # fmt: skip
+                        rule: str, chain: bool, block: int, mass=None) -> None:  # fmt: skip
     """Draw every request's final token after ``tree_walk_triton`` (the walk's hand-off ``fin_i`` /
-    ``fin_f``) into ``out_tok [B, W]`` at column ``num_acc [B]``. Triton launcher, no checks."""
+    ``fin_f``) into ``out_tok [B, W]`` at column ``num_acc [B]``; ``mass`` = two fp32 ``[B, n_tiles]``
+    scratch tensors (else fresh). Triton launcher, no checks."""
     batch, n_tiles = fin_i.shape[0], stats.max.shape[1]
     _temperature, _top_k, _top_p, seed, offset = params
-    w_mass = torch.empty(batch, n_tiles, dtype=torch.float32, device=logits.device)
-    p_mass = torch.empty_like(w_mass)
+    if mass is None:
+        mass = (torch.empty(batch, n_tiles, dtype=torch.float32, device=logits.device),
+                torch.empty(batch, n_tiles, dtype=torch.float32, device=logits.device))  # fmt: skip
+    w_mass, p_mass = mass
     common = (logits, tokens, parents, q, thr, inv_row, *stats, fin_i, fin_f)
-    meta = dict(RULE=rule, CHAIN=chain, BLOCK=block, T_PAD=triton.next_power_of_2(n_tiles))
+    meta = dict(RULE=rule, CHAIN=chain, BLOCK=block, T_PAD=next_power_of_2(n_tiles))
     vocab = logits.shape[1]
     mass_args = (*common, w_mass, p_mass, vocab, n_tiles, logits.stride(0), q.stride(0))
     launch(_final_mass_kernel, (batch, n_tiles), mass_args, meta, dict(num_warps=8), FINAL_MASS_SPACE)

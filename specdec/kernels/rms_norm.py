@@ -19,7 +19,7 @@ import torch
 
 from specdec.kernels._checks import FLOAT_DTYPES, check_rows, check_tensor
 from specdec.kernels._op import register_op
-from specdec.kernels._triton import jit, tl, triton
+from specdec.kernels._triton import jit, next_power_of_2, tl
 from specdec.kernels.tuning import TuningSpace, candidates, launch
 
 MAX_HIDDEN = 16384  # a whole row lives in one program's registers
@@ -90,7 +90,7 @@ def _launch(x, residual, weight, eps, out) -> None:
     if T == 0:
         return
     add = residual is not None
-    block = triton.next_power_of_2(H)
+    block = next_power_of_2(H)
     args = (x, residual if add else x, weight, out, H, eps, x.stride(0), residual.stride(0) if add else 0,
             out.stride(0))  # fmt: skip
     even = block == H
@@ -160,7 +160,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Te
     [[1.0, -2.0, 3.0, -4.0]]
     """
     out = _check(x, weight, eps, out)
-    rms_norm_op(x, weight, float(eps), out)
+    rms_norm_op.run(x, weight, float(eps), out)
     return out
 
 
@@ -192,7 +192,7 @@ def add_rms_norm(
     out = _check(x, weight, eps, out)
     check_tensor("residual", residual, dtype=x.dtype, shape=tuple(x.shape), device=x.device)
     check_rows("residual", residual)
-    add_rms_norm_op(x, residual, weight, float(eps), out)
+    add_rms_norm_op.run(x, residual, weight, float(eps), out)
     return out
 
 

@@ -20,7 +20,7 @@ import torch
 
 from specdec.kernels._checks import FLOAT_DTYPES, check_rows, check_tensor
 from specdec.kernels._op import register_op
-from specdec.kernels._triton import jit, tl, triton
+from specdec.kernels._triton import cdiv, jit, next_power_of_2, tl
 from specdec.kernels.tuning import TuningSpace, candidates, launch
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -109,7 +109,7 @@ ROTARY_SPACE = TuningSpace(
 
 
 def _default_heads(heads: int, half_block: int) -> dict:
-    head_block = min(triton.next_power_of_2(heads), max(_MAX_TILE // half_block, 1))
+    head_block = min(next_power_of_2(heads), max(_MAX_TILE // half_block, 1))
     return dict(HEAD_BLOCK=head_block, num_warps=4)
 
 
@@ -118,9 +118,9 @@ def _apply_rotary_triton(q, k, positions, inv_freq) -> None:
     Hkv = k.shape[1]
     if T == 0:
         return
-    heads, half_block = max(Hq, Hkv), triton.next_power_of_2(D // 2)
+    heads, half_block = max(Hq, Hkv), next_power_of_2(D // 2)
     args = (q, k, positions, inv_freq, Hq, Hkv, D // 2, q.stride(0), q.stride(1), k.stride(0), k.stride(1))
-    grid = lambda c: (T, triton.cdiv(heads, c["HEAD_BLOCK"]))
+    grid = lambda c: (T, cdiv(heads, c["HEAD_BLOCK"]))
     meta = dict(HALF_BLOCK=half_block, EVEN_PAIRS=half_block == D // 2)
     launch(_rotary_kernel, grid, args, meta, _default_heads(heads, half_block), ROTARY_SPACE)
 
@@ -198,7 +198,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_
     check_rows("k", k)
     check_tensor("positions", positions, dtype=INDEX_DTYPES, shape=(T,), device=q.device, contiguous=True)
     check_tensor("inv_freq", inv_freq, dtype=torch.float32, shape=(D // 2,), device=q.device, contiguous=True)
-    apply_rotary_op(q, k, positions, inv_freq)
+    apply_rotary_op.run(q, k, positions, inv_freq)
 
 
 # --------------------------------------------------------------------------------------------

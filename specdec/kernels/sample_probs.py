@@ -18,7 +18,7 @@ import torch
 
 from specdec.kernels._checks import check_tensor
 from specdec.kernels._op import register_op
-from specdec.kernels._triton import INT32_MAX, jit, tl, triton
+from specdec.kernels._triton import INT32_MAX, cdiv, jit, next_power_of_2, tl
 from specdec.kernels.sampling_params import SamplingParams, check_params
 from specdec.kernels.top_k_top_p import FLOAT_DTYPES, vocab_block
 from specdec.kernels.tuning import TuningSpace, candidates, launch
@@ -107,12 +107,12 @@ def _sample_probs_triton(probs, seed, offset, counter, out) -> None:
     if probs.stride(-1) != 1:
         probs = probs.contiguous()
     block = vocab_block(vocab)
-    n_tiles = triton.cdiv(vocab, block)
+    n_tiles = cdiv(vocab, block)
     mass = torch.empty(rows, n_tiles, dtype=torch.float32, device=probs.device)
     mass_args = (probs, mass, vocab, n_tiles, probs.stride(0))
     launch(_tile_mass_kernel, (rows, n_tiles), mass_args, dict(BLOCK=block), dict(num_warps=4), TILE_MASS_SPACE)
     pick_args = (probs, mass, seed, offset, counter, out, vocab, n_tiles, probs.stride(0))
-    pick_meta = dict(BLOCK=block, T_PAD=triton.next_power_of_2(n_tiles))
+    pick_meta = dict(BLOCK=block, T_PAD=next_power_of_2(n_tiles))
     launch(_pick_token_kernel, (rows,), pick_args, pick_meta, dict(num_warps=4), PICK_TOKEN_SPACE)
 
 
@@ -170,7 +170,7 @@ def sample_probs(
     if out is None:
         out = torch.empty(rows, dtype=torch.int32, device=device)
     check_tensor("out", out, dtype=torch.int32, shape=(rows,), device=device, contiguous=True)
-    _sample_probs_op(probs, params.seed, params.offset, counter.to(torch.int64).contiguous(), out)
+    _sample_probs_op.run(probs, params.seed, params.offset, counter.to(torch.int64).contiguous(), out)
     return out
 
 

@@ -18,7 +18,7 @@ from specdec.kernels.sampling_params import SamplingParams, check_params
 from specdec.kernels.target_stats import target_probs_reference
 from specdec.kernels.top_k_top_p import filter_thresholds_torch, scaled_logits
 from specdec.kernels.uniforms import counter_uniform_reference
-from specdec.kernels.verification import check_logits, result_buffers, verify_triton
+from specdec.kernels.verification import check_logits, result_buffers, verify_triton, zero_offsets
 
 SAMPLE_COUNTER = 1  # the uniform of the draw at node 0 (see tree_walk)
 
@@ -35,12 +35,10 @@ class SampleResult(NamedTuple):
 
 def _sample_triton(logits, temperature, top_k, top_p, seed, offset, tokens, invalid) -> None:
     batch = logits.shape[0]
-    no_drafts = torch.empty(0, dtype=torch.int32, device=logits.device)
-    draft_offsets = torch.zeros(batch + 1, dtype=torch.int32, device=logits.device)
-    scratch = torch.empty(batch, 1, dtype=torch.int32, device=logits.device)  # accepted path: the root only
-    verify_triton(logits, no_drafts, no_drafts, draft_offsets, None, (temperature, top_k, top_p, seed, offset),
-                  (tokens.view(batch, 1), torch.empty_like(tokens), scratch, invalid),
-                  rule="deterministic", chain=True)  # fmt: skip
+    draft_offsets = zero_offsets(logits.device, batch + 1)
+    # no draft tokens: the offsets stand in for them (never read); the walk's path and counts go to scratch
+    verify_triton(logits, draft_offsets, draft_offsets, draft_offsets, None, (temperature, top_k, top_p, seed, offset),
+                  (tokens.view(batch, 1), None, None, invalid), rule="deterministic", chain=True)  # fmt: skip
 
 
 def _sample_torch(logits, temperature, top_k, top_p, seed, offset, tokens, invalid) -> None:
@@ -92,7 +90,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, *, out: SampleResult | 
     batch = logits.shape[0]
     check_params(params, batch, device)
     out = result_buffers(out, SampleResult, batch, 1, device)
-    _sample_op(logits, *(t.contiguous() for t in params), *out)
+    _sample_op.run(logits, *(t.contiguous() for t in params), *out)
     return out
 
 

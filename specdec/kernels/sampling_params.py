@@ -82,8 +82,12 @@ class SamplingParams(NamedTuple):
 
     def check(self, batch: int, device: torch.device) -> None:
         """Dtypes, shapes ``[batch]`` and device of every field; errors name ``params.<field>``."""
+        want = (batch,)
         for (name, dtype), value in zip(_FIELDS, self):
-            check_tensor(f"params.{name}", value, dtype=dtype, shape=(batch,), device=device)
+            # the same conditions as check_tensor's, tested inline (every call of every op checks them)
+            if not (isinstance(value, torch.Tensor) and value.dtype is dtype and value.shape == want
+                    and value.device == device):  # fmt: skip
+                check_tensor(f"params.{name}", value, dtype=dtype, shape=want, device=device)
 
     def select(self, rows: torch.Tensor) -> SamplingParams:
         """The parameters of requests ``rows`` (int64 indices), in that order."""

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from specdec.kernels._checks import FLOAT_DTYPES, check_rows, check_tensor
 from specdec.kernels._op import register_op
-from specdec.kernels._triton import jit, tl, triton
+from specdec.kernels._triton import cdiv, jit, next_power_of_2, tl
 from specdec.kernels.tuning import TuningSpace, candidates, launch
 
 _MAX_BLOCK = 1024
@@ -64,9 +64,9 @@ def _silu_mul_triton(gate_up, out) -> None:
     T, I = out.shape
     if T == 0:
         return
-    block = min(triton.next_power_of_2(I), _MAX_BLOCK)
+    block = min(next_power_of_2(I), _MAX_BLOCK)
     meta = dict(BLOCK=block, EVEN=I % block == 0)
-    grid = (T, triton.cdiv(I, block))
+    grid = (T, cdiv(I, block))
     launch(_silu_mul_kernel, grid, (gate_up, out, I, gate_up.stride(0), out.stride(0)), meta, dict(num_warps=4),
            SILU_MUL_SPACE)  # fmt: skip
 
@@ -117,7 +117,7 @@ def silu_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None) -> torch
         out = torch.empty(T, two_i // 2, dtype=gate_up.dtype, device=gate_up.device)
     check_tensor("out", out, dtype=gate_up.dtype, shape=(T, two_i // 2), device=gate_up.device)
     check_rows("out", out)
-    silu_mul_op(gate_up, out)
+    silu_mul_op.run(gate_up, out)
     return out
 
 

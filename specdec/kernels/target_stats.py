@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from specdec.kernels._triton import INT32_MAX, jit, tl, triton
+from specdec.kernels._triton import INT32_MAX, cdiv, jit, tl
 from specdec.kernels.top_k_top_p import bad_rows, scaled_tile_tl
 from specdec.kernels.tuning import TuningSpace, candidates, launch
 
@@ -127,13 +127,14 @@ class TileStats(NamedTuple):
     bad: torch.Tensor
 
 
-def row_stats_triton(logits, inv_row, thr, block: int, argmax_only: bool = False) -> TileStats:
+def row_stats_triton(logits, inv_row, thr, block: int, argmax_only: bool = False, out: TileStats | None = None
+                     ) -> TileStats:  # fmt: skip
     """Tile statistics of ``logits [R, V]`` (unit column stride) scaled by ``inv_row [R]`` and filtered
     by ``thr [R]``; ``argmax_only``: raw logits (``inv_row`` / ``thr`` unread, ``sum`` not written).
-    Triton launcher, no checks."""
+    Written into ``out`` (contiguous ``[R, n_tiles]`` each) when given. Triton launcher, no checks."""
     rows, vocab = logits.shape
-    n_tiles = triton.cdiv(vocab, block)
-    stats = TileStats(
+    n_tiles = cdiv(vocab, block)
+    stats = out or TileStats(
         torch.empty(rows, n_tiles, dtype=torch.float32, device=logits.device),
         torch.empty(rows, n_tiles, dtype=torch.float32, device=logits.device),
         torch.empty(rows, n_tiles, dtype=torch.int32, device=logits.device),

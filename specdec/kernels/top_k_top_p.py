@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.kernels._triton import jit, tl, triton
+from specdec.kernels._triton import jit, next_power_of_2, tl
 from specdec.kernels.tuning import TuningSpace, launch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # of logits and probabilities
@@ -37,7 +37,7 @@ ROWS_BY_DRAFT_OFFSETS = "chain"  # request b owns rows offsets[b]+b .. offsets[b
 def vocab_block(vocab: int) -> int:
     """Vocabulary tile width of every sampling kernel: about four tiles for small vocabularies
     (so tile edges are exercised in tests), 1024 columns for large ones."""
-    return max(16, min(1024, triton.next_power_of_2(max(vocab, 1)) // 4))
+    return max(16, min(1024, next_power_of_2(max(vocab, 1)) // 4))
 
 
 # ----------------------------------------------------------------------------- Triton helpers
@@ -186,14 +186,18 @@ def filter_thresholds_triton(
     block: int,
     rows: str = ROWS_ARE_REQUESTS,
     offsets: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row threshold ``thr [R]`` fp32 and scale ``1/T [R]`` fp32 (1 for greedy rows) of ``logits
     [R, V]`` (unit column stride) for per-request parameters ``[B]``; ``rows`` says which request a
     row belongs to (one of ``ROWS_*``, with int32 ``offsets [B+1]`` unless rows are requests).
-    ``block`` is the default tile width. Triton launcher, no checks."""
+    ``block`` is the default tile width; ``out`` = (thr, inv_row) to write (else fresh). Triton
+    launcher, no checks."""
     n_rows, vocab = logits.shape
-    thr = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-    inv_row = torch.empty_like(thr)
+    if out is None:
+        out = (torch.empty(n_rows, dtype=torch.float32, device=logits.device),
+               torch.empty(n_rows, dtype=torch.float32, device=logits.device))  # fmt: skip
+    thr, inv_row = out
     if offsets is None:  # ROWS_ARE_REQUESTS: never read
         offsets = top_k
     if n_rows:

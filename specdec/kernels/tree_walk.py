@@ -52,7 +52,7 @@ argmax, is written here.
 
 from __future__ import annotations
 
-from specdec.kernels._triton import jit, tl, triton
+from specdec.kernels._triton import jit, next_power_of_2, tl
 from specdec.kernels.target_stats import (
     any_row_bad_tl,
     row_argmax_tl,
@@ -286,6 +286,6 @@ def tree_walk_triton(logits, tokens, parents, offsets, q, thr, stats, params, ou
         out_tok, out_path, num_acc, invalid, fin_i, fin_f,
         logits.shape[1], n_tiles, width, logits.stride(0), q.stride(0), out_tok.stride(0), out_path.stride(0),
     )  # fmt: skip
-    meta = dict(RULE=rule, CHAIN=chain, BLOCK=block, T_PAD=triton.next_power_of_2(n_tiles),
-                W_PAD=triton.next_power_of_2(width), EPS=RESIDUAL_EPS)  # fmt: skip
+    meta = dict(RULE=rule, CHAIN=chain, BLOCK=block, T_PAD=next_power_of_2(n_tiles),
+                W_PAD=next_power_of_2(width), EPS=RESIDUAL_EPS)  # fmt: skip
     launch(_tree_walk_kernel, (batch,), args, meta, TREE_WALK_SPACE.configs[0], TREE_WALK_SPACE)

@@ -21,7 +21,7 @@ import torch
 
 from specdec.kernels._checks import check_tensor
 from specdec.kernels._op import register_op
-from specdec.kernels._triton import jit, tl, triton
+from specdec.kernels._triton import cdiv, jit, tl
 from specdec.kernels.tuning import TuningSpace, candidates, launch
 
 _HASH_START = 0x243F6A88
@@ -88,7 +88,7 @@ COUNTER_UNIFORM_SPACE = TuningSpace(candidates(BLOCK=(128, 256, 1024), num_warps
 def _counter_uniform_triton(seed, offset, counter, out) -> None:
     n = out.numel()
     if n:
-        grid = lambda c: (triton.cdiv(n, c["BLOCK"]),)
+        grid = lambda c: (cdiv(n, c["BLOCK"]),)
         args = (seed, offset, counter, out, n)
         launch(_counter_uniform_kernel, grid, args, {}, dict(BLOCK=_BLOCK, num_warps=4), COUNTER_UNIFORM_SPACE)
 
@@ -143,7 +143,7 @@ def counter_uniform(
     if out is None:
         out = torch.empty(seed.shape, dtype=torch.float32, device=device)
     check_tensor("out", out, dtype=torch.float32, shape=tuple(seed.shape), device=device, contiguous=True)
-    _counter_uniform_op(seed.contiguous().view(-1), offset.contiguous().view(-1), counter.contiguous().view(-1),
+    _counter_uniform_op.run(seed.contiguous().view(-1), offset.contiguous().view(-1), counter.contiguous().view(-1),
                         out.view(-1))  # fmt: skip
     return out
 

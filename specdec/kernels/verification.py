@@ -7,17 +7,26 @@ The pipeline, one launch each, no host synchronisation:
 2. ``target_stats``: per-tile statistics of every row (rows x tiles);
 3. ``tree_walk``: the acceptance walk (one program per request);
 4. ``final_sample``: per-tile mass of each final distribution (requests x tiles), then the draw.
+
+The stages hand each other their results through scratch tensors (thresholds, tile statistics, the
+walk's hand-off, per-tile masses), which ``scratch`` takes from a workspace reused from call to call
+instead of allocating a dozen tensors per call. Scratch never holds a result: the results are fresh
+tensors (or the caller's ``out=``) every call.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+import threading
 from typing import NamedTuple
 
 import torch
 
 from specdec.kernels._checks import check_tensor
+from specdec.kernels._triton import cdiv
 from specdec.kernels.final_sample import final_sample_triton
-from specdec.kernels.target_stats import row_stats_triton
+from specdec.kernels.target_stats import TileStats, row_stats_triton
 from specdec.kernels.top_k_top_p import (
     FLOAT_DTYPES,
     ROWS_BY_DRAFT_OFFSETS,
@@ -63,9 +72,25 @@ def check_width(name: str, value) -> int:
     return value
 
 
+class _ResultFields(dict):
+    """result type -> ((2-D?, dtype) per field), made on first use (every call allocates its results)."""
+
+    def __missing__(self, result_type):
+        wide = ("output_tokens", "accepted_path")
+        kinds = tuple((f in wide, torch.bool if f == "invalid" else torch.int32) for f in result_type._fields)
+        self[result_type] = kinds
+        return kinds
+
+
+_RESULT_FIELDS = _ResultFields()
+
+
 def result_buffers(out, result_type: type[NamedTuple], batch: int, width: int, device: torch.device):
     """``out`` checked field by field (a ``result_type``, same fields and order as the op returns), or
     fresh buffers: ``[batch, width]`` int32 for 2-D fields (unit last stride), ``[batch]`` for the rest."""
+    if out is None:
+        return result_type(*(torch.empty((batch, width) if wide else batch, dtype=dtype, device=device)
+                             for wide, dtype in _RESULT_FIELDS[result_type]))  # fmt: skip
     specs = {
         "output_tokens": ((batch, width), torch.int32),
         "accepted_path": ((batch, width), torch.int32),
@@ -73,8 +98,6 @@ def result_buffers(out, result_type: type[NamedTuple], batch: int, width: int, d
         "invalid": ((batch,), torch.bool),
         "tokens": ((batch,), torch.int32),
     }
-    if out is None:
-        return result_type(*(torch.empty(*specs[f][0], dtype=specs[f][1], device=device) for f in result_type._fields))
     if not isinstance(out, result_type):
         raise TypeError(f"out must be a {result_type.__name__}, got {type(out).__name__}")
     for field, value in zip(result_type._fields, out):
@@ -83,6 +106,99 @@ def result_buffers(out, result_type: type[NamedTuple], batch: int, width: int, d
         if value.dim() == 2 and value.stride(-1) != 1:
             raise ValueError(f"out.{field} must have unit stride in its last dimension")
     return out
+
+
+# ----------------------------------------------------------------------------- scratch workspace
+
+_workspaces = threading.local()  # per thread: {(device, CUDA stream id): Workspace}
+MAX_LAYOUTS = 32  # carved layouts kept per workspace (each a handful of views); more start over
+
+
+class Workspace:
+    """One flat buffer of 4-byte words per (thread, device, CUDA stream), the views carved from it, and
+    read-only zero tensors.
+
+    The kernels of one call run in order on one stream, and every stage writes its scratch before the
+    next reads it, so consecutive calls on the same stream may share the words. A layout that does
+    not fit replaces the buffer by a larger one (the old one is freed once its views are dropped; on
+    CUDA the caching allocator reuses it in stream order)."""
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+        self.views: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        self.zeros: dict[int, torch.Tensor] = {}
+
+
+def _workspace(device: torch.device) -> Workspace | None:
+    """This thread's workspace for ``device`` and its current CUDA stream; None while a CUDA graph is being
+    captured (the graph then owns fresh allocations)."""
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        where = (device, torch.cuda.current_stream(device).stream_id)
+    else:
+        where = (device, None)
+    spaces = getattr(_workspaces, "by_place", None)
+    if spaces is None:
+        spaces = _workspaces.by_place = {}
+    space = spaces.get(where)
+    if space is None:
+        space = spaces[where] = Workspace()
+    return space
+
+
+def scratch(device: torch.device, layout: tuple[tuple[tuple[int, ...], torch.dtype], ...]) -> tuple[torch.Tensor, ...]:
+    """Uninitialised tensors of the shapes and 4-byte dtypes in ``layout`` (also the cache key), reused by
+    every call with the same layout on this thread, device and CUDA stream: a caller writes what it
+    reads within its call and never returns or keeps them."""
+    space = _workspace(device)
+    if space is None:
+        return tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in layout)
+    views = space.views.get(layout)
+    if views is None:
+        views = _carve(space, device, layout)
+    return views
+
+
+def zero_offsets(device: torch.device, n: int) -> torch.Tensor:
+    """int32 zeros ``[n]`` that no kernel writes (offsets of requests without drafts), made once per workspace."""
+    space = _workspace(device)
+    if space is None:
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    zeros = space.zeros.get(n)
+    if zeros is None:
+        with torch.inference_mode(False):
+            zeros = space.zeros[n] = torch.zeros(n, dtype=torch.int32, device=device)
+    return zeros
+
+
+def _carve(space: Workspace, device: torch.device, layout) -> tuple[torch.Tensor, ...]:
+    sizes = [math.prod(shape) for shape, _ in layout]
+    words = [-(-n // 4) * 4 for n in sizes]  # each view starts 16-byte aligned, as fresh allocations do
+    with torch.inference_mode(False):  # usable inside and outside inference mode alike
+        if space.buffer is None or space.buffer.numel() < sum(words):
+            space.buffer = torch.empty(max(sum(words), 1024), dtype=torch.int32, device=device)
+            space.views.clear()
+        if len(space.views) >= MAX_LAYOUTS:
+            space.views.clear()
+        views, at = [], 0
+        for (shape, dtype), n, w in zip(layout, sizes, words):
+            views.append(space.buffer[at : at + n].view(dtype).view(shape))
+            at += w
+    views = space.views[layout] = tuple(views)
+    return views
+
+
+@functools.lru_cache(maxsize=256)
+def _pipeline_layout(rows: int, batch: int, n_tiles: int, width: int) -> tuple:
+    """Scratch of ``verify_triton``: thr, inv_row [R]; tile max, sum, arg, bad [R, T]; the walk's hand-off
+    fin_i [B, 4], fin_f [B, 2]; final masses w, p [B, T]; a path [B, W] and counts [B] for callers
+    that do not want them."""
+    f32, i32 = torch.float32, torch.int32
+    tiles = (rows, n_tiles)
+    return (((rows,), f32), ((rows,), f32), (tiles, f32), (tiles, f32), (tiles, i32), (tiles, i32),
+            ((batch, 4), i32), ((batch, 2), f32), ((batch, n_tiles), f32), ((batch, n_tiles), f32),
+            ((batch, width), i32), ((batch,), i32))  # fmt: skip
 
 
 def tree_depth(parents: torch.Tensor, bounds: list[int]) -> int:
@@ -107,8 +223,9 @@ def tree_depth(parents: torch.Tensor, bounds: list[int]) -> int:
 
 def verify_triton(logits, tokens, parents, offsets, draft_probs, params, out, *, rule: str, chain: bool) -> None:
     """The whole Triton pipeline, writing ``out`` = (output_tokens, num_accepted, accepted_path, invalid)
-    (``TreeVerifyResult``'s order) in place; ``params`` = (temperature, top_k, top_p, seed, offset).
-    With ``chain``, ``tokens`` and ``offsets`` are draft tokens and draft offsets, ``parents`` unread."""
+    (``TreeVerifyResult``'s order) in place; a None num_accepted or accepted_path goes to scratch.
+    ``params`` = (temperature, top_k, top_p, seed, offset). With ``chain``, ``tokens`` and ``offsets``
+    are draft tokens and draft offsets, ``parents`` unread."""
     batch = offsets.numel() - 1
     if batch == 0:
         return
@@ -117,14 +234,18 @@ def verify_triton(logits, tokens, parents, offsets, draft_probs, params, out, *,
     q = logits if draft_probs is None else draft_probs  # a stand-in the deterministic rule never reads
     if q.stride(-1) != 1:
         q = q.contiguous()
-    device, width, block = logits.device, out[0].shape[1], vocab_block(logits.shape[1])
+    (rows, vocab), output_tokens = logits.shape, out[0]
+    block, width = vocab_block(vocab), output_tokens.shape[1]
+    n_tiles = cdiv(vocab, block)
+    thr, inv_row, *tiles, fin_i, fin_f, w_mass, p_mass, path, num_acc = scratch(
+        logits.device, _pipeline_layout(rows, batch, n_tiles, width)
+    )
+    out = (output_tokens, num_acc if out[1] is None else out[1], path if out[2] is None else out[2], out[3])
     temperature, top_k, top_p, _seed, _offset = params
-    rows = ROWS_BY_DRAFT_OFFSETS if chain else ROWS_BY_NODE_OFFSETS
-    thr, inv_row = filter_thresholds_triton(logits, temperature, top_k, top_p, block, rows, offsets)
-    stats = row_stats_triton(logits, inv_row, thr, block)
-    fin_i = torch.empty(batch, 4, dtype=torch.int32, device=device)
-    fin_f = torch.empty(batch, 2, dtype=torch.float32, device=device)
+    rows_of = ROWS_BY_DRAFT_OFFSETS if chain else ROWS_BY_NODE_OFFSETS
+    filter_thresholds_triton(logits, temperature, top_k, top_p, block, rows_of, offsets, out=(thr, inv_row))
+    stats = row_stats_triton(logits, inv_row, thr, block, out=TileStats(*tiles))
     tree_walk_triton(logits, tokens, parents, offsets, q, thr, stats, params, out, fin_i, fin_f,
                      rule=rule, chain=chain, block=block, width=width)  # fmt: skip
     final_sample_triton(logits, tokens, parents, q, thr, inv_row, stats, params, fin_i, fin_f, out[0], out[1],
-                        rule=rule, chain=chain, block=block)  # fmt: skip
+                        rule=rule, chain=chain, block=block, mass=(w_mass, p_mass))  # fmt: skip

@@ -48,9 +48,9 @@ class ChainVerifyResult(NamedTuple):
 
 def _verify_chain_triton(logits, tokens, offsets, draft_probs, temperature, top_k, top_p, seed, offset, rule,
                          output_tokens, num_accepted, invalid) -> None:  # fmt: skip
-    path = torch.empty_like(output_tokens)  # a chain's accepted path is 0..num_accepted: scratch
+    # (a chain's accepted path is 0..num_accepted: the walk writes it to scratch)
     verify_triton(logits, tokens, tokens, offsets, draft_probs, (temperature, top_k, top_p, seed, offset),
-                  (output_tokens, num_accepted, path, invalid), rule=rule, chain=True)  # fmt: skip
+                  (output_tokens, num_accepted, None, invalid), rule=rule, chain=True)  # fmt: skip
 
 
 def _verify_chain_torch(logits, tokens, offsets, draft_probs, temperature, top_k, top_p, seed, offset, rule,
@@ -169,7 +169,7 @@ def verify_chain(
     if draft_probs is not None:
         check_draft_probs(draft_probs, draft_tokens.numel(), target_logits.shape[1], device)
     out = result_buffers(out, ChainVerifyResult, batch, max_draft_len + 1, device)
-    _verify_chain_op(target_logits, draft_tokens.contiguous(), draft_offsets.contiguous(), draft_probs,
+    _verify_chain_op.run(target_logits, draft_tokens.contiguous(), draft_offsets.contiguous(), draft_probs,
                      *(t.contiguous() for t in params), rule, *out)  # fmt: skip
     return out
 

@@ -22,13 +22,13 @@ import torch
 from specdec import _backend
 from specdec.kernels._checks import check_offsets
 from specdec.kernels._op import register_op
-from specdec.kernels._triton import jit, tl, triton
+from specdec.kernels._triton import cdiv, jit, next_power_of_2, tl
 from specdec.kernels.sampling_params import SamplingParams
-from specdec.kernels.target_stats import any_row_bad_tl, row_argmax_tl, row_stats_triton
+from specdec.kernels.target_stats import TileStats, any_row_bad_tl, row_argmax_tl, row_stats_triton
 from specdec.kernels.top_k_top_p import bad_rows, vocab_block
 from specdec.kernels.tree_walk import request_nodes_tl
 from specdec.kernels.tuning import TuningSpace, candidates, launch
-from specdec.kernels.verification import result_buffers
+from specdec.kernels.verification import result_buffers, scratch
 from specdec.kernels.verify_chain import ChainVerifyResult, check_chain
 from specdec.kernels.verify_tree import TreeVerifyResult, check_tree
 
@@ -90,23 +90,36 @@ GREEDY_WALK_SPACE = TuningSpace(candidates(num_warps=(2, 4, 8)), key=("n_tiles",
 
 
 def _greedy_triton(logits, tokens, parents, offsets, out, chain: bool) -> None:
-    """Argmax statistics, then the walk; ``out`` in ``TreeVerifyResult`` order. Triton launcher, no checks."""
+    """Argmax statistics, then the walk; ``out`` in ``TreeVerifyResult`` order (a None path goes to scratch).
+    Triton launcher, no checks."""
     batch = offsets.numel() - 1
     if batch == 0:
         return
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    stats = row_stats_triton(logits, None, None, vocab_block(logits.shape[1]), argmax_only=True)
-    n_tiles, width = stats.max.shape[1], out[0].shape[1]
+    rows, vocab = logits.shape
+    block, width = vocab_block(vocab), out[0].shape[1]
+    n_tiles = cdiv(vocab, block)
+    *tiles, path = scratch(logits.device, _greedy_layout(rows, out[0].shape[0], n_tiles, width))
+    if out[2] is None:  # a chain's path is 0..num_accepted: the walk writes it to scratch
+        out = (out[0], out[1], path, out[3])
+    stats = row_stats_triton(logits, None, None, block, argmax_only=True, out=TileStats(*tiles))
     args = (tokens, parents, offsets, stats.max, stats.arg, stats.bad, *out, n_tiles, width, out[0].stride(0),
             out[2].stride(0))  # fmt: skip
-    meta = dict(CHAIN=chain, T_PAD=triton.next_power_of_2(n_tiles), W_PAD=triton.next_power_of_2(width))
+    meta = dict(CHAIN=chain, T_PAD=next_power_of_2(n_tiles), W_PAD=next_power_of_2(width))
     launch(_greedy_walk_kernel, (batch,), args, meta, dict(num_warps=4), GREEDY_WALK_SPACE)
 
 
+@functools.lru_cache(maxsize=256)
+def _greedy_layout(rows: int, batch: int, n_tiles: int, width: int) -> tuple:
+    """Scratch of the greedy path: tile max, sum (unwritten), arg, bad ``[R, T]``; a path ``[B, W]``."""
+    tiles = (rows, n_tiles)
+    return ((tiles, torch.float32), (tiles, torch.float32), (tiles, torch.int32), (tiles, torch.int32),
+            ((batch, width), torch.int32))  # fmt: skip
+
+
 def _chain_greedy_triton(logits, tokens, offsets, output_tokens, num_accepted, invalid) -> None:
-    path = torch.empty_like(output_tokens)  # scratch: a chain's path is 0..num_accepted
-    _greedy_triton(logits, tokens, tokens, offsets, (output_tokens, num_accepted, path, invalid), chain=True)
+    _greedy_triton(logits, tokens, tokens, offsets, (output_tokens, num_accepted, None, invalid), chain=True)
 
 
 def _chain_greedy_torch(logits, tokens, offsets, output_tokens, num_accepted, invalid) -> None:
@@ -311,7 +324,7 @@ def verify_chain_greedy(
     device, batch, max_draft_len = check_chain(target_logits, draft_tokens, draft_offsets, params, max_draft_len)
     check_all_greedy(params, "verify_chain_greedy", "verify_chain")
     out = result_buffers(out, ChainVerifyResult, batch, max_draft_len + 1, device)
-    _verify_chain_greedy_op(target_logits, draft_tokens.contiguous(), draft_offsets.contiguous(), *out)
+    _verify_chain_greedy_op.run(target_logits, draft_tokens.contiguous(), draft_offsets.contiguous(), *out)
     return out
 
 
@@ -342,7 +355,7 @@ def verify_tree_greedy(
     device, batch, max_depth = check_tree(target_logits, node_tokens, parents, node_offsets, params, max_depth)
     check_all_greedy(params, "verify_tree_greedy", "verify_tree")
     out = result_buffers(out, TreeVerifyResult, batch, max_depth + 1, device)
-    _verify_tree_greedy_op(target_logits, node_tokens.contiguous(), parents.contiguous(), node_offsets.contiguous(),
+    _verify_tree_greedy_op.run(target_logits, node_tokens.contiguous(), parents.contiguous(), node_offsets.contiguous(),
                            *out)  # fmt: skip
     return out
 

@@ -170,7 +170,7 @@ def verify_tree(
     if draft_probs is not None:
         check_draft_probs(draft_probs, *target_logits.shape, device)
     out = result_buffers(out, TreeVerifyResult, batch, max_depth + 1, device)
-    _verify_tree_op(target_logits, node_tokens.contiguous(), parents.contiguous(), node_offsets.contiguous(),
+    _verify_tree_op.run(target_logits, node_tokens.contiguous(), parents.contiguous(), node_offsets.contiguous(),
                     draft_probs, *(t.contiguous() for t in params), rule, *out)  # fmt: skip
     return out
 
