@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from specdec.integrations import _vllm_verify as verification
 from specdec.integrations import vllm as plugin
 
 pytestmark = pytest.mark.interpreter  # CPU tensors on the Triton path
@@ -75,8 +76,13 @@ def op_calls(monkeypatch):
     """Which specdec op each plugin call ran: "greedy" (verify_chain_greedy) or "general" (verify_chain)."""
     calls = []
     for name, label in (("run_verify_chain_greedy", "greedy"), ("run_verify_chain", "general")):
-        real = getattr(plugin, name)
-        monkeypatch.setattr(plugin, name, lambda *a, real=real, label=label, **k: calls.append(label) or real(*a, **k))
+        real = getattr(verification, name)
+
+        def spy(*args, real=real, label=label, **kwargs):
+            calls.append(label)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(verification, name, spy)
     return calls
 
 
@@ -243,7 +249,7 @@ def test_version_gate(version, refusal):
 def test_counters_fold_without_losing_steps(monkeypatch):
     """Per-step counts are kept as tensors and summed every _PENDING_MAX steps and on reading (also when the
     steps ran under inference mode and the reading does not)."""
-    monkeypatch.setattr(plugin, "_PENDING_MAX", 3)
+    monkeypatch.setattr(verification, "_PENDING_MAX", 3)
     accepted = drafted = 0
     for seed in range(7):
         logits, drafts, cu = make_batch([2, 3], seed=seed)
@@ -253,11 +259,11 @@ def test_counters_fold_without_losing_steps(monkeypatch):
         accepted += int(num_accepted.sum())
         drafted += 5
         if seed == 4:
-            assert len(plugin._pending) == 2  # folded after the third and the sixth step
+            assert len(verification._pending) == 2  # folded after the third and the sixth step
     stats = plugin.stats()
     assert stats["accepted_tokens"] == accepted > 0
     assert stats["draft_tokens"] == drafted and stats["verify_calls"] == 7 and stats["invalid_requests"] == 0
-    assert plugin._pending == []
+    assert verification._pending == []
 
 
 def test_fallbacks_counted_and_logged_once(caplog):

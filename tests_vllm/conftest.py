@@ -3,6 +3,7 @@
 import engines  # noqa: F401  (sets vLLM's environment before anything imports vLLM)
 import pytest
 
+from specdec.integrations import _vllm_verify as verification
 from specdec.integrations import vllm as plugin
 
 
@@ -18,11 +19,11 @@ def specdec_calls(monkeypatch):
     "greedy" is verify_chain_greedy (all-greedy batches), "general" verify_chain."""
     calls = []
     for name, label in (("run_verify_chain_greedy", "greedy"), ("run_verify_chain", "general")):
-        real = getattr(plugin, name)
+        real = getattr(verification, name)
 
         def spy(logits, drafts, offsets, *args, real=real, label=label, **kwargs):
             calls.append((label, offsets.diff().tolist()))
             return real(logits, drafts, offsets, *args, **kwargs)
 
-        monkeypatch.setattr(plugin, name, spy)
+        monkeypatch.setattr(verification, name, spy)
     return calls

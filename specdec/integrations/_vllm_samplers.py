@@ -2,7 +2,7 @@
 
 Each subclass keeps vLLM's constructor and outputs, decides per batch whether the plugin
 reproduces everything the batch asks for, and either verifies through
-``specdec.integrations.vllm`` or hands the batch to vLLM's own implementation.
+``specdec.integrations._vllm_verify`` or hands the batch to vLLM's own implementation.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from vllm.v1.sample.logits_processor.builtin import (
 )
 from vllm.v1.worker import gpu_model_runner as v1_model_runner
 
-from specdec.integrations import vllm as plugin
+from specdec.integrations import _vllm_verify
 
 # vLLM's built-in logits processors are loaded for every batch; each is idle unless a request uses it.
 _BUILTIN_ACTIVE = {
@@ -61,9 +61,9 @@ class SpecdecRejectionSampler(v1_rejection_sampler.RejectionSampler):
     def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
         reason = _v1_unsupported(self, sampling_metadata)
         if reason is not None:
-            plugin.note_fallback(reason)
+            _vllm_verify.note_fallback(reason)
             return super().forward(metadata, draft_probs, logits, sampling_metadata)
-        tokens, _ = plugin.verify_v1_batch(
+        tokens, _ = _vllm_verify.verify_v1_batch(
             logits,
             metadata.draft_token_ids,
             metadata.cu_num_draft_tokens,
@@ -96,7 +96,7 @@ def _v2_classes():
     imported). Without Triton vLLM never picks MRV2, and importing it there only costs time.
     """
     if not HAS_TRITON:
-        plugin.logger.info("specdec: Model Runner V2 not patched (no Triton: vLLM runs the V1 model runner)")
+        _vllm_verify.logger.info("specdec: Model Runner V2 not patched (no Triton: vLLM runs the V1 model runner)")
         return None
     module = importlib.import_module("vllm.v1.worker.gpu.spec_decode.rejection_sampler")
 
@@ -119,7 +119,7 @@ def _v2_classes():
                     verify_draft_sampled):  # fmt: skip
             reason = self._unsupported()
             if reason is not None:
-                plugin.note_fallback(reason)
+                _vllm_verify.note_fallback(reason)
                 return super()._verify(logits, draft_logits, draft_sampled, pos, cu_num_logits, idx_mapping,
                                        idx_mapping_np, expanded_idx_mapping, expanded_local_pos,
                                        seq_lens_upper_bound_np, verify_draft_sampled)  # fmt: skip
@@ -128,7 +128,7 @@ def _v2_classes():
                 expanded_local_pos, seq_lens_upper_bound_np,
             )  # fmt: skip
             states = self.sampler.sampling_states
-            sampled, num_sampled = plugin.verify_v2_batch(
+            sampled, num_sampled = _vllm_verify.verify_v2_batch(
                 processed, verify_draft_sampled, cu_num_logits, pos, idx_mapping,
                 temperature=states.temperature.gpu, seeds=states.seeds.gpu, draft_logits=draft_logits,
                 num_speculative_steps=self.num_speculative_steps,

@@ -1,0 +1,289 @@
+"""vLLM batches verified by specdec: the conversions from vLLM's conventions and the plugin's counters.
+
+``verify_v1_batch`` (V1 model runner) and ``verify_v2_batch`` (Model Runner V2) hold every
+conversion between vLLM's conventions and specdec's; both call specdec once, through
+``_verify_exact``, which counts what it verified. ``note_fallback`` counts the batches handed
+to vLLM's own sampler, ``stats()`` reads the counters. ``specdec.integrations.vllm`` (the
+plugin's entry point) and ``specdec.integrations._vllm_samplers`` (the vLLM subclasses) both
+import this module; it imports no vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Mapping
+
+import torch
+
+from specdec.kernels import run_verify_chain, run_verify_chain_greedy
+from specdec.kernels.sampling_params import SamplingParams
+
+# vLLM configures the "vllm" logger only; a child of it prints with vLLM's own messages.
+logger = logging.getLogger("vllm.specdec")
+
+_SEED_HIGH = 2**62  # seeds drawn in [0, 2**62): any int64 works, this keeps them non-negative
+
+_stats: Counter = Counter()
+_logged_reasons: set[str] = set()
+# Per-step (num_accepted, invalid) tensors, summed only when read or every _PENDING_MAX steps:
+# no device work per step for the counters, and no host sync.
+_pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+_PENDING_MAX = 256
+_totals: dict[torch.device, torch.Tensor] = {}  # device -> int64 [accepted, invalid]
+
+
+# ----------------------------------------------------------------------------- the one call into specdec
+
+
+def _verify_exact(
+    logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_offsets: torch.Tensor,
+    params: SamplingParams | None,
+    draft_probs: torch.Tensor | None,
+    max_draft_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """specdec's exact verification, then every invalid request given exactly one token.
+
+    ``params`` None means every request is greedy, a fact the caller knows on the host: the
+    argmax-only ``verify_chain_greedy`` runs (equal to ``verify_chain`` at temperature 0, with no
+    softmax, filters or random numbers). Otherwise ``verify_chain`` with the rule the drafts
+    follow: ``draft_probs`` given -> "stochastic" (the drafts were drawn from them), None ->
+    "deterministic" (n-gram, argmax drafters: q is one-hot). vLLM built the offsets and the
+    caller checked the row count, so the ops run without re-checking them (``run_*``).
+
+    An invalid request (NaN/+inf or all -inf logits) comes back with no token. vLLM's
+    scheduler, however, counts every request's accepted drafts from the number of tokens it
+    gets back (``len - 1``), so a request with none would keep its draft positions as
+    computed. It gets one token instead, with every draft rejected: the argmax of its first
+    target row with NaN read as -inf (0 when nothing is finite), as a stock argmax would pick.
+
+    Returns (output_tokens int32 ``[B, max_draft_len + 1]`` -1 padded, num_accepted int32 ``[B]``).
+    """
+    if params is None:
+        result = run_verify_chain_greedy(logits, draft_tokens, draft_offsets, max_draft_len=max_draft_len)
+    else:
+        rule = "deterministic" if draft_probs is None else "stochastic"
+        result = run_verify_chain(logits, draft_tokens, draft_offsets, params, rule=rule, draft_probs=draft_probs,
+                                  max_draft_len=max_draft_len)  # fmt: skip
+    tokens, invalid = result.output_tokens, result.invalid
+    # On the CPU reading the flag costs nothing and skips the rescue in the usual case; on a GPU the
+    # rescue always runs (a few tiny launches) so that the step never waits for the device.
+    if logits.device.type != "cpu" or bool(invalid.any()):
+        batch = tokens.shape[0]
+        first_rows = draft_offsets[:-1].long() + torch.arange(batch, device=logits.device)
+        rescue = torch.nan_to_num(logits.index_select(0, first_rows).float(), nan=float("-inf")).argmax(-1)
+        tokens[:, 0] = torch.where(invalid, rescue.to(tokens.dtype), tokens[:, 0])
+    _count(result.num_accepted, invalid, draft_tokens.numel())
+    return tokens, result.num_accepted
+
+
+# ----------------------------------------------------------------------------- vLLM conventions -> specdec
+
+
+def seeds_from_generators(batch: int, generators: Mapping[int, torch.Generator], device: torch.device) -> torch.Tensor:
+    """One int64 seed per request for this step, drawn from vLLM's random state.
+
+    A request with its own generator (``SamplingParams.seed`` set) draws its seed from that
+    generator: one draw per step, as vLLM's own sampler makes one draw per request per step,
+    so seeded reruns repeat, and vLLM's rewind of a discarded step (partial prefills) still
+    lines up. Other requests draw from the global RNG, like stock vLLM's unseeded sampling.
+    specdec's uniforms are then ``counter_uniform(seed, 0, counter)``.
+    """
+    seed = torch.randint(_SEED_HIGH, (batch,), dtype=torch.int64, device=device)
+    for row, generator in generators.items():
+        if row < batch:
+            seed[row] = torch.randint(_SEED_HIGH, (1,), dtype=torch.int64, device=generator.device,
+                                      generator=generator).to(device)  # fmt: skip
+    return seed
+
+
+def verify_v1_batch(
+    logits: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    max_spec_len: int,
+    draft_probs: torch.Tensor | None,
+    *,
+    temperature: torch.Tensor | None,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    generators: Mapping[int, torch.Generator],
+    all_greedy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify one V1 model-runner step with specdec: all of V1's conventions, converted here.
+
+    Parameters (vLLM V1 names; ``B`` requests, ``T`` drafts, ``V`` vocabulary)
+    ----------
+    logits : float ``[T + B, V]``, the target's raw logits, each request's draft rows then its
+        bonus row: already ``verify_chain``'s row layout, passed as is.
+    draft_token_ids : int ``[T]`` (-1 = a padded draft, always rejected; specdec rejects any id
+        outside ``[0, V)``). cu_num_draft_tokens : int ``[B]``, inclusive cumulative counts:
+        ``draft_offsets`` is it with a leading 0. max_spec_len : host int, the output width
+        minus one (``verify_chain``'s ``max_draft_len``; no host synchronisation).
+    draft_probs : float ``[T, V]`` or None. None (n-gram, greedy drafting) -> rule
+        "deterministic"; given (``draft_sample_method="probabilistic"``: rows are the
+        temperature-scaled distributions the drafts were drawn from) -> "stochastic".
+    temperature : fp32 ``[B]`` or None (None = all greedy). vLLM stores 0.0 for greedy
+        requests (``temperature < 1e-5`` is greedy in vLLM), specdec's greedy is ``<= 0``.
+    top_k : int ``[B]`` or None. vLLM's "off" is ``V`` (or <= 0), specdec's is 0.
+    top_p : fp32 ``[B]`` or None (off); 1.0 is off in both.
+    generators : vLLM's ``{row: torch.Generator}`` of seeded requests -> ``seed``
+        (``seeds_from_generators``), ``offset`` 0.
+    all_greedy : host bool, vLLM's ``SamplingMetadata.all_greedy`` (every request greedy): then
+        ``verify_chain_greedy`` runs, reading only the logits' argmax; ``draft_probs``,
+        temperature, top-k, top-p and the generators are not read (stock vLLM's greedy path
+        does not draw from the generators either).
+
+    Returns
+    -------
+    (output_token_ids int32 ``[B, max_spec_len + 1]``, -1 padded: exactly what vLLM's
+    ``RejectionSampler`` returns, so ``parse_output`` and the scheduler read it unchanged;
+    num_accepted int32 ``[B]``). Log-probabilities need no conversion: the caller computes them
+    from the raw logits and these tokens with vLLM's own code.
+    """
+    batch = cu_num_draft_tokens.numel()
+    total = draft_token_ids.numel()
+    if logits.shape[0] != total + batch:
+        raise ValueError(f"logits must have T + B = {total} + {batch} rows, got {logits.shape[0]}")
+    draft_offsets = torch.nn.functional.pad(cu_num_draft_tokens.to(torch.int32), (1, 0))
+    draft_tokens = draft_token_ids.to(torch.int32)
+    if all_greedy:
+        return _verify_exact(logits, draft_tokens, draft_offsets, None, None, max_spec_len)
+    device, vocab = logits.device, logits.shape[1]
+    if top_k is None:
+        top_k = torch.zeros(batch, dtype=torch.int32, device=device)
+    else:
+        top_k = torch.where((top_k <= 0) | (top_k >= vocab), 0, top_k).to(torch.int32)
+    params = SamplingParams(
+        temperature=torch.zeros(batch, device=device) if temperature is None else temperature.float(),
+        top_k=top_k,
+        top_p=torch.ones(batch, device=device) if top_p is None else top_p.float(),
+        seed=seeds_from_generators(batch, generators, device),
+        offset=torch.zeros(batch, dtype=torch.int64, device=device),
+    )
+    return _verify_exact(logits, draft_tokens, draft_offsets, params, draft_probs, max_spec_len)
+
+
+def verify_v2_batch(
+    processed_logits: torch.Tensor,
+    draft_sampled: torch.Tensor,
+    cu_num_logits: torch.Tensor,
+    pos: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    *,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    draft_logits: torch.Tensor | None,
+    num_speculative_steps: int,
+    all_greedy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify one Model Runner V2 chunk with specdec: all of V2's conventions, converted here.
+
+    Parameters (vLLM MRV2 names; ``B`` requests, ``N = T + B`` logits rows)
+    ----------
+    processed_logits : float ``[N, V]`` from vLLM's ``apply_sampling_params``: penalties, bad
+        words, logit bias, min_tokens, temperature, min_p, top-k and top-p already applied,
+        so specdec samples them as they are: temperature 1 (0 for greedy requests, whose
+        argmax the processing keeps), top-k and top-p off. Rows per request: its K_b + 1
+        rows, drafts then bonus, as ``verify_chain`` wants.
+    draft_sampled : int ``[N]``, the input token of each logits row (-1 = a draft to reject).
+        Row 0 of a request is its last accepted token and row j its draft j, so the drafts
+        are every row but each request's first: ``draft_tokens[t] = draft_sampled[t + b(t) + 1]``.
+    cu_num_logits : int ``[B + 1]``; ``draft_offsets = cu_num_logits - arange(B + 1)``.
+    pos : int ``[N]``, each row's position. seed = ``seeds[idx_mapping]`` (vLLM's per-request
+        seed state), offset = the position of the request's first row: per-request,
+        batch-invariant uniforms that never repeat across steps.
+    idx_mapping : int ``[B]``, batch row -> request-state row. temperature : fp32, per state row.
+    draft_logits : ``[max_reqs, num_speculative_steps, V]`` or None, stored before
+        temperature: q = softmax(draft_logits / temperature) -> "stochastic"; None ->
+        "deterministic".
+    all_greedy : host bool, every request of the chunk has temperature 0 (the caller reads vLLM's
+        host copy of the temperatures): ``verify_chain_greedy`` on the processed logits, nothing
+        else read.
+
+    Returns (sampled int64 ``[B, num_speculative_steps + 1]`` -1 padded, num_sampled int32 ``[B]``),
+    what vLLM's ``rejection_sample`` returns.
+    """
+    batch = idx_mapping.numel()
+    device = processed_logits.device
+    rows = processed_logits.shape[0]
+    total = rows - batch
+    every = torch.arange(batch + 1, device=device)
+    draft_offsets = (cu_num_logits.long() - every).to(torch.int32)
+    num_drafts = draft_offsets[1:] - draft_offsets[:-1]
+    request_of_draft = torch.repeat_interleave(every[:-1], num_drafts, output_size=total)
+    draft_rows = torch.arange(total, device=device) + request_of_draft + 1
+    draft_tokens = draft_sampled.index_select(0, draft_rows).to(torch.int32)
+    if all_greedy:
+        tokens, num_accepted = _verify_exact(processed_logits, draft_tokens, draft_offsets, None, None,
+                                             num_speculative_steps)  # fmt: skip
+        return tokens.to(torch.int64), num_accepted + 1
+    idx = idx_mapping.long()
+    req_temperature = temperature.index_select(0, idx).float()
+    params = SamplingParams(
+        temperature=(req_temperature > 0).to(torch.float32),
+        top_k=torch.zeros(batch, dtype=torch.int32, device=device),
+        top_p=torch.ones(batch, device=device),
+        seed=seeds.index_select(0, idx).to(torch.int64),
+        offset=pos.index_select(0, cu_num_logits[:-1].long()).to(torch.int64),
+    )
+    draft_probs = None
+    if draft_logits is not None:
+        step = torch.arange(total, device=device) - draft_offsets.long().index_select(0, request_of_draft)
+        scale = torch.where(req_temperature > 0, req_temperature, 1.0).index_select(0, request_of_draft)
+        raw = draft_logits[idx.index_select(0, request_of_draft), step].float()
+        draft_probs = torch.softmax(raw / scale[:, None], dim=-1)
+    tokens, num_accepted = _verify_exact(processed_logits, draft_tokens, draft_offsets, params, draft_probs,
+                                         num_speculative_steps)  # fmt: skip
+    return tokens.to(torch.int64), num_accepted + 1
+
+
+# ----------------------------------------------------------------------------- counters
+
+
+def _count(num_accepted: torch.Tensor, invalid: torch.Tensor, drafted: int) -> None:
+    _stats["verify_calls"] += 1
+    _stats["verified_requests"] += invalid.numel()
+    _stats["draft_tokens"] += drafted
+    _pending.append((num_accepted, invalid))
+    if len(_pending) >= _PENDING_MAX:
+        _fold_pending()
+
+
+def _fold_pending() -> None:
+    """Add the pending per-step counts into one int64 ``[accepted, invalid]`` total per device (no host sync)."""
+    for device in {accepted.device for accepted, _ in _pending}:
+        steps = [pair for pair in _pending if pair[0].device == device]
+        pair = torch.stack([torch.cat(column).sum(dtype=torch.int64) for column in zip(*steps)])
+        # out of place: vLLM steps run under inference mode, stats() may not (no in-place update of their tensors)
+        _totals[device] = _totals[device] + pair if device in _totals else pair
+    _pending.clear()
+
+
+def note_fallback(reason: str) -> None:
+    """Count one batch handed to vLLM's own sampler; log each reason the first time."""
+    _stats["fallback_calls"] += 1
+    _stats[f"fallback: {reason}"] += 1
+    if reason not in _logged_reasons:
+        _logged_reasons.add(reason)
+        logger.warning("specdec: %s -> this batch (and later ones like it) verified by vLLM's own sampler", reason)
+
+
+def stats() -> dict[str, int]:
+    """Counters since the last ``reset_stats()``: verify_calls, verified_requests, draft_tokens,
+    accepted_tokens, invalid_requests, fallback_calls and ``fallback: <reason>`` (reads back the
+    device counters)."""
+    _fold_pending()
+    out = dict(_stats)
+    totals = [total.tolist() for total in _totals.values()]
+    out.update(accepted_tokens=sum(t[0] for t in totals), invalid_requests=sum(t[1] for t in totals))
+    return out
+
+
+def reset_stats() -> None:
+    _stats.clear()
+    _logged_reasons.clear()
+    _pending.clear()
+    _totals.clear()
