@@ -14,6 +14,7 @@ from specdec.decoding.autoregressive import generate as autoregressive_generate
 from specdec.decoding.proposal import tree_metadata_on
 from specdec.model import AttentionMetadata, causal_positions, cpu_linear
 from specdec.model.draft_forward_cpu import (
+    DraftForward,
     _has_op,
     draft_chain_greedy,
     fused_available,
@@ -173,10 +174,10 @@ def test_the_strategy_uses_it_only_where_it_applies(monkeypatch):
         calls.append(("forward", args[2].shape[1], kwargs.get("tree_mask") is not None))  # (rows, tree level)
         return forward(*args, **kwargs)
 
-    import specdec.decoding.draft_model as draft_model
+    import specdec.model.draft_forward_cpu as draft_forward_cpu
 
-    monkeypatch.setattr(draft_model, "draft_chain_greedy", counting_chain)
-    monkeypatch.setattr(draft_model, "fused_forward", counting_forward)
+    monkeypatch.setattr(draft_forward_cpu, "draft_chain_greedy", counting_chain)
+    monkeypatch.setattr(draft_forward_cpu, "fused_forward", counting_forward)
     prompts = random_prompts([5, 4], config.vocab_size, seed=7)
 
     def decode(branching, **options):
@@ -224,6 +225,38 @@ def test_tree_levels_match_the_pytorch_forward(layout):
             ref, _ = model(tokens.flatten(), positions.flatten(), metadata, torch_cache)
             torch_cache.advance(counts)
         assert (fused - ref).abs().max() <= 1e-5 * ref.abs().max(), level
+
+
+def test_draft_forward_chooses_its_path_once_and_both_paths_agree():
+    """``DraftForward`` picks the C++ ops or ``LlamaModel.forward`` when built; a chain step's causal rows and a tree
+    level give the same logits either way, and a greedy chain is one call on the fused path only."""
+    model = random_model(tiny_config(num_heads=4, num_kv_heads=2), seed=14)
+    running, counts = [0, 2], [2, 0, 2]
+    fused_cache, torch_cache = prefilled(model, "paged"), prefilled(model, "paged")
+    fused, plain = DraftForward(model, fused_cache), DraftForward(model, torch_cache, fused=False)
+    assert fused.fused and not plain.fused
+    with _backend.use_backend("torch"):
+        assert not DraftForward(model, fused_cache).fused
+    for forward, cache in ((fused, fused_cache), (plain, torch_cache)):
+        forward.start(running)
+        cache.reserve(counts)
+    first = torch.tensor([[5, 9], [60, 2]])
+    causal = fused.causal(first, counts), plain.causal(first, counts)
+    assert causal[0].shape == (2, model.config.vocab_size)
+    assert (causal[0] - causal[1]).abs().max() <= 1e-5 * causal[1].abs().max()
+    fused_cache.advance(counts)
+    torch_cache.advance(counts)
+    tree_start = fused_cache.seq_lens.clone()
+    _, masks = tree_metadata_on([[-1, -1, 0]], torch.device("cpu"))  # a level of two roots: each sees itself
+    tokens, mask = torch.tensor([[3, 4], [7, 8]]), masks[:2].repeat(2, 1)
+    positions = tree_start[[0, 2]].long()[:, None].expand(2, 2)
+    levels = []
+    for forward, cache in ((fused, fused_cache), (plain, torch_cache)):
+        cache.reserve(counts)
+        levels.append(forward.tree_level(tokens, counts, positions, mask, tree_start))
+    assert (levels[0] - levels[1]).abs().max() <= 1e-5 * levels[1].abs().max()
+    with pytest.raises(RuntimeError, match="fused draft chain needs"):
+        plain.chain_greedy(first, 2)
 
 
 def test_a_decoder_drafting_trees_through_it_emits_the_targets_greedy_tokens():

@@ -9,6 +9,7 @@ import torch
 from helpers import forward_prompts, i32, noisy_copy, random_model, rel_err, tiny_config
 
 from specdec.decoding import (
+    BaseStrategy,
     DraftModelStrategy,
     NgramStrategy,
     NoDraft,
@@ -21,6 +22,7 @@ from specdec.decoding import (
 )
 from specdec.decoding.autoregressive import generate as autoregressive_generate
 from specdec.decoding.proposal import tree_metadata_on
+from specdec.decoding.strategy import StrategyHooks
 from specdec.kernels import build_tree_metadata
 from specdec.kernels.sampling_params import SamplingParams
 
@@ -152,6 +154,58 @@ def test_strategies_are_checked_when_the_decoder_is_built(target):
     zero.max_nodes = 0
     with pytest.raises(ValueError, match="strategy.max_nodes must be an int >= 1"):
         SpeculativeDecoder(target, zero)
+
+
+class Hooked(NgramStrategy):
+    """An n-gram drafter with every optional hook of ``BaseStrategy``, recording the calls."""
+
+    def __init__(self):
+        super().__init__(num_draft=3)
+        self.calls = []
+
+    def prepare(self, step):
+        self.calls.append(("prepare", list(step.running)))
+
+    def owed_tokens(self, running, contexts):
+        self.calls.append(("owed_tokens", list(running)))
+        return 0
+
+    def draft_nodes(self, depth):
+        self.calls.append(("draft_nodes", depth))
+        return depth + 1
+
+
+def test_optional_hooks_are_the_strategys_own_else_the_base_defaults(target):
+    """The engine calls the hooks ``BaseStrategy`` declares: a subclass's own, or the defaults for a drafter written
+    against the protocol alone (or a wrapper that sets a hook to None)."""
+
+    def functions(hooks):
+        return hooks.prepare.__func__, hooks.owed_tokens.__func__, hooks.draft_nodes
+
+    defaults = StrategyHooks.of(RandomTrees(seed=0))
+    assert not isinstance(RandomTrees(seed=0), BaseStrategy)
+    assert defaults.prepare(None) is None and defaults.owed_tokens([0, 1], [5, 6]) == 0 and defaults.draft_nodes is None
+    assert functions(defaults) == (BaseStrategy.prepare, BaseStrategy.owed_tokens, None)
+    assert functions(StrategyHooks.of(NoDraft())) == functions(defaults)  # the base class's own
+    wrapper = EveryOtherStepPlain(NgramStrategy())
+    wrapper.prepare = wrapper.owed_tokens = None
+    assert functions(StrategyHooks.of(wrapper)) == functions(defaults)
+
+    strategy = Hooked()
+    hooks = StrategyHooks.of(strategy)
+    assert (hooks.prepare, hooks.owed_tokens, hooks.draft_nodes) == (strategy.prepare, strategy.owed_tokens,
+                                                                     strategy.draft_nodes)  # fmt: skip
+    prompts = [[1, 2, 3, 1, 2], [4, 5, 4, 5]]
+    result = SpeculativeDecoder(target, strategy, adaptive=False).generate(prompts, max_new_tokens=8,
+                                                                           eos_token_id=None)  # fmt: skip
+    prepared = [args for name, args in strategy.calls if name == "prepare"]
+    assert len(prepared) == result.stats[0].target_forwards - 1 > 0  # once a step, before its proposal
+    assert prepared[0] == [0, 1]
+    strategy.calls.clear()
+    decoder = SpeculativeDecoder(target, strategy)  # the adaptive controller's hooks too
+    decoder.generate(prompts, max_new_tokens=8, eos_token_id=None)
+    assert decoder.adaptive.nodes(3) == 4 and ("draft_nodes", 3) in strategy.calls
+    assert {name for name, _ in strategy.calls} == {"prepare", "owed_tokens", "draft_nodes"}
 
 
 def test_proposal_rule_is_explicit():

@@ -20,6 +20,7 @@ from specdec.decoding.requests import FINISH_REASONS
 from specdec.decoding.results import GenerationResult, RequestStats, StepOutput
 from specdec.decoding.static_tree import StaticTree
 from specdec.decoding.strategy import (
+    BaseStrategy,
     NoDraft,
     Prefill,
     StepContext,
@@ -30,6 +31,7 @@ from specdec.decoding.strategy import (
 
 __all__ = [
     "AdaptiveSpeculation",
+    "BaseStrategy",
     "FINISH_REASONS",
     "DeviceTrees",
     "DraftModelStrategy",

@@ -34,12 +34,12 @@ import torch
 
 from specdec._transfer import offsets_to_device, to_device
 from specdec.decoding.proposal import Proposal, depths, tree_metadata_on
-from specdec.decoding.strategy import Prefill, StepContext, StepResult, check_same_vocabulary
+from specdec.decoding.strategy import BaseStrategy, Prefill, StepContext, StepResult, check_same_vocabulary
 from specdec.kernels.filtered_probs import run_filtered_probs
 from specdec.kernels.sample_probs import run_sample_probs
 from specdec.kernels.sampling_params import RULES, SamplingParams
 from specdec.model.attention_metadata import AttentionMetadata, causal_positions
-from specdec.model.draft_forward_cpu import draft_chain_greedy, fused_available, fused_forward
+from specdec.model.draft_forward_cpu import DraftForward
 
 DRAFT_SEED_SALT = 0x5DEECE66D  # keeps draft sampling independent of the verification uniforms
 # Tokens the draft cache missed (a step that drafted nothing, a tree's accepted path) fed in the step's first draft
@@ -47,7 +47,7 @@ DRAFT_SEED_SALT = 0x5DEECE66D  # keeps draft sampling independent of the verific
 FOLD_MISSING = 4
 
 
-class DraftModelStrategy:
+class DraftModelStrategy(BaseStrategy):
     """Proposes a chain (``branching=(1,)*K``) or a tree from a draft model.
 
     Parameters
@@ -90,6 +90,7 @@ class DraftModelStrategy:
         self.parents = _template(branching, max_nodes)
         self.depth = depths(self.parents)
         self.cache = None
+        self.forward: DraftForward | None = None  # the draft's forwards over ``cache``, C++ or PyTorch (``prefill``)
         self.lengths: list[int] = []
 
     @property
@@ -120,6 +121,7 @@ class DraftModelStrategy:
         """Allocate the draft cache, empty: the prompts are fed at the first step that drafts (``prepare``), so a
         stream the adaptive controller decodes plainly never runs the draft."""
         self.cache = self.draft.new_cache(len(prefill.prompts), prefill.max_len, **prefill.cache_options)
+        self.forward = DraftForward(self.draft, self.cache, fused=self.fused)
         self.lengths = [0] * len(prefill.prompts)  # host copy of the draft cache's committed lengths
 
     def prepare(self, step: StepContext) -> None:
@@ -178,9 +180,9 @@ class DraftModelStrategy:
         is one-hot at the draft's argmax), one forward per token."""
         device, rows = self.draft.device, len(step.running)
         first = self._first_rows(step)
-        slots = self._fused_slots(step)  # sampled: one fused forward per draft
-        if step.greedy and slots is not None:
-            return self._fused_chain(step, k, slots, first), None
+        self.forward.start(step.running)  # sampled, or not fused: one forward per draft
+        if step.greedy and self.forward.fused:
+            return self._fused_chain(step, k, first), None
         feed = first.flatten()
         tokens, probs = [first[:, -1]], []
         for j in range(k):
@@ -188,17 +190,8 @@ class DraftModelStrategy:
             if j < 2:  # the same layout for every later draft token
                 counts = step.full_counts(per_request)
                 added = to_device(counts, torch.int32, device)  # committed on the device: no upload per token
-                if slots is None:
-                    q_offsets = offsets_to_device(counts, device)
-                    uniform = per_request if len(self.lengths) == rows else None  # every slot running
-                    last_rows = torch.arange(per_request - 1, rows * per_request, per_request, device=device)
             self.cache.reserve(counts)
-            if slots is not None:
-                logits = fused_forward(self.draft, self.cache, feed.view(rows, per_request), slots)
-            else:
-                positions = causal_positions(q_offsets, self.cache.seq_lens, feed.numel(), per_request=uniform)
-                metadata = AttentionMetadata(q_offsets)
-                logits, _ = self.draft(feed, positions, metadata, self.cache, logits_rows=last_rows)
+            logits = self.forward.causal(feed.view(rows, per_request), counts)
             self.cache.advance(added)
             if step.greedy:
                 feed = logits.argmax(-1)  # (a NaN row drafts some token; verification decides)
@@ -213,19 +206,13 @@ class DraftModelStrategy:
         probs.append(torch.zeros_like(probs[0]))  # the last draft token has no children
         return torch.stack(tokens, dim=1), torch.stack(probs, dim=1)
 
-    def _fused_slots(self, step) -> torch.Tensor | None:
-        """The running requests' cache slots when this step's draft forwards run in C++ (``fused``), else None."""
-        if self.fused and fused_available(self.draft):
-            return to_device(step.running, torch.int64, self.draft.device)
-        return None
-
-    def _fused_chain(self, step, k: int, slots: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    def _fused_chain(self, step, k: int, first: torch.Tensor) -> torch.Tensor:
         """``_draft_chain``'s greedy tokens from one C++ call (``specdec.model.draft_forward_cpu``): the same cache
         rows per request (``first``'s and the first k - 1 drafts'), reserved and committed once instead of per
         forward."""
         counts = step.full_counts(first.shape[1] + k - 1)
         self.cache.reserve(counts)
-        drafts, _ = draft_chain_greedy(self.draft, self.cache, first, slots, k)
+        drafts = self.forward.chain_greedy(first, k)
         self.cache.advance(to_device(counts, torch.int32, self.draft.device))
         for b in step.running:
             self.lengths[b] += k + 1
@@ -241,20 +228,11 @@ class DraftModelStrategy:
         tokens[:, 0] = first[:, -1]  # the roots
         sampled = self.rule == "stochastic" and not step.greedy  # greedy: every q is one-hot, no probs kept
         probs = torch.zeros(rows, n, self.draft.config.vocab_size, device=device) if sampled else None
-        slots = self._fused_slots(step)  # one fused forward per level
+        self.forward.start(step.running)  # one forward per level
         # Level 0: up to the root, causal (``_first_rows``); they are committed text, so the cache keeps them.
-        per_request = first.shape[1]
-        counts = step.full_counts(per_request)
+        counts = step.full_counts(first.shape[1])
         self.cache.reserve(counts)
-        if slots is not None:
-            logits = fused_forward(self.draft, self.cache, first, slots)
-        else:
-            q_offsets = offsets_to_device(counts, device)
-            uniform = per_request if len(self.lengths) == rows else None  # every slot running
-            positions = causal_positions(q_offsets, self.cache.seq_lens, first.numel(), per_request=uniform)
-            root_rows = torch.arange(per_request - 1, per_request * rows, per_request, device=device)
-            metadata = AttentionMetadata(q_offsets)
-            logits, _ = self.draft(first.flatten(), positions, metadata, self.cache, logits_rows=root_rows)
+        logits = self.forward.causal(first, counts)
         self.cache.advance(counts)
         for b in step.running:
             self.lengths[b] += 2
@@ -272,13 +250,7 @@ class DraftModelStrategy:
             nodes = to_device(frontier, torch.int64, device)
             mask = masks.index_select(0, nodes - 1).repeat(rows, 1)
             positions = (start + level - 1)[:, None].expand(rows, width)
-            if slots is not None:
-                tree = dict(positions=positions, tree_mask=mask, tree_start=tree_start, kept=width)
-                logits = fused_forward(self.draft, self.cache, tokens.index_select(1, nodes), slots, **tree)
-            else:
-                metadata = AttentionMetadata(offsets_to_device(counts, device), mask, tree_start=tree_start)
-                level_tokens = tokens.index_select(1, nodes).flatten()
-                logits, _ = self.draft(level_tokens, positions.flatten(), metadata, self.cache)
+            logits = self.forward.tree_level(tokens.index_select(1, nodes), counts, positions, mask, tree_start)
             self.cache.advance(counts)
             self._expand(logits, step, frontier, parents, tokens, probs)
         self.cache.truncate(self.lengths)  # the levels go; verification decides which nodes are text

@@ -49,9 +49,9 @@ import torch
 from specdec.decoding.adaptive import AdaptiveSpeculation
 from specdec.decoding.requests import DEFAULT_EOS, Requests, encode_prompts, make_requests
 from specdec.decoding.results import GenerationResult, RequestStats, StepOutput
-from specdec.decoding.run import DecodeRun
+from specdec.decoding.run import CacheSpec, DecodeRun
 from specdec.decoding.schedule import check_pool
-from specdec.decoding.strategy import NoDraft, Strategy
+from specdec.decoding.strategy import NoDraft, Strategy, StrategyHooks
 from specdec.model.cpu_linear import pack_ahead
 from specdec.validation import InsufficientMemoryError, as_int
 
@@ -116,14 +116,13 @@ class SpeculativeDecoder:
         if not isinstance(adaptive, (bool, AdaptiveSpeculation)):
             raise TypeError(f"adaptive must be a bool or an AdaptiveSpeculation, got {type(adaptive).__name__}")
         strategy.attach(target)
-        self.target, self.strategy = target, strategy
+        self.target, self.strategy, self.hooks = target, strategy, StrategyHooks.of(strategy)
         # A strategy that never drafts has nothing to adapt.
         if adaptive is True:
             adaptive = AdaptiveSpeculation()
         self.adaptive = adaptive if adaptive and strategy.max_depth > 0 else None
         if self.adaptive is not None:
-            hooks = (getattr(strategy, name, None) for name in ("draft_nodes", "owed_tokens"))
-            self.adaptive.bind(strategy.max_depth, strategy.max_nodes, *hooks)
+            self.adaptive.bind(strategy.max_depth, strategy.max_nodes, self.hooks.draft_nodes, self.hooks.owed_tokens)
         models = [m for m in (target, getattr(strategy, "draft", None)) if m is not None]
         if compile:
             for model in models:
@@ -135,12 +134,11 @@ class SpeculativeDecoder:
                     model.use_cuda_graphs()
         for model in models:  # the packs' one-off cost here, not in the first decode step (and the controller's)
             pack_ahead(model.linear_weights())
-        self.cache_options = {"layout": cache_layout, "block_size": block_size}
         if num_blocks is not None:
             num_blocks = as_int("num_blocks", num_blocks, low=1)
             if cache_layout != "paged":
                 raise ValueError(f"num_blocks bounds a paged cache; pass cache_layout='paged' (got {cache_layout!r})")
-        self.num_blocks = num_blocks
+        self.cache_spec = CacheSpec(cache_layout, block_size, num_blocks)
         self.stats: list[RequestStats] = []
 
     def generate(self, prompts, *, tokenizer=None, **sampling) -> GenerationResult:
@@ -168,8 +166,8 @@ class SpeculativeDecoder:
             prompts, vocab_size=config.vocab_size, config_eos=config.eos_token_ids, max_positions=max_positions,
             **sampling,
         )  # fmt: skip
-        if self.num_blocks is not None:
-            check_pool(self.num_blocks, self.cache_options["block_size"], req.prompts)
+        if self.cache_spec.num_blocks is not None:
+            check_pool(self.cache_spec.num_blocks, self.cache_spec.block_size, req.prompts)
         return req
 
     @torch.inference_mode()
@@ -214,13 +212,14 @@ class SpeculativeDecoder:
             yield StepOutput((), (), done)
             return
         try:
-            run = DecodeRun(self, req, running)
+            run = DecodeRun(self.target, self.strategy, self.hooks, req, running, cache_spec=self.cache_spec,
+                            stats=self.stats, adaptive=self.adaptive)  # fmt: skip
             first = run.prefill()
         except InsufficientMemoryError as exc:
             longest, batch = max(req.max_new_tokens), req.batch_size
             drivers = f"max_new_tokens ({longest}; caches hold prompt + max_new_tokens) or the batch ({batch})"
-            if self.num_blocks is not None:
-                drivers += f", or num_blocks ({self.num_blocks})"
+            if self.cache_spec.num_blocks is not None:
+                drivers += f", or num_blocks ({self.cache_spec.num_blocks})"
             raise exc.blame(drivers) from None
         yield StepOutput(first.requests, first.tokens, {**done, **first.finished})  # 0-token requests end here
         while run.running or (run.pool is not None and run.pool.paused):

@@ -36,7 +36,7 @@ import torch
 from specdec._transfer import to_device
 from specdec.decoding.proposal import Proposal
 from specdec.decoding.static_tree import StaticTree
-from specdec.decoding.strategy import Prefill, StepContext, StepResult
+from specdec.decoding.strategy import BaseStrategy, Prefill, StepContext, StepResult
 from specdec.model.head_loading import check_fits_target
 from specdec.model.medusa import MedusaHeads
 
@@ -54,7 +54,7 @@ def presets() -> dict[str, list[list[int]]]:
     return named
 
 
-class MedusaStrategy:
+class MedusaStrategy(BaseStrategy):
     """Drafts a static token tree per request from Medusa heads (see the module docstring).
 
     Parameters

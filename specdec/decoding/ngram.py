@@ -15,7 +15,7 @@ import torch
 
 from specdec._transfer import to_device
 from specdec.decoding.proposal import Proposal
-from specdec.decoding.strategy import Prefill, StepContext, StepResult
+from specdec.decoding.strategy import BaseStrategy, Prefill, StepContext, StepResult
 from specdec.kernels._checks import check_tensor
 
 
@@ -80,7 +80,7 @@ def _latest_match(history: torch.Tensor, lengths: torch.Tensor, n: int) -> torch
     return candidates.max(dim=1).values
 
 
-class NgramStrategy:
+class NgramStrategy(BaseStrategy):
     """Prompt-lookup drafting for the engine: a chain of ``num_draft`` tokens per request.
 
     Deterministic drafts (q is one-hot), verified with the deterministic rule. No model,

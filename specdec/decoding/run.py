@@ -5,41 +5,73 @@ propose -> one target forward -> verify -> commit -> the one read-back -> emit.
 
 from __future__ import annotations
 
+import enum
 import itertools
+from dataclasses import dataclass
 
 import torch
 
 from specdec._transfer import offsets_to_device, read_back, to_device
+from specdec.decoding.adaptive import AdaptiveSpeculation
 from specdec.decoding.proposal import Proposal, check_proposal, device_tree_metadata, tree_metadata_on
 from specdec.decoding.requests import Requests
-from specdec.decoding.results import StepOutput
+from specdec.decoding.results import RequestStats, StepOutput
 from specdec.decoding.schedule import SharedPool
-from specdec.decoding.strategy import Prefill, StepContext, StepResult
+from specdec.decoding.strategy import Prefill, StepContext, StepResult, Strategy, StrategyHooks
 from specdec.decoding.verification import verify
 from specdec.kernels import TreeVerifyResult
 from specdec.kernels.sampling_params import SamplingParams
 from specdec.model.attention_metadata import AttentionMetadata, causal_positions, tree_positions
 
 
-class DecodeRun:
-    """State of one ``stream`` call: the caches, the texts, who is still running."""
+@dataclass(frozen=True)
+class CacheSpec:
+    """The target KV cache a ``stream`` call allocates: its layout ("contiguous" or "paged"), page size, and for a
+    paged cache the pool in blocks (None: the worst case)."""
 
-    def __init__(self, decoder, req: Requests, running: list[int]):  # decoder: a SpeculativeDecoder
-        self.decoder, self.req, self.running = decoder, req, running
-        self.target, self.strategy, self.stats = decoder.target, decoder.strategy, decoder.stats
+    layout: str = "contiguous"
+    block_size: int = 16
+    num_blocks: int | None = None
+
+    @property
+    def options(self) -> dict:
+        """``new_cache``'s ``layout=`` / ``block_size=`` (what ``Prefill.cache_options`` hands a drafter)."""
+        return {"layout": self.layout, "block_size": self.block_size}
+
+
+class CommitMode(enum.Enum):
+    """How a verified step's accepted nodes become the prefix in the target's cache."""
+
+    PREFILL = "prefill"  # nothing to do: the prefill's ``advance`` already committed its prompts
+    CHAINS = "chains"  # every tree a chain (a host fact): the accepted rows are in place, the lengths advance
+    TREES = "trees"  # the accepted nodes' K/V move next to the prefix
+
+
+class DecodeRun:
+    """State of one ``stream`` call: the caches, the texts, who is still running.
+
+    ``stats``: one ``RequestStats`` per request, updated as the run goes; ``adaptive``: the controller choosing
+    draft depths, or None.
+    """
+
+    def __init__(self, target, strategy: Strategy, hooks: StrategyHooks, req: Requests, running: list[int], *,
+                 cache_spec: CacheSpec, stats: list[RequestStats], adaptive: AdaptiveSpeculation | None):  # fmt: skip
+        self.req, self.running = req, running
+        self.target, self.strategy, self.hooks, self.stats = target, strategy, hooks, stats
+        self.cache_spec = cache_spec
         self.device = self.target.device
         # The last step starts with prompt + max_new - 2 tokens cached and writes one tree after them.
         widest = self.strategy.max_nodes
         self.max_len = max(len(p) + max(m - 2, 0) + widest for p, m in zip(req.prompts, req.max_new_tokens))
-        pool = {} if decoder.num_blocks is None else {"num_blocks": decoder.num_blocks}
-        self.cache = self.target.new_cache(req.batch_size, self.max_len, **decoder.cache_options, **pool)
+        pool = {} if cache_spec.num_blocks is None else {"num_blocks": cache_spec.num_blocks}
+        self.cache = self.target.new_cache(req.batch_size, self.max_len, **cache_spec.options, **pool)
         self.pool = None if self.cache.pages is None else SharedPool(self.target, self.cache, self.strategy.max_nodes)
         self.budgets: list[int] = []  # nodes each running request's next tree may have (``_schedule``)
         self.params = req.sampling_params(self.device)  # [B]; each step selects the running rows
         self._rows: tuple[list[int], torch.Tensor, SamplingParams] | None = None  # see _running
         self.texts = [list(p) for p in req.prompts]
         self.generated = [0] * req.batch_size
-        self.adaptive = decoder.adaptive
+        self.adaptive = adaptive
         self._contexts: list[int] = []  # the adaptive controller's: cached tokens per running request this step
         if self.adaptive is not None:
             self.adaptive.start()
@@ -58,22 +90,21 @@ class DecodeRun:
         last_rows = to_device([ends[b] - 1 for b in running], torch.int64, self.device)
         logits, hidden = self.target(tokens, positions, AttentionMetadata(q_offsets), self.cache, logits_rows=last_rows)
         self.cache.advance(counts)
-        self.strategy.prefill(Prefill(prompts, self.max_len, self.decoder.cache_options, hidden, q_offsets))
+        self.strategy.prefill(Prefill(prompts, self.max_len, self.cache_spec.options, hidden, q_offsets))
         roots = Proposal(tokens.index_select(0, last_rows), [[-1]] * len(running), rule="deterministic")
         last_hidden = hidden.index_select(0, last_rows)
         node_offsets = offsets_to_device([1] * len(running), self.device)
-        return self._verify_and_emit(logits, last_hidden, roots, node_offsets, self._running_params(), commit=None)
+        params = self._running_params()
+        return self._verify_and_emit(logits, last_hidden, roots, node_offsets, params, commit=CommitMode.PREFILL)
 
     def step(self) -> StepOutput:
         ended = self._schedule()
         if not self.running:  # every request left ended with 'cache'
             return StepOutput((), (), ended)
         context = self._context()
-        prepare = getattr(self.strategy, "prepare", None)  # work owed from earlier steps: not this step's cost
-        if prepare is not None:
-            prepare(context)
-            if self.adaptive is not None:
-                self.adaptive.restart_clock()
+        self.hooks.prepare(context)  # work owed from earlier steps: not this step's cost
+        if self.adaptive is not None:
+            self.adaptive.restart_clock()
         proposal = self.strategy.propose(context)
         check_proposal(proposal, self.strategy.name, len(self.running), context.max_nodes, context.max_depth)
         # One target forward over every node of every running request.
@@ -96,7 +127,7 @@ class DecodeRun:
             positions = tree_positions(q_offsets, self.cache.seq_lens, depth)
             metadata = AttentionMetadata(q_offsets, mask)
         logits, hidden = self.target(proposal.tokens, positions, metadata, self.cache)
-        commit = "chains" if chains else "trees"
+        commit = CommitMode.CHAINS if chains else CommitMode.TREES
         return self._verify_and_emit(logits, hidden, proposal, node_offsets, context.params, commit=commit, ended=ended)
 
     def _schedule(self) -> dict[int, str]:
@@ -113,15 +144,14 @@ class DecodeRun:
     def _verify_and_emit(self, logits, hidden, proposal: Proposal, node_offsets, params, *, commit, ended=None):
         """Verify the running requests' trees, commit the accepted K/V, read back, emit, tell the strategy.
 
-        ``commit``: "trees" moves the accepted nodes' K/V next to the prefix; "chains" (every tree a
-        chain, a host fact) has nothing to move and only advances the lengths; None for the prefill,
-        whose ``advance`` already committed its prompts. ``ended``: requests that finished before the
-        step ran (out of cache), reported with this step's finished ones.
+        ``commit``: how the accepted nodes become the prefix (``CommitMode``). ``ended``: requests that
+        finished before the step ran (out of cache), reported with this step's finished ones.
         """
         greedy = all(self.req.temperature[b] <= 0 for b in self.running)
-        result = verify(logits, proposal, node_offsets, params, greedy=greedy, chains=commit == "chains")
-        if commit is not None:
-            self._commit_accepted(result, chains=commit == "chains")
+        chains = commit is CommitMode.CHAINS
+        result = verify(logits, proposal, node_offsets, params, greedy=greedy, chains=chains)
+        if commit is not CommitMode.PREFILL:
+            self._commit_accepted(result, chains=chains)
         packed = torch.cat((result.output_tokens, result.num_accepted[:, None], result.invalid[:, None].int()), dim=1)
         rows = read_back(packed)  # HOST SYNC: the step's one read-back, to stream and decide termination
         running = self.running
@@ -137,7 +167,7 @@ class DecodeRun:
                 node_offsets=node_offsets,
             )
         )
-        if commit is not None and self.adaptive is not None:
+        if commit is not CommitMode.PREFILL and self.adaptive is not None:
             accepted = [None if row[-1] else row[-2] for row in rows]
             self.adaptive.observe(running, proposal.counts, proposal.depths, accepted, self._contexts)
         return output

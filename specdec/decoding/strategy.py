@@ -5,7 +5,7 @@ The engine (``specdec.decoding.engine``) runs one loop for every strategy. Per `
     attach(target)          once, when the decoder is built: refuse a target the drafter cannot serve
     prefill(Prefill)        after the target's prefill forward: set up per-request state (caches, features)
     commit(StepResult)      after the prefill's first token, and after every step: roll back, release
-    prepare(StepContext)    optional (item 7 below): at the start of every step, work owed from earlier steps
+    prepare(StepContext)    an optional hook (item 7 below): at the start of every step, work owed from earlier steps
     propose(StepContext)    at the start of every step: one token tree per running request
 
 and between ``propose`` and ``commit`` the engine runs one target forward over every proposed
@@ -14,10 +14,12 @@ emitted tokens back (the step's one host synchronisation).
 
 How to add a drafter
 --------------------
-Write a class with the members of ``Strategy`` (no base class needed; ``NoDraft`` below is the
-smallest complete example, ``NgramStrategy`` a model-free one, ``DraftModelStrategy`` one with
-its own model and KV cache, ``EagleStrategy`` one reading the target's features) and pass it
-to ``SpeculativeDecoder(target, strategy)``:
+Subclass ``BaseStrategy`` (it declares the optional hooks below with their defaults) and write the
+members of ``Strategy``; ``NoDraft`` below is the smallest complete example, ``NgramStrategy`` a
+model-free one, ``DraftModelStrategy`` one with its own model and KV cache, ``EagleStrategy`` one
+reading the target's features. Pass it to ``SpeculativeDecoder(target, strategy)``. A class that
+implements ``Strategy`` without subclassing ``BaseStrategy`` works too: the engine gives it the
+defaults of the hooks it lacks (``StrategyHooks.of``).
 
 1. ``propose`` returns a ``Proposal``: per running request (in ``step.running`` order) a tree in
    topological order whose node 0 is ``step.roots[r]`` (the last emitted token, not yet seen by
@@ -42,20 +44,23 @@ to ``SpeculativeDecoder(target, strategy)``:
    sizes the KV caches with them and passes per-request limits (never above them) in each
    ``StepContext``, so a caller that adapts draft sizes per request needs nothing else: the
    adaptive controller (``specdec.decoding.adaptive``, on by default) sets ``max_depth`` per
-   request (and ``max_nodes`` to 1 when it chose plain decoding). Optional hook: ``draft_nodes(depth)``,
-   the nodes (root included) a tree holds when ``depth`` levels are allowed, for strategies whose
-   trees are not chains (the controller otherwise learns it from the proposals it sees).
-7. Optional hook ``prepare(step)``: called with the step's ``StepContext`` right before ``propose``, outside the
-   adaptive controller's timing of the step: work owed from earlier steps (``DraftModelStrategy`` feeds its draft
-   the prompts there, at the first step that drafts, instead of in ``prefill``), so the controller does not
-   price a step shape by a one-off cost. Its companion ``owed_tokens(running, contexts)`` says how many tokens
-   ``prepare`` would feed if the step drafted (``contexts``: tokens each running request's target cache holds),
-   so the controller can price restarting the drafter.
+   request (and ``max_nodes`` to 1 when it chose plain decoding).
+7. The optional hooks (``BaseStrategy``'s defaults in brackets):
+   - ``prepare(step)`` [nothing]: called with the step's ``StepContext`` right before ``propose``,
+     outside the adaptive controller's timing of the step: work owed from earlier steps
+     (``DraftModelStrategy`` feeds its draft the prompts there, at the first step that drafts,
+     instead of in ``prefill``), so the controller does not price a step shape by a one-off cost;
+   - ``owed_tokens(running, contexts)`` [0]: how many tokens ``prepare`` would feed if the step
+     drafted (``contexts``: tokens each running request's target cache holds), so the controller
+     can price restarting the drafter;
+   - ``draft_nodes(depth)`` [None: the controller learns the sizes from the proposals it sees]: a
+     method giving the nodes (root included) a tree holds when ``depth`` levels are allowed, for
+     strategies whose trees are not chains.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -149,7 +154,8 @@ class StepResult:
 
 @runtime_checkable
 class Strategy(Protocol):
-    """A drafter, as the engine sees it (see the module docstring for how to write one).
+    """A drafter, as the engine sees it (see the module docstring for how to write one): the members every
+    strategy has; ``BaseStrategy`` declares the optional hooks.
 
     ``name``: a label for reports. ``max_nodes``: the largest tree the strategy proposes, root
     included (1: it proposes nothing). ``max_depth``: the longest root-to-leaf path of those trees,
@@ -178,7 +184,45 @@ class Strategy(Protocol):
         """Follow what was accepted (roll caches back to ``result.lengths``), release finished slots."""
 
 
-class NoDraft:
+class BaseStrategy:
+    """The optional hooks of the contract with their defaults (module docstring, item 7): strategies subclass it and
+    override the hooks they need."""
+
+    # None: the strategy cannot say a tree's size before proposing it; a subclass may define the method
+    # ``draft_nodes(depth) -> int`` instead.
+    draft_nodes: Callable[[int], int] | None = None
+
+    def prepare(self, step: StepContext) -> None:
+        """Work owed from earlier steps, before ``propose`` and outside the step's timing (default: none)."""
+
+    def owed_tokens(self, running: Sequence[int], contexts: Sequence[int]) -> int:
+        """Tokens ``prepare`` would feed the drafter if this step drafted (default: 0)."""
+        return 0
+
+
+@dataclass(frozen=True)
+class StrategyHooks:
+    """A strategy's optional hooks as the engine calls them: its own, else ``BaseStrategy``'s defaults.
+
+    ``of`` serves a strategy that implements ``Strategy`` without subclassing ``BaseStrategy`` (or that
+    sets a hook to None, as a wrapper of a strategy without it may): what it lacks gets the default.
+    """
+
+    prepare: Callable[[StepContext], None]
+    owed_tokens: Callable[[Sequence[int], Sequence[int]], int]
+    draft_nodes: Callable[[int], int] | None
+
+    @classmethod
+    def of(cls, strategy: Strategy) -> StrategyHooks:
+        defaults = BaseStrategy()
+        hooks = {}
+        for name in ("prepare", "owed_tokens", "draft_nodes"):
+            own = getattr(strategy, name, None)
+            hooks[name] = getattr(defaults, name) if own is None else own
+        return cls(**hooks)
+
+
+class NoDraft(BaseStrategy):
     """Plain autoregressive decoding as a strategy: every tree is its root alone.
 
     The target's forward then scores one row per request and verification just samples the

@@ -11,10 +11,11 @@ RoPE, the K/V write, causal attention over the cache, SwiGLU and the argmax are 
 Its logits equal ``LlamaModel.forward``'s up to float rounding, not bit for bit (other summation
 orders), so a near-tie may draft another token than the PyTorch path would. Drafts only propose: the
 target's verification decides what is emitted, so the output of speculative decoding does not change.
-The target never runs here. ``DraftModelStrategy`` uses it when ``fused_available``: a greedy chain
-step is one call; a sampled chain calls ``fused_forward`` once per draft and samples from its logits in
-Python (the draft's ``q`` as before); a tree calls it once per level and expands the nodes in Python.
-``SPECDEC_BACKEND=torch`` keeps every draft forward on the PyTorch path.
+The target never runs here. ``DraftForward`` is a draft's forwards as ``DraftModelStrategy`` runs them,
+choosing once, when built, between these ops (``fused_available``) and ``LlamaModel.forward``: a greedy
+chain step is one call; a sampled chain calls ``fused_forward`` once per draft and samples from its
+logits in Python (the draft's ``q`` as before); a tree calls it once per level and expands the nodes in
+Python. ``SPECDEC_BACKEND=torch`` keeps every draft forward on the PyTorch path.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import functools
 import torch
 
 from specdec import _backend
+from specdec._transfer import offsets_to_device, to_device
 from specdec.model import cpu_linear
+from specdec.model.attention_metadata import AttentionMetadata, causal_positions
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 UNAVAILABLE = (
@@ -116,6 +119,63 @@ def fused_forward(
         tokens, slots, positions, tree_mask, tree_start, kept, *model_arguments(model, cache), logits
     )
     return logits
+
+
+class DraftForward:
+    """A draft model's forwards over its KV cache, through the extension's ops (``fused``) where they can run the
+    model and ``fused`` is asked for, else ``LlamaModel.forward``: chosen once, here.
+
+    Per step: ``start(running)`` with the running requests' cache slots, then ``causal`` / ``tree_level`` forwards
+    (the caller reserves their rows in the cache first and commits them after) or, fused only, ``chain_greedy``.
+    """
+
+    def __init__(self, model, cache, *, fused: bool = True):
+        self.model, self.cache = model, cache
+        self.fused = fused and fused_available(model)
+        self._slots: torch.Tensor | None = None
+        self._layouts: dict[int, tuple] = {}  # per step: n -> the PyTorch path's (offsets, uniform, last rows)
+
+    def start(self, running: list[int]) -> None:
+        """A step of the requests in cache slots ``running`` (one upload, fused only)."""
+        self._layouts = {}
+        self._slots = to_device(running, torch.int64, self.model.device) if self.fused else None
+
+    def causal(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Logits ``[R, vocab]`` of each request's last row, after a forward of ``tokens [R, n]`` as causal rows
+        written from the cache's ``seq_lens`` on (``counts``: rows per batch slot, n for the running, 0 elsewhere).
+        The PyTorch path sends its layout for n once a step."""
+        if self.fused:
+            return fused_forward(self.model, self.cache, tokens, self._slots)
+        rows, n = tokens.shape
+        if n not in self._layouts:
+            device = self.model.device
+            uniform = n if self.cache.batch_size == rows else None  # every slot running
+            last_rows = torch.arange(n - 1, rows * n, n, device=device)
+            self._layouts[n] = (offsets_to_device(counts, device), uniform, last_rows)
+        q_offsets, uniform, last_rows = self._layouts[n]
+        positions = causal_positions(q_offsets, self.cache.seq_lens, rows * n, per_request=uniform)
+        logits, _ = self.model(tokens.flatten(), positions, AttentionMetadata(q_offsets), self.cache,
+                               logits_rows=last_rows)  # fmt: skip
+        return logits
+
+    def tree_level(self, tokens: torch.Tensor, counts: list[int], positions: torch.Tensor, tree_mask: torch.Tensor,
+                   tree_start: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """Logits ``[R * w, vocab]`` of ``tokens [R, w]``, the newest level of token trees at ``positions [R, w]``
+        whose earlier nodes are cached from ``tree_start [B]`` on, with ancestor rows ``tree_mask [R * w, words]``
+        (``AttentionMetadata(tree_start=...)``'s rule); ``counts`` as for ``causal``."""
+        if self.fused:
+            return fused_forward(self.model, self.cache, tokens, self._slots, positions=positions,
+                                 tree_mask=tree_mask, tree_start=tree_start, kept=tokens.shape[1])  # fmt: skip
+        metadata = AttentionMetadata(offsets_to_device(counts, self.model.device), tree_mask, tree_start=tree_start)
+        logits, _ = self.model(tokens.flatten(), positions.flatten(), metadata, self.cache)
+        return logits
+
+    def chain_greedy(self, first_tokens: torch.Tensor, num_drafts: int) -> torch.Tensor:
+        """``draft_chain_greedy``'s drafts ``[R, num_drafts]`` for this step's requests (``fused`` only)."""
+        if not self.fused:
+            raise RuntimeError(UNAVAILABLE)
+        drafts, _ = draft_chain_greedy(self.model, self.cache, first_tokens, self._slots, num_drafts)
+        return drafts
 
 
 def model_arguments(model, cache) -> tuple:
