@@ -38,13 +38,13 @@ from specdec._transfer import offsets_to_device, to_device
 from specdec.decoding.eagle_trees import default_static_tree, log_probs, rerank
 from specdec.decoding.proposal import DeviceTrees, Proposal
 from specdec.decoding.static_tree import StaticTree
-from specdec.decoding.strategy import Prefill, StepContext, StepResult
+from specdec.decoding.strategy import BaseStrategy, Prefill, StepContext, StepResult
 from specdec.kernels import pack_mask_rows
 from specdec.model.attention_metadata import AttentionMetadata, causal_positions
 from specdec.model.eagle import EagleHead
 
 
-class EagleStrategy:
+class EagleStrategy(BaseStrategy):
     """Drafts token trees with an EAGLE head (see the module docstring).
 
     Parameters
