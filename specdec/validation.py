@@ -167,7 +167,8 @@ def as_device(name: str, value) -> torch.device:
             raise ValueError(f"{name} {str(value)!r}: CUDA is not available here")
         if device.index is not None and device.index >= count:
             raise ValueError(f"{name} {str(value)!r}: this machine has {count} CUDA device(s)")
-        return device
+        # indexed as its tensors will report it: torch.device("cuda") != cuda:0 in every device comparison
+        return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
     if device.type not in ("cpu", "meta"):
         try:
             torch.empty(0, device=device)

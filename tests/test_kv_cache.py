@@ -23,6 +23,12 @@ def logical(cache: KVCache, b: int) -> torch.Tensor:
     return torch.stack([row(cache.data, cache.block_tables, b, p) for p in range(n)], dim=2)
 
 
+def named(device: torch.device) -> str:
+    """``device`` spelled as a caller names it, which is not how its tensors report it ("cuda" vs cuda:0,
+    "cpu:0" vs cpu): every device test builds its cache this way (the device checks compare like with like)."""
+    return "cuda" if device.type == "cuda" else "cpu:0"
+
+
 def write_step(cache, counts, gen):
     """Write random K/V of ``counts[b]`` tokens per request into every layer; returns them (CPU) [L, 2, T, Hkv, D]."""
     T = sum(counts)
@@ -53,7 +59,8 @@ def test_cache_views_and_shapes(layout):
 def test_partial_acceptance_lengths_and_next_positions(backend, device, layout):
     """Per-request lengths after partial acceptance, and the next step writes at each new length."""
     gen = torch.Generator().manual_seed(6)
-    cache = KVCache(2, 4, 2, 4, max_len=40, dtype=torch.float32, device=device, layout=layout, block_size=4)
+    cache = KVCache(2, 4, 2, 4, max_len=40, dtype=torch.float32, device=named(device), layout=layout, block_size=4)
+    assert cache.device == cache.seq_lens.device == cache.data.device  # as its tensors report it
     prompt, _ = write_step(cache, [3, 6, 1, 9], gen)
     cache.advance([3, 6, 1, 9])
     tree, _ = write_step(cache, [7, 5, 1, 8], gen)
@@ -102,7 +109,7 @@ def test_capacity_refused_before_writing(layout):
 def test_loose_bounds_are_settled_by_one_sync(backend, device):
     """Partial acceptance leaves the host bound above the true length; a write that really fits is admitted."""
     gen = torch.Generator().manual_seed(8)
-    cache = KVCache(1, 2, 1, 2, max_len=12, dtype=torch.float16, device=device, layout="paged", block_size=2)
+    cache = KVCache(1, 2, 1, 2, max_len=12, dtype=torch.float16, device=named(device), layout="paged", block_size=2)
     write_step(cache, [8, 8], gen)
     cache.compact(pad([[0, 3], [0]], 8).to(device))  # path width 8: bounds grow by up to 8
     assert cache.length_bounds() == [8, 8] and cache.room() == [4, 4]
@@ -130,7 +137,7 @@ def test_generation_up_to_capacity(backend, device, layout):
     """Trees shortened to the guaranteed room fill every request exactly to max_len, nothing spills."""
     gen = torch.Generator().manual_seed(11)
     B, max_len = 3, 21
-    cache = KVCache(1, B, 1, 2, max_len=max_len, dtype=torch.float16, device=device, layout=layout, block_size=4)
+    cache = KVCache(1, B, 1, 2, max_len=max_len, dtype=torch.float16, device=named(device), layout=layout, block_size=4)
     expected = [[] for _ in range(B)]  # the K/V rows each request should hold, in order
     for _ in range(60):
         room = cache.room()
@@ -204,11 +211,11 @@ def test_truncate_rollback_release(layout):
 def test_paged_allocator_reuse_without_leaks(backend, device, steps):
     """Many decode steps of random trees on a small shared pool, checked against a contiguous twin."""
     gen = torch.Generator().manual_seed(10)
-    B, L, page = 3, 2, 2
+    B, L, page, where = 3, 2, 2, named(device)
     paged = KVCache(
-        L, B, 1, 2, max_len=24, dtype=torch.float32, device=device, layout="paged", block_size=page, num_blocks=20
+        L, B, 1, 2, max_len=24, dtype=torch.float32, device=where, layout="paged", block_size=page, num_blocks=20
     )  # fmt: skip  (36 would cover every request at max_len)
-    twin = KVCache(L, B, 1, 2, max_len=24, dtype=torch.float32, device=device)
+    twin = KVCache(L, B, 1, 2, max_len=24, dtype=torch.float32, device=where)
     seen_owners = {}
     for step in range(steps):
         bounds = paged.sync_lengths() if step % 7 == 0 else paged.length_bounds()

@@ -108,8 +108,11 @@ class KVCache:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         self.num_layers, self.batch_size = num_layers, batch_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.max_len, self.dtype, self.device, self.layout = max_len, dtype, torch.device(device), layout
-        self.seq_lens = torch.zeros(batch_size, dtype=torch.int32, device=self.device)
+        self.max_len, self.dtype, self.layout = max_len, dtype, layout
+        self.seq_lens = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        # The device as its tensors report it: "cuda" makes tensors on cuda:<current>, and torch.device("cuda")
+        # is not equal to that, so every device check below would refuse the caller's own tensors.
+        self.device = self.seq_lens.device
         self._tickets = torch.zeros(batch_size, dtype=torch.int32, device=self.device)  # kv_compact scratch
         self._bound = [0] * batch_size  # host upper bound of seq_lens[b]
         self._pending: list[int] | None = None  # tokens per request written (or reserved) but not committed
