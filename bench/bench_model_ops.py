@@ -4,10 +4,12 @@ PyTorch composites of HuggingFace's LLaMA (written out below), measured in one r
 Peers: RMSNorm (6 ATen ops); ``residual + x`` then RMSNorm; cos/sin from the positions then
 ``x * cos + rotate_half(x) * sin`` on q and on k (the op computes its angles itself, so the peer
 computes cos/sin too); ``F.silu(gate) * up`` on the halves of a fused gate/up output. specdec is timed twice:
-the public function (argument checks + custom-op dispatch, what outside callers pay) and the
-op body the model's planned forward calls directly. Bytes that must move: every input read
-once and every output written once; GB/s is that over the body's time, next to the
-device-to-device copy bandwidth measured in the same run.
+the public function (argument checks + custom-op dispatch, what outside callers pay; CUDA events,
+host time included) and the op body the model's planned forward calls directly, inside a CUDA graph
+from a cold L2 like the composite (``common.measure_many_us``). Bytes that must move: every input
+read once and every output written once; GB/s is that over the body's time, "% copy" that over the
+device-to-device copy bandwidth measured in the same run. A fixed cost and a streaming rate are
+fitted per op over the token counts.
 
     python bench/bench_model_ops.py --quick        # CPU smoke run: embedded-target shapes, fp32, one thread
     python bench/bench_model_ops.py --dry-run      # the GPU check's rehearsal: tiny shapes
@@ -27,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Table, bench_args, copy_bandwidth_gbs, cpu_threads, measure_many_us  # noqa: E402
+from common import Table, bench_args, copy_bandwidth_gbs, cpu_threads, fit_table, measure_many_us  # noqa: E402
 
 from specdec import _backend  # noqa: E402
 from specdec.kernels import add_rms_norm, apply_rotary, rms_norm, silu_mul  # noqa: E402
@@ -154,15 +156,21 @@ def main():
             "eager µs (p20-p80)",
             "speedup",
             "body GB/s",
+            "% copy",
             "x copy time",
+            "timing",
         ],
         configs=True,
     )
+    fits: dict[str, list[tuple[float, float]]] = {}
     for T in tokens:
         for name, (public, body, eager, nbytes, first_run) in cases(T, shape, dtype, device, backend).items():
             check(name, T, *first_run(), exact=backend == "torch")
-            t_public, t_body, t_eager = measure_many_us([public, body, eager], device)
+            methods = ["events", "graph", "graph"]  # the public call with its host time, the bodies in graphs
+            t_public, t_body, t_eager = measure_many_us([public, body, eager], device, method=methods)
             copy_us = nbytes / (bandwidth * 1e9) * 1e6
+            gbs = nbytes / (t_body[0] * 1e-6) / 1e9
+            fits.setdefault(name, []).append((nbytes, t_body[0]))
             table.add(
                 name,
                 T,
@@ -171,10 +179,15 @@ def main():
                 f"{t_body[0]:.1f} ({t_body[1]:.1f}-{t_body[2]:.1f})",
                 f"{t_eager[0]:.1f} ({t_eager[1]:.1f}-{t_eager[2]:.1f})",
                 f"{t_eager[0] / t_body[0]:.2f}x",
-                f"{nbytes / (t_body[0] * 1e-6) / 1e9:.1f}",
+                f"{gbs:.1f}",
+                f"{100 * gbs / bandwidth:.0f}%",
                 f"{t_body[0] / copy_us:.1f}",
-            )
-    table.write(args.out, "bench_model_ops")
+                t_body.method,
+                data=dict(op=name, tokens=T, bytes=nbytes, public_us=t_public[0], body_us=t_body[0],
+                          eager_us=t_eager[0], pct_copy=100 * gbs / bandwidth),
+            )  # fmt: skip
+    fitted = fit_table(f"Fixed cost and streaming rate of the bodies, fitted over T ({device})", fits, bandwidth)
+    table.write(args.out, "bench_model_ops", dict(copy_gbs=bandwidth, fits=fitted))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,10 @@ cache's commit is left out so every repeat sees the same context (the step's hos
 its plan and its one read-back are in). The model is random (LLaMA-3-8B's shape: 32 layers,
 hidden 4096, 32/8 heads of 128, intermediate 14336, vocab 128256, bf16), so no checkpoint is
 needed. Launch-bound steps show in the graphs-off rows; the G-step target is a chain step <= 1.15x
-a decode step at batch 1 with graphs on (its own table, on a GPU).
+a decode step at batch 1 with graphs on (its own table, on a GPU). The floor is the bytes a step
+must read (every weight once, the LM head included, one embedding row per token, and the K/V of the
+context in every layer) over the device-to-device copy bandwidth measured in the same run; "x floor"
+is a step's time over it (issue 34's target: a decode step with graphs <= 1.25x).
 
     python bench/bench_step.py --out OUT        # GPU: the 8B shape, bf16
     python bench/bench_step.py --quick          # CPU smoke run: 2 small layers, fp32, graphs off only
@@ -21,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Table, bench_args, clock, cpu_threads  # noqa: E402
+from common import Table, bench_args, clock, copy_bandwidth_gbs, cpu_threads  # noqa: E402
 
 from specdec._transfer import offsets_to_device, read_back, to_device  # noqa: E402
 from specdec.decoding.proposal import tree_metadata_on  # noqa: E402
@@ -106,6 +109,17 @@ def make_step(model: LlamaModel, batch: int, parents: list[int], device: str):
     return step
 
 
+def floor_bytes(model: LlamaModel, batch: int, rows: int) -> int:
+    """Bytes a step must read: every weight but the embedding table (which the LM head reads when tied), one
+    embedding row per token and the context's K/V in every layer."""
+    config, size = model.config, next(model.parameters()).element_size()
+    weights = sum(p.numel() for name, p in model.named_parameters() if name != "model.embed_tokens.weight")
+    if model.lm_head is None:  # tied: the LM head is the embedding table
+        weights += model.model.embed_tokens.weight.numel()
+    kv = config.num_layers * 2 * batch * CONTEXT * config.num_kv_heads * config.head_dim
+    return size * (weights + rows * config.hidden_size + kv)
+
+
 def time_steps(step, device: str, repeats: int) -> float:
     """Milliseconds per step (the fastest of three rounds of ``repeats`` steps)."""
     now = clock(device)
@@ -129,10 +143,12 @@ def main() -> None:
     shape, dtype = (SHAPE_QUICK, torch.float32) if quick else (SHAPE_8B, torch.bfloat16)
     model = random_model(shape, dtype, device)
     graph_modes = (False, True) if cuda else (False,)
+    bandwidth = copy_bandwidth_gbs(device)
     table = Table(
         f"Verification step time, {shape['num_layers']} layers x hidden {shape['hidden_size']}, "
-        f"{str(dtype).replace('torch.', '')}, context {CONTEXT}, greedy ({device})",
-        ["batch", "step", "rows", "graphs", "ms/step", "vs decode (same batch, graphs)"],
+        f"{str(dtype).replace('torch.', '')}, context {CONTEXT}, greedy ({device}; "
+        f"copy bandwidth {bandwidth:.0f} GB/s)",
+        ["batch", "step", "rows", "graphs", "ms/step", "vs decode (same batch, graphs)", "floor ms", "x floor"],
         configs=True,
     )
     step_ms = {}  # (batch, kind, graphs) -> ms
@@ -149,8 +165,14 @@ def main() -> None:
                     decode_ms = decode_ms or ms
                     step_ms[batch, kind, graphs] = ms
                     rows = batch * len(parents)
-                    table.add(batch, kind, rows, "on" if graphs else "off", f"{ms:.2f}", f"{ms / decode_ms:.2f}x")
-    table.write(args.out, "bench_step")
+                    floor_ms = floor_bytes(model, batch, rows) / (bandwidth * 1e9) * 1e3
+                    table.add(
+                        batch, kind, rows, "on" if graphs else "off", f"{ms:.2f}", f"{ms / decode_ms:.2f}x",
+                        f"{floor_ms:.3f}", f"{ms / floor_ms:.2f}",
+                        data=dict(batch=batch, kind=kind, graphs=graphs, ms=ms, floor_ms=floor_ms,
+                                  x_floor=ms / floor_ms),
+                    )  # fmt: skip
+    table.write(args.out, "bench_step", dict(copy_gbs=bandwidth))
     if cuda:  # issue 12's G-step line: a chain K=5 verify step <= 1.15x a decode step, batch 1, graphs on
         ratio = step_ms[1, "chain K=5", True] / step_ms[1, "decode", True]
         g_step = Table("G-step: chain K=5 verify step / decode step, batch 1, graphs on", ["ratio", "target", "met"])

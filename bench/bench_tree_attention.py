@@ -7,17 +7,22 @@ the peers get the context already gathered into dense [B, Hkv, L, D] tensors (th
 gather is not timed, which favours them) and a dense boolean mask.
 
     python bench/bench_tree_attention.py --quick      # CPU smoke run, < 1 minute
-    python bench/bench_tree_attention.py --dry-run    # the GPU check's rehearsal: 4/2 heads of 32, batch 1, no Flex
+    python bench/bench_tree_attention.py --dry-run    # the GPU check's rehearsal: 4/2 heads of 32, batch 1,
+                                                      # two contexts, FlexAttention unfused (no compile)
     python bench/bench_tree_attention.py --out DIR    # GPU: full grid, < 120 s
 
-"specdec" times the public op (argument checks, plan, run); "planned" times one
-``run_attention`` under a plan built once, which is what each layer of a model's
-forward pays. GB/s counts the bytes that must move (K and V of every context token
-once, q and out once) over the planned median time; "% copy" is that over the
-device-to-device copy bandwidth this script measures; the "x peer" ratios compare the
-planned time too. On the CPU (no TRITON_INTERPRET)
-specdec runs its padded-batch PyTorch path, so CPU rows compare PyTorch implementations
-only.
+"specdec" times the public op (argument checks, plan, run: CUDA events, host time included);
+"planned" times one ``run_attention`` under a plan built once, which is what each layer of a
+model's forward pays, inside a CUDA graph from a cold L2 (``common.measure_many_us``), as are
+SDPA and FlexAttention. GB/s counts the bytes that must move (K and V of every context token
+once, q and out once) over the planned median time; "% copy" is that over the device-to-device
+copy bandwidth this script measures; TFLOP/s counts the attention's useful multiply-adds (each
+query against its prefix and its tree ancestors, QK and PV) against the dense 16-bit peak. The
+"x peer" ratios compare the planned time too. After the table, a fixed cost and a streaming rate
+are fitted per shape and batch over the contexts. FlexAttention is a peer (compiled, with a
+block mask of the ancestor-or-self mask over prefix + tree); when it fails, its whole error is
+printed and saved in the JSON (``flex_errors``). On the CPU (no TRITON_INTERPRET) specdec runs its
+padded-batch PyTorch path, so CPU rows compare PyTorch implementations only.
 """
 
 from __future__ import annotations
@@ -25,13 +30,23 @@ from __future__ import annotations
 import math
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Table, bench_args, copy_bandwidth_gbs, cpu_threads, measure_many_us  # noqa: E402
+from common import (  # noqa: E402
+    Table,
+    bench_args,
+    copy_bandwidth_gbs,
+    cpu_threads,
+    dense_peak_tflops,
+    fit_table,
+    measure_many_us,
+)
 
 from specdec.kernels import (  # noqa: E402
     build_tree_metadata,
@@ -79,6 +94,7 @@ def make_case(batch: int, context: int, shape: str, dtype, device):
     return dict(
         n=n,
         length=length,
+        pairs=context * n + int(local.sum()),  # (query, key) pairs attended per head and request
         q=q,
         k_cache=k_cache,
         v_cache=v_cache,
@@ -121,34 +137,40 @@ def run_eager(c):
     return s.softmax(-1).to(v.dtype) @ v
 
 
-def flex_runner(c, device):
-    """A compiled FlexAttention call with a block mask built from the dense mask, or the reason there is none."""
+def flex_runner(c, device, compiled: bool):
+    """A FlexAttention call with a block mask built from the dense mask (compiled, or unfused in a dry
+    run), or None and the whole error (traceback included) when it cannot run here."""
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    except ImportError as exc:
-        return None, f"no FlexAttention ({exc})"
-    mask = c["mask4"][0, 0]
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        return mask[q_idx, kv_idx]
+        mask = c["mask4"][0, 0]
 
-    import torch._dynamo
+        def mask_mod(b, h, q_idx, kv_idx):
+            return mask[q_idx, kv_idx]
 
-    # one compile per shape; past dynamo's recompile limit Flex would silently run unfused
-    cfg = torch._dynamo.config
-    setattr(cfg, "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit", 64)
-    try:
+        flex = flex_attention
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")  # the dry run's
+        if compiled:
+            import torch._dynamo
+
+            # one compile per shape; past dynamo's recompile limit Flex would silently run unfused
+            cfg = torch._dynamo.config
+            setattr(cfg, "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit", 64)
+            flex = torch.compile(flex_attention, dynamic=False)
         block_mask = create_block_mask(mask_mod, None, None, c["n"], c["length"], device=device)
-        compiled = torch.compile(flex_attention, dynamic=False)
-        fn = lambda: compiled(c["q4"], c["k_dense"], c["v_dense"], block_mask=block_mask, enable_gqa=True)
-        fn()
-    except Exception as exc:  # a backend that cannot compile it here is reported, not fatal
-        return None, f"failed: {type(exc).__name__}"
+        fn = lambda: flex(c["q4"], c["k_dense"], c["v_dense"], block_mask=block_mask, enable_gqa=True)
+        expected = run_sdpa(c).float()
+        err = (fn().float() - expected).abs().max().item()
+        if not err <= 1e-1:  # a wrong peer is no peer
+            raise AssertionError(f"FlexAttention disagrees with SDPA: max error {err:.3g}")
+    except Exception:  # reported in full (printed and in the JSON), not fatal
+        return None, traceback.format_exc()
     return fn, ""
 
 
-def bench_row(batch, context, shape, dtype, device, timing, want_flex, flex_notes) -> dict:
-    """Times (median us) of every provider on one shape, specdec's p20/p80, bytes moved, error vs SDPA."""
+def bench_row(batch, context, shape, dtype, device, timing, flex_mode, flex_errors) -> dict:
+    """Times (median us) of every provider on one shape, specdec's p20/p80 and method, bytes moved, useful
+    FLOPs, error vs SDPA; ``flex_mode`` None (not measured), "compiled" or "unfused"."""
     c = make_case(batch, context, shape, dtype, device)
     out = torch.empty_like(c["q"])
     plan = plan_specdec(c)
@@ -156,18 +178,25 @@ def bench_row(batch, context, shape, dtype, device, timing, want_flex, flex_note
         lambda: run_attention(c["q"], c["k_cache"], c["v_cache"], plan, out), lambda: run_specdec(c, out),
         lambda: run_sdpa(c), lambda: run_eager(c),
     ]  # fmt: skip
+    methods = ["graph", "events", "graph", "events"]  # bodies in graphs; the public op and eager call by call
     flex_fn = None
-    if want_flex:
-        flex_fn, why = flex_runner(c, device)
-        if why:
-            flex_notes.add(why)
-    times = measure_many_us(fns + ([flex_fn] if flex_fn is not None else []), device, **timing)
-    (us, p20, p80), public, sdpa, eager = times[0], times[1][0], times[2][0], times[3][0]
+    if flex_mode is not None:
+        flex_fn, error = flex_runner(c, device, compiled=flex_mode == "compiled")
+        if error and error not in flex_errors:
+            flex_errors.append(error)
+            print(f"\nFlexAttention failed (batch {batch}, context {context}, {shape}):\n{error}", flush=True)
+    if flex_fn is not None:
+        fns.append(flex_fn)
+        methods.append("graph")
+    times = measure_many_us(fns, device, method=methods, **timing)
+    planned, public, sdpa, eager = times[0], times[1][0], times[2][0], times[3][0]
     flex = times[4][0] if flex_fn is not None else None
     err = (out.float() - run_sdpa(c).transpose(1, 2).reshape_as(out).float()).abs().max().item()
     moved = 2 * batch * c["length"] * HKV * D * c["k_cache"].element_size()  # K and V of every position
     moved += 2 * c["q"].numel() * c["q"].element_size()  # q in, out back
-    return dict(us=us, p20=p20, p80=p80, public=public, sdpa=sdpa, eager=eager, flex=flex, err=err, bytes=moved)
+    flops = 4 * batch * HQ * D * c["pairs"]  # QK and PV, 2 FLOPs a multiply-add
+    return dict(planned=planned, public=public, sdpa=sdpa, eager=eager, flex=flex, err=err, bytes=moved, flops=flops,
+                flex_failed=flex_mode is not None and flex_fn is None)  # fmt: skip
 
 
 def main() -> None:
@@ -178,7 +207,7 @@ def main() -> None:
     if args.dry_run:  # small heads too: the interpreter runs each program of the grid in Python
         global HQ, HKV, D
         HQ, HKV, D = 4, 2, 32
-        batches, contexts = [1], [40]
+        batches, contexts = [1], [24, 56]  # two contexts: the fit needs two sizes
     elif args.quick:
         batches, contexts = [1, 4], [512, 2048]
     else:
@@ -187,48 +216,72 @@ def main() -> None:
     timing = {} if on_gpu else dict(min_runs=3, budget_s=0.15)
     cpu_threads(device)
     copy_gbs = copy_bandwidth_gbs(device)
+    peak, peak_source = dense_peak_tflops(device)
     dev_name = torch.cuda.get_device_name() if on_gpu else "CPU"
-    print(f"{dev_name}, {dtype}, {torch.get_num_threads()} thread(s), measured copy bandwidth {copy_gbs:.0f} GB/s")
+    print(f"{dev_name}, {dtype}, {torch.get_num_threads()} thread(s), measured copy bandwidth {copy_gbs:.0f} GB/s, "
+          f"dense peak {peak:.3g} TFLOP/s ({peak_source})")  # fmt: skip
     table = Table(
         f"Tree attention, Hq={HQ} Hkv={HKV} D={D}, paged (block {BLOCK}), {dtype} on {dev_name} "
-        f"(copy bandwidth {copy_gbs:.0f} GB/s)",
+        f"(copy bandwidth {copy_gbs:.0f} GB/s, dense peak {peak:.3g} TFLOP/s)",
         [
-            "batch", "context", "queries", "specdec us", "planned us (p20-p80)", "GB/s", "% copy", "vs decode",
-            "SDPA+mask us", "Flex us", "eager us", "x SDPA", "x Flex", "x eager", "max err vs SDPA",
+            "batch", "context", "queries", "specdec us", "planned us (p20-p80)", "GB/s", "% copy", "TFLOP/s",
+            "% peak", "vs decode", "SDPA+mask us", "Flex us", "eager us", "x SDPA", "x Flex", "x eager",
+            "max err vs SDPA", "timing",
         ],
         configs=True,
     )  # fmt: skip
     started = time.perf_counter()
-    flex_notes = set()
+    flex_errors: list[str] = []
+    extra = dict(device=dev_name, dtype=str(dtype), copy_gbs=copy_gbs, peak_tflops=peak, peak_source=peak_source,
+                 flex_mode="unfused" if args.dry_run else "compiled", flex_errors=flex_errors)  # fmt: skip
+    flex_skipped = ""
     tolerance = 2e-2 if dtype == torch.float16 else 1e-4
     wrong = []
+    fits: dict[str, list[tuple[float, float]]] = {}
     for batch in batches:
         for context in contexts:
             decode_us = None
             for shape in shapes:
                 # Flex compiles per shape: measure it on tree shapes (the target), on one shape in a quick run
-                want_flex = shape == "tree 64" and (not args.quick or (batch, context) == (batches[0], contexts[0]))
-                want_flex = want_flex and not args.dry_run
-                if want_flex and time.perf_counter() - started > FLEX_BUDGET_S:
-                    flex_notes.add(f"skipped after the first {FLEX_BUDGET_S:.0f} s of the run (compile time)")
-                    want_flex = False
-                r = bench_row(batch, context, shape, dtype, device, timing, want_flex, flex_notes)
-                gbs = r["bytes"] / (r["us"] * 1e-6) / 1e9
-                decode_us = r["us"] if shape == "decode" else decode_us
+                flex_mode = "unfused" if args.dry_run else "compiled"
+                if shape != "tree 64" or args.quick and (batch, context) != (batches[0], contexts[0]):
+                    flex_mode = None
+                elif not args.dry_run and time.perf_counter() - started > FLEX_BUDGET_S:
+                    flex_skipped = f"skipped after the first {FLEX_BUDGET_S:.0f} s of the run (compile time)"
+                    flex_mode = None
+                r = bench_row(batch, context, shape, dtype, device, timing, flex_mode, flex_errors)
+                us, p20, p80 = r["planned"]
+                gbs = r["bytes"] / (us * 1e-6) / 1e9
+                tflops = r["flops"] / (us * 1e-6) / 1e12
+                decode_us = us if shape == "decode" else decode_us
+                fits.setdefault(f"{shape}, batch {batch}", []).append((r["bytes"], us))
                 if not r["err"] <= tolerance:
                     wrong.append(f"batch {batch}, context {context}, {shape}: max error {r['err']:.3g} vs SDPA")
                 flex = r["flex"]
+                flex_cell = "failed" if r["flex_failed"] else "-" if flex is None else flex
                 table.add(
-                    batch, context, shape, r["public"], f"{r['us']:.1f} ({r['p20']:.1f}-{r['p80']:.1f})", gbs,
-                    f"{100 * gbs / copy_gbs:.0f}%", f"{r['us'] / decode_us:.2f}x", r["sdpa"],
-                    "-" if flex is None else flex, r["eager"], f"{r['sdpa'] / r['us']:.2f}",
-                    "-" if flex is None else f"{flex / r['us']:.2f}", f"{r['eager'] / r['us']:.2f}", f"{r['err']:.1e}",
+                    batch, context, shape, r["public"], f"{us:.1f} ({p20:.1f}-{p80:.1f})", gbs,
+                    f"{100 * gbs / copy_gbs:.0f}%", f"{tflops:.3g}", f"{100 * tflops / peak:.1f}%",
+                    f"{us / decode_us:.2f}x", r["sdpa"], flex_cell, r["eager"], f"{r['sdpa'] / us:.2f}",
+                    "-" if flex is None else f"{flex / us:.2f}", f"{r['eager'] / us:.2f}", f"{r['err']:.1e}",
+                    r["planned"].method,
+                    data=dict(
+                        batch=batch, context=context, shape=shape, planned_us=us, public_us=r["public"],
+                        sdpa_us=r["sdpa"], flex_us=flex, eager_us=r["eager"], bytes=r["bytes"], flops=r["flops"],
+                        pct_copy=100 * gbs / copy_gbs, tflops=tflops, pct_peak=100 * tflops / peak,
+                        x_sdpa=r["sdpa"] / us, x_flex=None if flex is None else flex / us, max_err=r["err"],
+                        flex_failed=r["flex_failed"],
+                    ),
                 )  # fmt: skip
-    for note in sorted(flex_notes):
-        print(f"\nFlexAttention: {note}")
+                table.write(args.out, "bench_tree_attention", extra)  # row by row: a run cut short keeps its rows
+    fitted = fit_table(f"Fixed cost and streaming rate of the planned op, fitted over the contexts ({dev_name})",
+                       fits, copy_gbs)  # fmt: skip
+    if flex_skipped:
+        print(f"\nFlexAttention: {flex_skipped}")
     which = "the first 'tree 64' row" if args.quick else "'tree 64' rows"
-    print(f"\nFlex measured on {which} only (one compile per shape).")
-    table.write(args.out, "bench_tree_attention")
+    flex_how = "unfused: the dry run compiles nothing" if args.dry_run else "compiled, one compile per shape"
+    print(f"\nFlex measured on {which} only ({flex_how}); {len(flex_errors)} distinct error(s) printed above.")
+    table.write(args.out, "bench_tree_attention", dict(extra, fits=fitted))
     if wrong:
         sys.exit("specdec disagrees with SDPA beyond tolerance:\n  " + "\n  ".join(wrong))
 

@@ -1,12 +1,17 @@
 """Verification microbenchmark: specdec's fused verify_chain / verify_tree against an eager PyTorch
 implementation of the same math (the readable references in specdec.kernels), measured in one run.
 
+Columns: "specdec" is the public call (checks, result buffers, launches; CUDA events, host time
+included); "in graph" is the unchecked ``run_*`` entry inside a CUDA graph from a cold L2, the
+GPU time a planned step pays (``common.measure_many_us``); "eager" is the reference call by call.
 Bytes that must move: every target logit once, the draft distribution row of the first
 rejection per request (stochastic drafts) and the outputs; the floor is those bytes over the
-device-to-device copy bandwidth measured in the same run.
+device-to-device copy bandwidth measured in the same run (which counts read and written bytes
+alike), and "x floor" the in-graph time over it. A fixed cost and a streaming rate are fitted
+per kind over the rows' bytes.
 
     python bench/bench_verify.py --quick            # CPU smoke run (small shapes)
-    python bench/bench_verify.py --dry-run          # the GPU check's rehearsal: vocab 300, batch 2
+    python bench/bench_verify.py --dry-run          # the GPU check's rehearsal: vocab 300, batch 1, 2, trees of 8
     python bench/bench_verify.py --out OUT_DIR      # GPU: batch {1, 8, 64} x K {4, 8}, 64-node trees,
                                                     # vocab {32000, 128256}, fp32 and bf16 logits
 
@@ -27,10 +32,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Table, bench_args, copy_bandwidth_gbs, cpu_threads, measure_many_us  # noqa: E402
+from common import Table, bench_args, copy_bandwidth_gbs, cpu_threads, fit_table, measure_many_us  # noqa: E402
 
 from specdec import _backend  # noqa: E402
-from specdec.kernels import SamplingParams, verify_chain, verify_chain_greedy, verify_tree  # noqa: E402
+from specdec.kernels import (  # noqa: E402
+    SamplingParams,
+    run_verify_chain,
+    run_verify_chain_greedy,
+    run_verify_tree,
+    verify_chain,
+    verify_chain_greedy,
+    verify_tree,
+)
 from specdec.kernels.verify_chain import verify_chain_reference  # noqa: E402
 from specdec.kernels.verify_tree import verify_tree_reference  # noqa: E402
 
@@ -62,29 +75,33 @@ def tree_case(batch, nodes, vocab, dtype, device):
 
 
 def run_case(kind, batch, size, vocab, dtype, device, top_p=1.0):
-    """(specdec (median, p20, p80) µs, eager (median, p20, p80) µs, bytes that must move). Kinds: "chain"
-    (sampled drafts), "tree" (deterministic rule), "greedy chain" (the argmax-only fast path)."""
+    """(specdec public call, unchecked entry in a graph, eager) Timings and the bytes that must move. Kinds:
+    "chain" (sampled drafts), "tree" (deterministic rule), "greedy chain" (the argmax-only fast path)."""
     if kind == "tree":
         inputs, nbytes = tree_case(batch, size, vocab, dtype, device)
         p = sampling_params(batch, device)
         fast = lambda: verify_tree(*inputs, p, rule="deterministic", max_depth=size - 1)
+        body = lambda: run_verify_tree(*inputs, p, rule="deterministic", draft_probs=None, max_depth=size - 1)
         eager = lambda: verify_tree_reference(*inputs, p, rule="deterministic", max_depth=size - 1)
     elif kind == "greedy chain":  # the peer: the general op's reference at temperature 0, as an engine would call it
         inputs, _q, nbytes = chain_case(batch, size, vocab, dtype, device, top_p)
         p = sampling_params(batch, device, temperature=0.0)
         fast = lambda: verify_chain_greedy(*inputs, p, max_draft_len=size)
+        body = lambda: run_verify_chain_greedy(*inputs, max_draft_len=size)
         eager = lambda: verify_chain_reference(*inputs, p, rule="deterministic", max_draft_len=size)
     else:
         inputs, q, nbytes = chain_case(batch, size, vocab, dtype, device, top_p)
         p = sampling_params(batch, device, top_p)
         fast = lambda: verify_chain(*inputs, p, rule="stochastic", draft_probs=q, max_draft_len=size)
+        body = lambda: run_verify_chain(*inputs, p, rule="stochastic", draft_probs=q, max_draft_len=size)
         eager = lambda: verify_chain_reference(*inputs, p, rule="stochastic", draft_probs=q, max_draft_len=size)
+
     def peer():
         with _backend.use_backend("torch"):
             eager()
 
-    ours, peer = measure_many_us([fast, peer], device)
-    return ours, peer, nbytes
+    ours, graph, peer = measure_many_us([fast, body, peer], device, method=["events", "graph", "events"])
+    return ours, graph, peer, nbytes
 
 
 def main():
@@ -97,7 +114,8 @@ def main():
     print(f"device: {where}; copy bandwidth {bandwidth:.0f} GB/s (read + write)")
     cases = []  # (kind, batch, K or tree nodes, vocab, dtype, top_p)
     if args.dry_run:
-        cases = [(kind, 2, n, 300, torch.float32, 1.0) for kind, n in (("chain", 4), ("greedy chain", 4), ("tree", 16))]
+        cases = [(kind, batch, n, 300, torch.float32, 1.0) for batch in (1, 2)  # two sizes: the fit needs two
+                 for kind, n in (("chain", 4), ("greedy chain", 4), ("tree", 8))]  # fmt: skip
     for vocab in [] if args.dry_run else [4096] if quick else [32000, 128256]:
         for dtype in [torch.float32] if quick else [torch.float32, torch.bfloat16]:
             for batch in [1, 8] if quick else [1, 8, 64]:
@@ -108,18 +126,28 @@ def main():
             cases.append(("chain", 8, 4, vocab, torch.float32, 0.9))
     table = Table(
         f"verify on {where}: specdec vs eager PyTorch (median µs, p20-p80)",
-        ["case", "vocab", "logits", "specdec µs", "p20-p80", "eager µs", "speedup", "GB/s", "floor µs", "x floor"],
+        [
+            "case", "vocab", "logits", "specdec µs", "in graph µs (p20-p80)", "eager µs", "speedup", "GB/s",
+            "floor µs", "x floor", "timing",
+        ],
         configs=True,
-    )
+    )  # fmt: skip
+    fits: dict[str, list[tuple[float, float]]] = {}
     for kind, batch, size, vocab, dtype, top_p in cases:
-        ours, peer, nbytes = run_case(kind, batch, size, vocab, dtype, device, top_p)
-        floor_us = nbytes / (bandwidth / 2 * 1e9) * 1e6  # the copy bandwidth counts read + write
+        ours, graph, peer, nbytes = run_case(kind, batch, size, vocab, dtype, device, top_p)
+        floor_us = nbytes / (bandwidth * 1e9) * 1e6  # bytes read and written, at the copy's rate for both
         name = f"{kind} B={batch} {'N' if kind == 'tree' else 'K'}={size}" + (f" top-p {top_p}" if top_p < 1 else "")
+        fits.setdefault(f"{kind}, {str(dtype)[6:]} logits", []).append((nbytes, graph[0]))
         table.add(
-            name, vocab, str(dtype).replace("torch.", ""), ours[0], f"{ours[1]:.1f}-{ours[2]:.1f}", peer[0],
-            f"{peer[0] / ours[0]:.2f}x", nbytes / (ours[0] * 1e-6) / 1e9, floor_us, f"{ours[0] / floor_us:.2f}",
+            name, vocab, str(dtype).replace("torch.", ""), ours[0], f"{graph[0]:.1f} ({graph[1]:.1f}-{graph[2]:.1f})",
+            peer[0], f"{peer[0] / graph[0]:.2f}x", nbytes / (graph[0] * 1e-6) / 1e9, floor_us,
+            f"{graph[0] / floor_us:.2f}", graph.method,
+            data=dict(kind=kind, batch=batch, size=size, vocab=vocab, public_us=ours[0], graph_us=graph[0],
+                      eager_us=peer[0], bytes=nbytes, floor_us=floor_us, x_floor=graph[0] / floor_us),
         )  # fmt: skip
-    table.write(args.out, "bench_verify")
+        table.write(args.out, "bench_verify", dict(device=where, copy_gbs=bandwidth))  # a run cut short keeps its rows
+    fitted = fit_table(f"Fixed cost and streaming rate in a graph, fitted over the rows ({where})", fits, bandwidth)
+    table.write(args.out, "bench_verify", dict(device=where, copy_gbs=bandwidth, fits=fitted))
 
 
 if __name__ == "__main__":

@@ -1,20 +1,36 @@
 """Timing and reporting shared by the benchmarks in bench/.
 
 Every benchmark measures specdec next to its peer in the same run and reports median and
-p20/p80 times. On CUDA, times come from ``triton.testing.do_bench`` (CUDA events, cache flushed
-between runs). On the CPU the methods of a comparison run interleaved (one call of each in turn)
-and are timed with ``time.thread_time``, the calling thread's CPU time: on a shared machine the
-other processes' load hits every method alike and sleeping or descheduled time is not counted,
-so the ratios between methods stay meaningful even when the absolute times drift. Benchmarks
-set one intra-op thread on the CPU (``cpu_threads``) so the thread's time is the work's time.
-``--dry-run`` (the GPU check's CPU rehearsal) means tiny shapes and one timed run. A table made
-with ``configs=True`` ends each row with the kernel configurations the row launched
-(``specdec.kernels.tuning``).
+p20/p80 times (a ``Timing``, which also says how it was measured). On CUDA there are two methods:
+
+* ``"graph"`` (kernel bodies): ``calls`` calls captured in one CUDA graph, each after a read-only
+  L2 flush (a sum over twice the L2's size, which leaves no dirty lines for the timed call to write
+  back), replayed and timed with CUDA events; a graph of the flushes alone is replayed beside it and
+  subtracted, so a call costs its GPU time from a cold L2 with no launch gaps. A function that
+  cannot be captured (it synchronises) falls back to ``"events"`` and the Timing says why.
+* ``"events"`` (calls whose host time matters, e.g. a public op): CUDA events around each call,
+  the same read-only flush before it; a host-bound call shows its host time.
+
+On the CPU the methods of a comparison run interleaved (one call of each in turn) and are timed
+with ``time.thread_time``, the calling thread's CPU time: on a shared machine the other processes'
+load hits every method alike and sleeping or descheduled time is not counted, so the ratios between
+methods stay meaningful even when the absolute times drift. Benchmarks set one intra-op thread on
+the CPU (``cpu_threads``) so the thread's time is the work's time. ``--dry-run`` (the GPU check's
+CPU rehearsal) means tiny shapes and one timed run.
+
+Rows report bytes that must move over the copy bandwidth measured in the same run
+(``copy_bandwidth_gbs``) or FLOP/s over the dense peak (``dense_peak_tflops``); ``fit_cost``
+fits a fixed cost and a streaming rate to a benchmark's rows. A table made with ``configs=True``
+ends each row with the kernel configurations the row launched (``specdec.kernels.tuning``), and
+``Table.write`` saves the rows as markdown and as JSON (what the GPU check's summary reads).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import json
+import math
 import statistics
 import sys
 import time
@@ -74,22 +90,39 @@ def clock(device: str) -> Callable[[], float]:
     return time.thread_time
 
 
-def measure_us(fn: Callable[[], object], device: str, min_runs: int = 5, budget_s: float = 1.0) -> tuple[float, ...]:
+class Timing(tuple):
+    """(median, p20, p80) microseconds; ``method`` says how they were measured."""
+
+    method: str
+
+    def __new__(cls, median: float, p20: float, p80: float, method: str) -> Timing:
+        timing = super().__new__(cls, (median, p20, p80))
+        timing.method = method
+        return timing
+
+
+def measure_us(fn: Callable[[], object], device: str, min_runs: int = 5, budget_s: float = 1.0,
+               method: str = "events") -> Timing:  # fmt: skip
     """(median, p20, p80) time of ``fn()`` in microseconds (see ``measure_many_us``)."""
-    return measure_many_us([fn], device, min_runs, budget_s)[0]
+    return measure_many_us([fn], device, min_runs, budget_s, method)[0]
 
 
 def measure_many_us(
-    fns: Sequence[Callable[[], object]], device: str, min_runs: int = 5, budget_s: float = 1.0
-) -> list[tuple[float, ...]]:
-    """(median, p20, p80) microseconds of each function; on the CPU interleaved, one call of each in turn."""
+    fns: Sequence[Callable[[], object]],
+    device: str,
+    min_runs: int = 5,
+    budget_s: float = 1.0,
+    method: str | Sequence[str] = "events",
+) -> list[Timing]:
+    """(median, p20, p80) microseconds of each function: on CUDA by ``method`` ("graph" or "events", one
+    for all or one per function), on the CPU interleaved, one call of each in turn."""
     if DRY_RUN:
         min_runs, budget_s = 1, 0.0
+    methods = [method] * len(fns) if isinstance(method, str) else list(method)
+    if len(methods) != len(fns) or not set(methods) <= {"graph", "events"}:
+        raise ValueError(f"method must be 'graph' or 'events', one or one per function, got {method!r}")
     if device.startswith("cuda"):
-        from triton.testing import do_bench
-
-        warmup, rep = (1, 1) if DRY_RUN else (25, 100)
-        return [tuple(1e3 * t for t in do_bench(fn, quantiles=[0.5, 0.2, 0.8], warmup=warmup, rep=rep)) for fn in fns]
+        return [_graph_us(fn) if m == "graph" else _events_us(fn) for fn, m in zip(fns, methods)]
     now = clock(device)
     for fn in fns:  # warm-up
         fn()
@@ -100,7 +133,83 @@ def measure_many_us(
             t0 = now()
             fn()
             samples.append(1e6 * (now() - t0))
-    return [_quantiles(samples) for samples in times]
+    return [Timing(*_quantiles(samples), "cpu thread time") for samples in times]
+
+
+@functools.cache
+def _l2_flush() -> Callable[[], object]:
+    """A read-only flush of the current GPU's L2: a sum over twice its size into one preallocated float."""
+    size = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0) or 64 << 20
+    data = torch.ones(2 * size // 4, dtype=torch.float32, device="cuda")
+    sink = torch.empty((), dtype=torch.float32, device="cuda")
+    return lambda: torch.sum(data, out=sink)
+
+
+def _events_us(fn: Callable[[], object], why: str = "") -> Timing:
+    """CUDA events around each call, each after a read-only L2 flush; up to 100 calls or about 100 ms."""
+    flush = _l2_flush()
+    fn()  # compiles, autotuning
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    reps = 2 if DRY_RUN else max(5, min(100, int(1e5 / max(1e3 * start.elapsed_time(end) / 3, 1.0))))
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in pairs:
+        flush()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    samples = [1e3 * start.elapsed_time(end) for start, end in pairs]
+    return Timing(*_quantiles(samples), "events" + (f" ({why})" if why else ""))
+
+
+def _graph_us(fn: Callable[[], object]) -> Timing:
+    """GPU time of one call: graphs of (flush, call) x n and of flush x n replayed in turn, their difference / n."""
+    flush = _l2_flush()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up off the capture: compiles, autotuning, the allocator
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    calls = 2 if DRY_RUN else max(3, min(50, int(2000 / max(1e3 * start.elapsed_time(end), 1.0))))
+    replays = 2 if DRY_RUN else 10
+
+    def body():
+        flush()
+        fn()
+
+    graphs = []
+    try:
+        for step in (flush, body):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(calls):
+                    step()
+            graphs.append(graph)
+    except Exception as exc:  # it synchronises or allocates on the host: time it call by call instead
+        torch.cuda.synchronize()
+        return _events_us(fn, why=f"no graph: {type(exc).__name__}")
+    samples = []
+    for _ in range(replays):
+        elapsed = []
+        for graph in graphs:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            elapsed.append(1e3 * start.elapsed_time(end))
+        samples.append(max(elapsed[1] - elapsed[0], 0.0) / calls)
+    return Timing(*_quantiles(samples), f"graph x{calls}")
 
 
 def _quantiles(samples: list[float]) -> tuple[float, float, float]:
@@ -119,14 +228,61 @@ def copy_bandwidth_gbs(device: str, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (median * 1e-6) / 1e9
 
 
+DENSE_PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "GH200": 989.4, "A100": 312.0}  # 16-bit tensor cores
+
+
+def dense_peak_tflops(device: str) -> tuple[float, str]:
+    """(dense 16-bit TFLOP/s, where the figure comes from): the data sheet's for a known GPU (the SXM
+    parts), else a matmul measured here (an unknown GPU in fp16, the CPU in fp32)."""
+    if device.startswith("cuda"):
+        name = torch.cuda.get_device_name()
+        for part, peak in sorted(DENSE_PEAK_TFLOPS.items(), key=lambda item: -len(item[0])):
+            if part in name and "PCIe" not in name:
+                return peak, f"{part} data sheet"
+    n, dtype = (4096, torch.float16) if device.startswith("cuda") else (128 if DRY_RUN else 512, torch.float32)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    median = measure_us(lambda: a @ b, device)[0]
+    return 2 * n**3 / (median * 1e-6) / 1e12, f"measured {n}^3 {str(dtype)[6:]} matmul"
+
+
+def fit_cost(points: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
+    """Least squares of time = fixed + bytes / rate over (bytes, µs) points: (fixed µs, rate GB/s; inf when the
+    time does not grow with the bytes), or None with fewer than two distinct byte counts."""
+    if len({b for b, _ in points}) < 2:
+        return None
+    n = len(points)
+    mean_b = sum(b for b, _ in points) / n
+    mean_t = sum(t for _, t in points) / n
+    slope = sum((b - mean_b) * (t - mean_t) for b, t in points) / sum((b - mean_b) ** 2 for b, _ in points)
+    rate = 1e-3 / slope if slope > 0 else math.inf  # µs per byte -> GB/s
+    return mean_t - slope * mean_b, rate
+
+
+def fit_table(title: str, groups: dict[str, list[tuple[float, float]]], copy_gbs: float) -> list[dict]:
+    """Print the fixed cost and streaming rate of each group of (bytes, µs) rows; the fits as JSON records."""
+    table = Table(title, ["rows", "points", "fixed µs", "streaming GB/s", "% copy"])
+    fits = []
+    for name, points in groups.items():
+        fit = fit_cost(points)
+        if fit is None:
+            table.add(name, len(points), "-", "-", "- (one size)")
+            continue
+        fixed, rate = fit
+        pct = 100 * rate / copy_gbs
+        table.add(name, len(points), f"{fixed:.1f}", f"{rate:.0f}", f"{pct:.0f}%" if math.isfinite(pct) else "-")
+        fits.append(dict(rows=name, points=len(points), fixed_us=fixed, gbs=rate if math.isfinite(rate) else None))
+    return fits
+
+
 class Table:
-    """A markdown table printed as rows arrive and optionally written to a file; with ``configs``, each
+    """A markdown table printed as rows arrive and optionally written to files; with ``configs``, each
     row ends with the kernel configurations launched since the previous row."""
 
     def __init__(self, title: str, columns: list[str], configs: bool = False):
         self.configs = configs
         columns = columns + ["kernel configs"] if configs else columns
-        self.title, self.columns, self.rows = title, columns, []
+        self.title, self.columns, self.rows, self.records = title, columns, [], []
         if configs:  # the first row's configurations start here
             tuning.clear_chosen()
         print(f"\n## {title}\n")
@@ -134,21 +290,26 @@ class Table:
         print("|" + "---|" * len(columns))
         sys.stdout.flush()
 
-    def add(self, *values) -> None:
+    def add(self, *values, data: dict | None = None) -> None:
+        """One row; ``data`` (numbers for the JSON record, e.g. ``x_floor``) goes beside its cells."""
         cells = [f"{v:.1f}" if isinstance(v, float) else str(v) for v in values]
         if self.configs:
             cells.append(launched_configs())
         self.rows.append(cells)
+        self.records.append({**dict(zip(self.columns, cells)), **(data or {})})
         print("| " + " | ".join(cells) + " |")
         sys.stdout.flush()
 
-    def write(self, out: Path | None, name: str) -> None:
+    def write(self, out: Path | None, name: str, extra: dict | None = None) -> None:
+        """OUT/name.md (the table) and OUT/name.json (title, rows as records keyed by column, then ``extra``)."""
         if out is None:
             return
         out.mkdir(parents=True, exist_ok=True)
         lines = [f"## {self.title}", "", "| " + " | ".join(self.columns) + " |", "|" + "---|" * len(self.columns)]
         lines += ["| " + " | ".join(r) + " |" for r in self.rows]
         (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+        report = dict(title=self.title, rows=self.records, **(extra or {}))
+        (out / f"{name}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
 
 
 def launched_configs() -> str:
