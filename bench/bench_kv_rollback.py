@@ -7,11 +7,15 @@ loop does: per layer and K/V, ``index_select`` the accepted rows and ``index_cop
 them back, then add the counts to the lengths.
 
 Bytes floor: every row that changes position is read once and written once
-(2 x rows x L x 2 x Hkv x D x element size); GB/s below is that floor over the
-measured time, and "x floor" compares the time with floor / measured copy bandwidth.
-Both timed calls first restore the lengths (one small copy) so every run moves the
-same rows. On the CPU specdec runs its PyTorch body (what dispatch picks there),
-on one thread.
+(2 x rows x L x 2 x Hkv x D x element size); "floor µs" is those bytes over the copy
+bandwidth measured in the same run (which counts read and written bytes alike). Columns:
+"specdec" is the public call (checks and the launch; CUDA events, host time included); "in
+graph" is the op body inside a CUDA graph from a cold L2 (``common.measure_many_us``), the GPU
+time a planned step pays, and GB/s and "x floor" (that time over the floor) come from it;
+"programs" is the Triton launch's grid and the slabs (one layer's K or V) each program copies.
+A fixed cost and a streaming rate are fitted per layout over the tree rows. Every timed call
+first restores the lengths (one small copy) so every run moves the same rows. On the CPU
+specdec runs its PyTorch body (what dispatch picks there), on one thread.
 
     python bench/bench_kv_rollback.py --quick          # CPU smoke run, small shapes
     python bench/bench_kv_rollback.py --dry-run        # the GPU check's rehearsal: 2 layers, batch 1 and 4
@@ -26,10 +30,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Table, bench_args, copy_bandwidth_gbs, cpu_threads, measure_many_us  # noqa: E402
+from common import Table, bench_args, copy_bandwidth_gbs, cpu_threads, fit_table, measure_many_us  # noqa: E402
 
 from specdec import _backend  # noqa: E402
 from specdec.kernels import kv_compact  # noqa: E402
+from specdec.kernels.kv_compact import kv_compact_op, slab_groups  # noqa: E402
+from specdec.kernels.kv_layout import MAX_ROW_BLOCK  # noqa: E402
 
 
 def make_case(layout, batch, layers, heads, dim, tree, max_accept, dtype, device, page=16, chains=False, seed=0):
@@ -79,8 +85,18 @@ def eager_compact(data, tables, seq_lens, path):
     seq_lens += valid.sum(1, dtype=torch.int32)
 
 
-def measure_case(layout, batch, chains, shape, device, bandwidth):
-    """One table row: check specdec against the eager loop, then time both."""
+def programs(backend, batch, layers, heads, dim):
+    """The Triton launch's programs and the slabs each copies (what ``kv_compact_triton`` picks)."""
+    if backend != "triton":
+        return "-"
+    chunks = -(-heads * dim // MAX_ROW_BLOCK)
+    groups = slab_groups(batch, layers * 2, chunks)
+    return f"{batch * groups * chunks} x {-(-layers * 2 // groups)} slabs"
+
+
+def measure_case(layout, batch, chains, shape, device, bandwidth, backend):
+    """One table row: check specdec against the eager loop, then time the public call, the body in a
+    graph and the eager loop."""
     layers, heads, dim, tree, max_accept, dtype = shape
     data, tables, prefix, path, moved = make_case(
         layout, batch, layers, heads, dim, tree, max_accept, dtype, device, chains=chains
@@ -91,6 +107,10 @@ def measure_case(layout, batch, chains, shape, device, bandwidth):
     def ours():
         seq_lens.copy_(prefix)
         kv_compact(data, seq_lens, path, tables, tickets=tickets)
+
+    def body():
+        seq_lens.copy_(prefix)
+        kv_compact_op.body(backend)(data, seq_lens, path, tables, tickets)
 
     def eager():
         seq_lens.copy_(prefix)
@@ -105,21 +125,28 @@ def measure_case(layout, batch, chains, shape, device, bandwidth):
         raise AssertionError(f"specdec and the eager loop disagree ({layout}, batch {batch})")
     del original, after_ours
 
-    t_ours, t_eager = measure_many_us([ours, eager], device)
+    t_ours, t_body, t_eager = measure_many_us([ours, body, eager], device, method=["events", "graph", "events"])
     nbytes = 2 * moved * layers * 2 * heads * dim * data.element_size()
     floor_us = nbytes / (bandwidth * 1e9) * 1e6
-    return (
+    cells = (
         layout,
         batch,
         "chains" if chains else "tree",
         moved,
         f"{nbytes / 1e6:.2f}",
+        f"{floor_us:.1f}" if nbytes else "-",
         f"{t_ours[0]:.1f} ({t_ours[1]:.1f}-{t_ours[2]:.1f})",
+        f"{t_body[0]:.1f} ({t_body[1]:.1f}-{t_body[2]:.1f})",
         f"{t_eager[0]:.1f} ({t_eager[1]:.1f}-{t_eager[2]:.1f})",
-        f"{t_eager[0] / t_ours[0]:.2f}x",
-        f"{nbytes / (t_ours[0] * 1e-6) / 1e9:.1f}" if nbytes else "-",
-        f"{t_ours[0] / floor_us:.2f}" if nbytes else "-",
+        f"{t_eager[0] / t_body[0]:.2f}x",
+        f"{nbytes / (t_body[0] * 1e-6) / 1e9:.1f}" if nbytes else "-",
+        f"{t_body[0] / floor_us:.2f}" if nbytes else "-",
+        programs(backend, batch, layers, heads, dim),
+        t_body.method,
     )
+    record = dict(bytes=nbytes, floor_us=floor_us, public_us=t_ours[0], graph_us=t_body[0], eager_us=t_eager[0],
+                  x_floor=t_body[0] / floor_us if nbytes else None)  # fmt: skip
+    return cells, record
 
 
 def main():
@@ -144,19 +171,29 @@ def main():
             "paths",
             "rows moved",
             "MB moved",
+            "floor µs",
             "specdec µs (p20-p80)",
+            "in graph µs (p20-p80)",
             "eager loop µs (p20-p80)",
             "speedup",
             "specdec GB/s",
             "x floor",
+            "programs",
+            "timing",
         ],
         configs=True,
     )
+    fits: dict[str, list[tuple[float, float]]] = {}
     for layout in ("contiguous", "paged"):
         for batch in batches:
-            table.add(*measure_case(layout, batch, False, shape, device, bandwidth))
-        table.add(*measure_case(layout, batches[-1], True, shape, device, bandwidth))
-    table.write(args.out, "bench_kv_rollback")
+            cells, record = measure_case(layout, batch, False, shape, device, bandwidth, backend)
+            table.add(*cells, data=record)
+            fits.setdefault(layout, []).append((record["bytes"], record["graph_us"]))
+        cells, record = measure_case(layout, batches[-1], True, shape, device, bandwidth, backend)
+        table.add(*cells, data=record)
+    fitted = fit_table(f"Fixed cost and streaming rate in a graph, fitted over the tree rows ({device})", fits,
+                       bandwidth)  # fmt: skip
+    table.write(args.out, "bench_kv_rollback", dict(copy_gbs=bandwidth, fits=fitted))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Bit-exact helpers shared by the KV op tests and the KV cache tests (import as `from kv_helpers import ...`)."""
 
+import contextlib
 import math
 
 import torch
@@ -62,3 +63,36 @@ def make_cache_tensors(layout, L, B, max_len, Hkv, D, dtype, page=4, gen=None):
     perm = torch.randperm(num_blocks, generator=gen)[: B * blocks]
     tables = perm.view(B, blocks).to(torch.int32).contiguous()
     return random_bits_(torch.empty(L, 2, num_blocks, page, Hkv, D, dtype=dtype)), tables
+
+
+@contextlib.contextmanager
+def programs_in_order(order):
+    """Run interpreted Triton launches with each grid's programs in another sequence: ``"reverse"``, or a
+    shuffle drawn from seed ``order`` (a new one per launch).
+
+    Triton's interpreter runs a launch's programs one at a time in grid order; a GPU runs them at once.
+    A kernel whose program reads what another program writes can pass in grid order by luck of that
+    order; in reverse or shuffled it gives another result. (The interpreter numbers each program through
+    ``set_grid_idx``; this renumbers them.)
+    """
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    number = builder.set_grid_idx
+    gen = None if order == "reverse" else torch.Generator().manual_seed(order)
+    sequence = []
+
+    def renumbered(x, y, z):
+        nx, ny, nz = builder.grid_dim
+        i = (x * ny + y) * nz + z
+        if i == 0:  # a new launch
+            total = nx * ny * nz
+            sequence[:] = range(total - 1, -1, -1) if gen is None else torch.randperm(total, generator=gen).tolist()
+        k = sequence[i]
+        number(k // (ny * nz), k // nz % ny, k % nz)
+
+    builder.set_grid_idx = renumbered
+    try:
+        yield
+    finally:
+        del builder.set_grid_idx  # the class's method again

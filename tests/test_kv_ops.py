@@ -7,16 +7,34 @@ independent of both implementations. Past-capacity writes and bad paths: refused
 checked op, dropped alike by both bodies when unchecked (testing.md items 17, 19, 25).
 """
 
+import contextlib
 import doctest
 import importlib
+import sys
 
 import pytest
 import torch
-from kv_helpers import assert_same_bits, make_cache_tensors, pad, random_bits_, random_path, row, same_bits, slot
+from kv_helpers import (
+    assert_same_bits,
+    make_cache_tensors,
+    pad,
+    programs_in_order,
+    random_bits_,
+    random_path,
+    row,
+    same_bits,
+    slot,
+)
 
+from specdec import _backend
 from specdec.kernels import kv_append, kv_compact
+from specdec.kernels._triton import jit, tl
 from specdec.kernels.kv_append import kv_append_op, kv_append_reference
-from specdec.kernels.kv_compact import kv_compact_op, kv_compact_reference
+from specdec.kernels.kv_compact import kv_compact_op, kv_compact_reference, slab_groups
+
+interpreted = pytest.mark.skipif(
+    not _backend.interpreter_enabled(), reason="reorders the programs of Triton's interpreter"
+)
 
 
 def dev(t, device):
@@ -166,6 +184,80 @@ def test_compact_llama_shape_on_gpu(layout):
     kv_compact(got, got_lens, pad(paths, 8).cuda(), None if tables is None else tables.cuda())
     assert_same_bits(got.cpu(), expected, layout)
     assert torch.equal(got_lens.cpu(), lens)
+
+
+# ---- the compaction's programs: any order, any split of the slabs ------------------------------------
+
+
+@jit
+def shift_left_kernel(x_ptr):
+    """Program i copies x[i + 1] to x[i]: it reads what program i + 1 writes (a race on a GPU)."""
+    i = tl.program_id(0)
+    tl.store(x_ptr + i, tl.load(x_ptr + i + 1))
+
+
+@interpreted
+def test_program_order_hook_exposes_a_read_of_another_programs_write():
+    """The control for the tests below: reordering the programs changes a racy kernel's result."""
+    results = {}
+    for order in ("grid", "reverse", 3):
+        x = torch.arange(9, dtype=torch.int32)
+        with programs_in_order(order) if order != "grid" else contextlib.nullcontext():
+            shift_left_kernel[(8,)](x)
+        results[order] = x.tolist()
+    assert results["grid"] == [1, 2, 3, 4, 5, 6, 7, 8, 8]  # one after another, in grid order: a clean shift
+    assert results["reverse"] == [8] * 9
+    assert results[3] != results["grid"]
+
+
+def test_slab_groups_split_large_batches_only():
+    """Every slab its own program until the launch fills the GPU; past that, several slabs per program."""
+    assert slab_groups(1, 64, 1) == slab_groups(8, 64, 1) == 64  # small batches keep one slab per program
+    assert slab_groups(64, 64, 1) == 8  # LLaMA-3-8B at batch 64: 8 slabs per program, 512 programs
+    assert slab_groups(64, 64, 2) == 4 and slab_groups(64, 160, 1) == 8
+    assert slab_groups(4096, 2, 1) == 1  # never fewer than one program per request and chunk
+
+
+@interpreted
+@pytest.mark.parametrize("order", ["grid", "reverse", 7])
+@pytest.mark.parametrize("fill", [1, 12, 512])  # slabs per program: all 10 / 4, 3 or 3 (uneven) / 1
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_compact_in_any_program_order_and_slab_split(monkeypatch, layout, fill, order):
+    """The kernel's result depends neither on the order its programs run nor on how slabs are shared out."""
+    monkeypatch.setattr(sys.modules["specdec.kernels.kv_compact"], "FILL_PROGRAMS", fill)
+    gen = torch.Generator().manual_seed(15)
+    L, B, max_len, Hkv, D = 5, 5, 30, 2, 6
+    data, tables = make_cache_tensors(layout, L, B, max_len, Hkv, D, torch.float16, gen=gen)
+    seq_lens = torch.tensor([0, 5, 3, 13, 2], dtype=torch.int32)
+    paths = [
+        random_path(gen, 12),
+        [0, 1, 2, 3],  # a chain: nothing moves
+        [],  # nothing accepted
+        [0, 2, 5, 6, 11],  # overlapping: position s+2 is written (from s+5) and read (for s+1)
+        [0, 3, 4, 9, 15],  # crosses several block boundaries
+    ]
+    expected, lens = compact_oracle(data, tables, seq_lens, paths)
+    tickets = torch.zeros(B, dtype=torch.int32)
+    with programs_in_order(order) if order != "grid" else contextlib.nullcontext():
+        kv_compact_op.body("triton")(data, seq_lens, pad(paths, 12), tables, tickets)
+    assert_same_bits(data, expected, f"{layout} compact, FILL_PROGRAMS={fill}, {order} order")
+    assert seq_lens.tolist() == lens.tolist() and tickets.tolist() == [0] * B
+
+
+@interpreted
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_compact_wide_rows_with_every_slab_in_one_program(monkeypatch, layout):
+    """Rows of two chunks, all slabs of a request in one program per chunk, programs in reverse."""
+    monkeypatch.setattr(sys.modules["specdec.kernels.kv_compact"], "FILL_PROGRAMS", 1)
+    gen = torch.Generator().manual_seed(16)
+    data, tables = make_cache_tensors(layout, 3, 2, 12, 5, 256, torch.float16, gen=gen)
+    seq_lens = torch.tensor([1, 3], dtype=torch.int32)
+    paths = [[0, 2, 3, 7], [0, 5]]
+    expected, lens = compact_oracle(data, tables, seq_lens, paths)
+    with programs_in_order("reverse"):
+        kv_compact_op.body("triton")(data, seq_lens, pad(paths, 4), tables, torch.zeros(2, dtype=torch.int32))
+    assert_same_bits(data, expected, layout)
+    assert seq_lens.tolist() == lens.tolist()
 
 
 def test_compact_reference_matches_oracle():

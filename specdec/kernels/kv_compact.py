@@ -3,10 +3,18 @@
 For request b with n_b leading non-negative entries in ``accepted_path[b]`` (local node
 indices, root first, strictly increasing), the row at ``seq_lens[b] + path[b, j]`` moves
 to ``seq_lens[b] + j`` for j < n_b, in every layer, K and V, then ``seq_lens[b] += n_b``.
-Because paths are increasing, a destination never lies after its source; within a program
-every source row is loaded before any destination row is stored, which makes
-overlapping moves safe. The last program of a request (counted with an atomic ticket)
-advances that request's length, after every program of the request has read the old one.
+
+Work split. A program owns one request's row chunk in a set of slabs (a slab is one layer's
+K or V): slabs g, g + G, g + 2G, ... for G programs per request along the slabs. It reads
+the path, the length and the block ids once, then copies its slabs one after another.
+Moves overlap only inside a slab (a destination can be another row's source) and one
+program owns each slab, so no program reads what another writes; within a slab, every
+thread loads its source rows before any thread stores a destination (a barrier between).
+G is chosen so that a large batch runs a few programs per SM, each copying several slabs,
+rather than one short program per slab whose fixed cost (dependent reads of the path, the
+length and the block ids before the first row moves, an atomic at the end) would dominate.
+The last program of a request (counted with an atomic ticket) advances that request's
+length, after every program of the request has read the old one.
 
 Bad paths. The checked public op refuses a path that is not root first (``path[b, 0] == 0``
 when non-empty), not strictly increasing, padded with anything but -1, or reaching past the
@@ -52,6 +60,7 @@ def kv_compact_kernel(
     SPAN,  # lanes over a row: chunks * ROW_BLOCK
     capacity,
     NUM_BLOCKS,  # blocks in the pool (PAGED only)
+    NUM_SLABS,  # layers * 2
     programs_per_request,
     # strides (elements)
     stride_slab,
@@ -66,9 +75,10 @@ def kv_compact_kernel(
     ROW_BLOCK: tl.constexpr,
     ALIGN: tl.constexpr,  # lane_alignment(ROW, SPAN)
 ):
-    # ---- map the program to (request, layer/kv slab, chunk of the token row)
+    # ---- map the program to (request, first slab of its set, chunk of the token row)
     b = tl.program_id(0)  # the batch goes on axis 0, whose size limit is 2^31 - 1 (axes 1, 2: 65535)
-    slab = tl.program_id(1)
+    first = tl.program_id(1)
+    groups = tl.num_programs(1)  # this program copies slabs first, first + groups, ...
     chunk = tl.program_id(2)
 
     # ---- the request's path: n leading valid entries; only rows whose position changes move
@@ -94,14 +104,18 @@ def kv_compact_kernel(
         src_off = base + src.to(tl.int64) * stride_pos
         dst_off = base + dst.to(tl.int64) * stride_pos
 
-    # ---- stage every source row in registers, then write the destinations
+    # ---- per slab: stage every source row in registers, then write the destinations
     e = chunk * ROW_BLOCK + tl.arange(0, ROW_BLOCK)
     mask = move[:, None] & (e < ROW)[None, :]
     e = row_lanes(e, ROW, SPAN, ALIGN)
-    slab_ptr = data_ptr + slab.to(tl.int64) * stride_slab
-    rows = tl.load(slab_ptr + src_off[:, None] + e[None, :], mask=mask)
-    tl.debug_barrier()  # a destination can be another row's source: all threads finish reading first
-    tl.store(slab_ptr + dst_off[:, None] + e[None, :], rows, mask=mask)
+    slab = first.to(tl.int64) * stride_slab
+    step = groups.to(tl.int64) * stride_slab
+    for _ in range(first, NUM_SLABS, groups):
+        slab_ptr = data_ptr + slab
+        rows = tl.load(slab_ptr + src_off[:, None] + e[None, :], mask=mask)
+        tl.debug_barrier()  # a destination can be another row's source: all threads read this slab first
+        tl.store(slab_ptr + dst_off[:, None] + e[None, :], rows, mask=mask)
+        slab += step
 
     # ---- the request's last program (all others have read seq_lens[b]) advances the length
     tl.debug_barrier()
@@ -121,6 +135,16 @@ def kv_compact_kernel(
 # cache inside every timed trial would time the copy; pin a candidate with ``tuning.use_config``.
 KV_COMPACT_SPACE = TuningSpace(candidates(num_warps=(2, 4, 8)), key=("ROW", "PAGED"), autotune=False)
 
+# Programs a launch aims for: a few per SM of a large GPU. Below it every slab gets its own program;
+# above it each program copies several slabs, so its fixed cost is paid once for all of them.
+FILL_PROGRAMS = 512
+
+
+def slab_groups(batch: int, slabs: int, chunks: int) -> int:
+    """Programs per request and row chunk along the slabs (each copies every ``groups``-th slab)."""
+    per_program = min(slabs, max(1, batch * slabs * chunks // FILL_PROGRAMS))
+    return triton.cdiv(slabs, per_program)
+
 
 def kv_compact_triton(data, seq_lens, accepted_path, block_tables, tickets) -> None:
     layers, _, _, _, kv_heads, head_dim = data.shape
@@ -131,10 +155,11 @@ def kv_compact_triton(data, seq_lens, accepted_path, block_tables, tickets) -> N
     row = kv_heads * head_dim
     row_block = min(triton.next_power_of_2(row), MAX_ROW_BLOCK)
     chunks = triton.cdiv(row, row_block)
+    groups = slab_groups(batch, layers * 2, chunks)
     paged = block_tables is not None
     args = (
         data.view(bits), seq_lens, accepted_path, block_tables if paged else seq_lens, tickets,
-        width, row, chunks * row_block, capacity(data, block_tables), data.shape[2], layers * 2 * chunks,
+        width, row, chunks * row_block, capacity(data, block_tables), data.shape[2], layers * 2, groups * chunks,
         data.stride(1), data.stride(2), data.stride(3), accepted_path.stride(0),
         block_tables.stride(0) if paged else 0,
     )  # fmt: skip
@@ -142,7 +167,7 @@ def kv_compact_triton(data, seq_lens, accepted_path, block_tables, tickets) -> N
         PAGED=paged, PAGE=data.shape[3] if paged else 1, P_BLOCK=triton.next_power_of_2(max(width, 2)),
         ROW_BLOCK=row_block, ALIGN=lane_alignment(row, chunks * row_block),
     )  # fmt: skip
-    launch(kv_compact_kernel, (batch, layers * 2, chunks), args, meta, dict(num_warps=4), KV_COMPACT_SPACE)
+    launch(kv_compact_kernel, (batch, groups, chunks), args, meta, dict(num_warps=4), KV_COMPACT_SPACE)
 
 
 def kv_compact_torch(data, seq_lens, accepted_path, block_tables, tickets) -> None:
