@@ -2,25 +2,33 @@
 
 ``bash bench/gpu_check.sh OUT`` runs this. Stages, in order of value; the plan (each stage's
 expected seconds on an H200) is printed first, and a stage starts only if its expected time
-still fits in the budget (``SPECDEC_GPU_CHECK_BUDGET``, default 480 s, the 8 minutes of issue 18)
--- the others are listed as skipped. Each stage is cut at its own limit, and what it measured so
-far still lands in OUT. The expected seconds are those of the first H200 run (its Result table
-gives each stage's seconds).
+still fits in the budget (``SPECDEC_GPU_CHECK_BUDGET``, default 480 s, the 8 minutes of issues 18
+and 34) -- the others are listed as skipped. Each stage is cut at its own limit, and what it
+measured so far still lands in OUT. The expected seconds are those of the first H200 run (its
+Result table gives each stage's seconds) or estimates for the stages added since.
 
 1. first light   the extension builds in the background (``setup.py build_ext --inplace``, sm_90,
                  no download); meanwhile one call of every Triton kernel against its PyTorch
                  reference, a PASS/FAIL line per check appended to summary.md as it ends
 2. extension     waits for the build, then checks the CUDA op; a failed build is reported and the
                  run goes on without the extension (pure Python, its tests skip)
-3. tests         the gpu-marked tests, then every kernel test's Triton path, compiled
-4. benchmarks    the 8B-shaped model step (the G-step line), tree attention, verification, KV rollback, model
-                 ops, end to end; each row names the kernel configurations it ran. Decode
-                 throughput against transformers (bench_model) is optional: only with --stages
+3. tests         the KV-cache Triton cases that failed on the first H200 run, with long tracebacks;
+                 the gpu-marked tests; every other kernel test's Triton path, compiled
+4. benchmarks    decode and tree attention autotuned over the declared spaces (``SPECDEC_AUTOTUNE=1``),
+                 verification, KV rollback, the model ops, the public ops' host time, the 8B-shaped
+                 model step; each row names the kernel configurations it ran. End to end
+                 (bench_e2e), decode throughput against transformers (bench_model) and sampling
+                 (bench_sampling) are optional: only with --stages
 
-OUT holds at most six files (the device tool returns eight): summary.md (plan, first light,
-every stage's result and tables, skipped stages, final status -- appended as stages finish),
-info.txt (versions, GPU), build.log, tests.log, failures.log (each failed test's traceback, written as
-it fails, so a stage cut at its limit keeps them), bench.log.
+Then one table of issue 34's targets, each line PASS, FAIL or "not measured" (its stage did not run
+or measured no row it applies to), computed from the benchmarks' JSON (``targets``).
+
+OUT holds at most seven files (the device tool returns eight): summary.md (plan, first light,
+every stage's result and tables, skipped stages, the targets, final status -- appended as stages
+finish), info.txt (versions, GPU), build.log, tests.log, failures.log (each failed test's traceback,
+written as it fails, so a stage cut at its limit keeps them), bench.log (every benchmark's whole
+output: FlexAttention's full error, if any, is there), results.json (the targets and every
+benchmark's JSON).
 
 ``--dry-run`` runs the same stages, the optional one too, on the CPU: kernels through Triton's
 interpreter, tiny shapes, no CUDA build, and a skipped or failed stage fails it (CI runs it, so
@@ -31,6 +39,8 @@ Exit status: 0 when every stage that ran passed (and, in a dry run, none was ski
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import re
 import shutil
@@ -57,25 +67,32 @@ class Stage:
     dry_expected: float
     what: str
     optional: bool = False  # on a GPU only when named with --stages (a dry run runs it)
+    env: tuple[tuple[str, str], ...] = ()  # set for this stage only
 
 
 # Expected seconds on an H200 as measured on 2026-12-04 (bench/RESULTS.md): tests-triton was cut at 120 s
-# with 11 of its 287 tests left, bench_e2e at 100 s after its two batch-1 tables.
+# with 11 of its 287 tests left, bench_e2e at 100 s after its two batch-1 tables. tests-kv-cache and
+# bench_host_time are estimates, bench_tree_attention's includes autotuning.
 STAGES = [  # (name, expected s on an H200, limit s, expected s in a dry run on 2 free CPU cores, what)
-    Stage("first-light", 30, 75, 30, "build in the background; one call of every kernel vs its reference"),
+    Stage("first-light", 30, 75, 25, "build in the background; one call of every kernel vs its reference"),
     Stage("extension", 20, 150, 5, "wait for the build, check the CUDA tree_metadata op"),
+    Stage("tests-kv-cache", 20, 60, 5, "the six KV-cache Triton cases that failed on the H200, long tracebacks"),
     Stage("tests-gpu", 70, 100, 20, "pytest -m gpu (bf16, LLaMA shapes, large caches, the CUDA op)"),
-    Stage("tests-triton", 110, 130, 30, "every kernel test's Triton path, compiled (pytest -k triton)"),
-    Stage("bench_step", 40, 100, 10, "8B-shaped model step, CUDA graphs off/on"),  # issue 12's G-step line
-    Stage("bench_tree_attention", 40, 120, 15, "tree attention vs SDPA+mask, FlexAttention, eager"),
-    Stage("bench_verify", 40, 90, 10, "verify_chain / verify_tree vs eager PyTorch"),
+    Stage("tests-triton", 110, 130, 30, "every other kernel test's Triton path, compiled (pytest -k triton)"),
+    Stage("bench_tree_attention", 60, 120, 20, "decode, chains, trees vs SDPA+mask, FlexAttention, eager; autotuned",
+          env=(("SPECDEC_AUTOTUNE", "1"),)),  # fmt: skip
+    Stage("bench_verify", 40, 90, 15, "verify_chain / verify_tree vs eager PyTorch, in graphs"),
     Stage("bench_kv_rollback", 10, 60, 5, "KV compaction vs an eager per-layer loop"),
     Stage("bench_model_ops", 15, 60, 5, "RMSNorm, RoPE, SwiGLU vs eager composites"),
+    Stage("bench_host_time", 15, 60, 5, "host time of the public ops and their run_* entries, batch 1"),
+    Stage("bench_step", 40, 100, 10, "8B-shaped model step, CUDA graphs off/on"),  # the G-step and floor lines
     Stage("bench_model", 40, 90, 15, "decode throughput vs transformers", optional=True),
     Stage("bench_sampling", 20, 60, 5, "sample, filtered_probs, kv_append vs eager", optional=True),
-    Stage("bench_e2e", 100, 150, 15, "speculative decoding end to end, embedded pair"),
+    Stage("bench_e2e", 100, 150, 15, "speculative decoding end to end, embedded pair", optional=True),
 ]
 MODEL_BENCHES = {"bench_step", "bench_model", "bench_e2e"}  # whole models: PyTorch path in a dry run
+TEST_STAGES = ("tests-kv-cache", "tests-gpu", "tests-triton")
+KV_CACHE_TESTS = "tests/test_kv_cache.py"
 
 
 class Check:
@@ -84,6 +101,7 @@ class Check:
         self.started = time.monotonic()
         self.summary = out / "summary.md"
         self.results: list[tuple[str, str, float]] = []  # (stage, status, seconds)
+        self.test_results: dict[str, tuple[bool, str]] = {}  # test stage -> (passed, pytest's last line)
         self.build: subprocess.Popen | None = None
         self.build_seconds: float | None = None  # set when the build ends
         self.env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -192,17 +210,25 @@ class Check:
                             "--header"], "tests.log", limit)  # fmt: skip
         return code == 0
 
-    def tests(self, limit: float, gpu: bool) -> bool:
-        if gpu:
+    def tests(self, limit: float, which: str) -> bool:
+        """``which``: "kv-cache" (the six cases, one process, long tracebacks), "gpu" or "triton"."""
+        tracebacks: list[str] = []
+        if which == "kv-cache":
+            # a dry run tests the stage with the three quick cases (CI runs them all in the suite)
+            quick = "triton and (partial_acceptance or loose_bounds)"
+            selection = [KV_CACHE_TESTS, "-k", quick if self.dry else "triton"]
+            tracebacks = ["--tb=long"]
+        elif which == "gpu":
             selection = ["tests", "-m", "gpu"]
         elif self.dry:  # a small sample of the Triton paths: the dry run tests the stage, not the kernels
             selection = ["tests/test_tuning.py", "tests/test_kv_ops.py", "-k", "candidates or (triton and not bounds)"]
-        else:
-            selection = ["tests", "-k", "triton", "-m", "not gpu"]
+        else:  # the KV-cache cases ran in their own stage
+            selection = ["tests", "-k", "triton", "-m", "not gpu", f"--ignore={KV_CACHE_TESTS}"]
         workers = ["-n", str(min(8, max(1, (os.cpu_count() or 2) // 2)))]
-        if self.dry:  # on the CPU the gpu-marked tests all skip: one process collects faster than two workers
-            workers = ["-n", "0" if gpu else "2"]
-        cmd = [sys.executable, "-m", "pytest", *selection, "-v", "-rfE", "-p", "no:cacheprovider", *workers]
+        if self.dry or which == "kv-cache":  # few tests: one process collects faster than workers start
+            workers = ["-n", "2" if self.dry and which == "triton" else "0"]
+        cmd = [sys.executable, "-m", "pytest", *selection, "-v", "-rfE", *tracebacks, "-p", "no:cacheprovider",
+               *workers]  # fmt: skip
         env = dict(self.env, SPECDEC_FAILURES_LOG=str(self.out / "failures.log"))
         code, output = self.run(cmd, "tests.log", limit, env)
         final = [line for line in output.splitlines() if re.search(r"\d+ (passed|failed|skipped|error)", line)]
@@ -215,17 +241,22 @@ class Check:
         self.write(f"\n`pytest {' '.join(selection)}`: {result}\n")
         for line in failures[:30]:
             self.write(f"- {line}\n")
-        return code in (0, 5) and not failures  # 5: nothing collected (e.g. no gpu-marked test left)
+        if failures and which == "kv-cache":
+            self.write("\nTheir tracebacks (--tb=long) are in failures.log and tests.log.\n")
+        ok = code in (0, 5) and not failures  # 5: nothing collected (e.g. no gpu-marked test left)
+        self.test_results[f"tests-{which}"] = (ok, result)
+        return ok
 
-    def bench(self, name: str, limit: float) -> bool:
+    def bench(self, stage: Stage, limit: float) -> bool:
+        name = stage.name
         script = BENCH / f"{name}.py"
         tables = self.scratch / name
         cmd = [sys.executable, str(script.relative_to(ROOT)), "--out", str(tables)]
-        env = self.env
+        env = dict(self.env, **dict(stage.env))
         if self.dry:
             cmd += ["--device", "cpu", "--dry-run" if "bench_args(" in script.read_text() else "--quick"]
             if name in MODEL_BENCHES:
-                env = {k: v for k, v in self.env.items() if k != "TRITON_INTERPRET"}
+                env.pop("TRITON_INTERPRET", None)
         code, output = self.run(cmd, "bench.log", limit, env)
         rows = [line for line in output.splitlines() if line.startswith(("## ", "|"))]
         status = "done" if code == 0 else (f"cut at {limit:.0f} s" if code is None else f"failed (exit {code})")
@@ -249,8 +280,18 @@ class Check:
         if stage.name == "extension":
             return self.extension(limit)
         if stage.name.startswith("tests-"):
-            return self.tests(limit, gpu=stage.name == "tests-gpu")
-        return self.bench(stage.name, limit)
+            return self.tests(limit, stage.name.removeprefix("tests-"))
+        return self.bench(stage, limit)
+
+    def bench_json(self) -> dict[str, dict]:
+        """{file stem: its JSON} of every benchmark that wrote one (``bench_verify``, ``host_time``, ...)."""
+        found = {}
+        for path in sorted(self.scratch.glob("*/*.json")):
+            try:
+                found[path.stem] = json.loads(path.read_text())
+            except (OSError, ValueError) as exc:  # a benchmark cut while writing: reported, not fatal
+                self.write(f"\n{path.name} could not be read: {exc}\n")
+        return found
 
 
 def plan(stages: list[Stage], budget: float, dry: bool) -> tuple[list[tuple[Stage, bool]], float]:
@@ -285,6 +326,186 @@ def all_kernels() -> set[str]:
 def first_light_checks() -> list[str]:
     sys.path.insert(0, str(BENCH))
     return list(__import__("first_light").CHECKS)
+
+
+# ---------------------------------------------------------------------- issue 34's targets
+
+
+@dataclass
+class Target:
+    what: str
+    target: str
+    value: str = "-"
+    status: str = "not measured"  # PASS, FAIL or not measured
+    source: str = ""
+
+
+def _num(value) -> float | None:
+    """A JSON number, or the leading number of a table cell ("1.91", "85%", "0.42x"); None for "-" or text."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value) if math.isfinite(value) else None
+    found = re.match(r"\s*(-?[0-9.]+(?:e[-+]?\d+)?)", str(value or ""))
+    return float(found.group(1)) if found else None
+
+
+def _field(row: dict, key: str, column: str) -> float | None:
+    """A row's number: its JSON field ``key``, else its table cell ``column``."""
+    return _num(row[key]) if row.get(key) is not None else _num(row.get(column))
+
+
+def _judge(line: Target, values: list[tuple[float, str]], bound: float, at_most: bool, unit: str = "") -> None:
+    """PASS when every value is within the bound; the value shown is the worst, with what it came from."""
+    if not values:
+        return
+    worst, where = (max if at_most else min)(values, key=lambda v: v[0])
+    line.value = f"{'max' if at_most else 'min'} {worst:.3g}{unit} ({where}; {len(values)} rows)"
+    line.status = "PASS" if (worst <= bound if at_most else worst >= bound) else "FAIL"
+
+
+def _pick(rows: list[dict], kind, size, dry: bool) -> tuple[list[dict], str]:
+    """Rows of the right kind and, on a GPU, size; a dry run's tiny shapes never reach the sizes a target
+    names, so it takes every row of the kind (and says so)."""
+    chosen = [r for r in rows if kind(r)]
+    if dry:
+        return chosen, "dry run: every size"
+    return [r for r in chosen if size(r)], ""
+
+
+def targets(results: dict[str, dict], tests: dict[str, tuple[bool, str]], dry: bool) -> list[Target]:
+    """Issue 34's target lines from the benchmarks' JSON (``{file stem: JSON}``) and the test stages' results
+    (``{stage: (passed, pytest's last line)}``)."""
+    lines = []
+
+    def line(what: str, target: str, source: str) -> Target:
+        lines.append(Target(what, target, source=source))
+        if source not in results:
+            lines[-1].value = f"no {source}.json (stage not run, failed or cut first)"
+        return lines[-1]
+
+    # decode, chains and trees: bench_tree_attention
+    tree = results.get("bench_tree_attention", {})
+    rows = tree.get("rows", [])
+    shape = lambda name: lambda r: r.get("shape", r.get("queries")) == name  # noqa: E731
+    batch = lambda r: _field(r, "batch", "batch") or 0  # noqa: E731
+    context = lambda r: _field(r, "context", "context") or 0  # noqa: E731
+    x_sdpa = lambda r: _field(r, "x_sdpa", "x SDPA")  # noqa: E731
+    where = lambda r: f"batch {batch(r):.0f}, context {context(r):.0f}"  # noqa: E731
+
+    t = line("decode attention, context >= 4k, batch >= 8", ">= 85% of copy bandwidth", "bench_tree_attention")
+    picked, note = _pick(rows, shape("decode"), lambda r: context(r) >= 4096 and batch(r) >= 8, dry)
+    _judge(t, [(_field(r, "pct_copy", "% copy"), where(r)) for r in picked], 85, at_most=False, unit="%")
+    t.source += f"; {note}" if note else ""
+    t = line("decode attention, every row", ">= 1.0x SDPA", "bench_tree_attention")
+    _judge(t, [(x_sdpa(r), where(r)) for r in rows if shape("decode")(r)], 1.0, at_most=False, unit="x")
+    t = line("decode attention, batch 1", "fitted fixed cost <= 22 us", "bench_tree_attention")
+    points = [(_num(r.get("bytes")), _num(r.get("planned_us"))) for r in rows if shape("decode")(r) and batch(r) == 1]
+    points = [(b, us) for b, us in points if b is not None and us is not None]
+    fit = _fit(points)
+    if fit is not None:
+        fixed, rate = fit
+        t.value = f"{fixed:.1f} us fixed, {rate:.0f} GB/s streaming ({len(points)} contexts)"
+        t.status = "PASS" if fixed <= 22 else "FAIL"
+    elif points:
+        t.value = "one context only: no fit"
+    for what, target, bound in (("64-node tree, batch >= 8", ">= 2x SDPA+mask", 2.0),
+                                ("64-node tree, batch >= 8", ">= 40% of dense bf16 peak", 40.0)):  # fmt: skip
+        t = line(what, target, "bench_tree_attention")
+        picked, note = _pick(rows, shape("tree 64"), lambda r: batch(r) >= 8, dry)
+        values = [(x_sdpa(r) if bound == 2.0 else _field(r, "pct_peak", "% peak"), where(r)) for r in picked]
+        _judge(t, values, bound, at_most=False, unit="x" if bound == 2.0 else "%")
+        t.source += f"; {note}" if note else ""
+        if bound == 40.0 and tree.get("peak_source"):
+            t.source += f"; peak {tree.get('peak_tflops', 0):.4g} TFLOP/s, {tree['peak_source']}"
+    t = line("64-node tree vs FlexAttention", "reported", "bench_tree_attention")
+    ratios = [(_field(r, "x_flex", "x Flex"), where(r)) for r in rows if shape("tree 64")(r)]
+    ratios = [(x, w) for x, w in ratios if x is not None]
+    errors = tree.get("flex_errors", [])
+    if ratios:
+        t.value = "Flex / specdec " + ", ".join(f"{x:.2f}x ({w})" for x, w in ratios)
+        t.status = "PASS"
+    elif errors:
+        t.value = "FlexAttention failed: " + errors[0].strip().splitlines()[-1][:200] + " (whole error in bench.log)"
+        t.status = "FAIL"
+    if tree.get("flex_mode") == "unfused":
+        t.source += "; dry run: unfused Flex"
+    t = line("chain of 8", ">= 1.5x SDPA+mask", "bench_tree_attention")
+    _judge(t, [(x_sdpa(r), where(r)) for r in rows if shape("chain 8")(r)], 1.5, at_most=False, unit="x")
+
+    # the 8B-shaped step: bench_step
+    steps = results.get("bench_step", {}).get("rows", [])
+    t = line("8B-shaped decode step with graphs", "<= 1.25x the weight-bandwidth floor", "bench_step")
+    graphs = [r for r in steps if r.get("kind") == "decode" and r.get("graphs")]
+    if dry and not graphs:
+        graphs, t.source = [r for r in steps if r.get("kind") == "decode"], t.source + "; dry run: graphs off"
+    _judge(t, [(_num(r.get("x_floor")), f"batch {r.get('batch')}") for r in graphs if _num(r.get("x_floor"))],
+           1.25, at_most=True, unit="x")  # fmt: skip
+
+    # verification: bench_verify
+    verify = results.get("bench_verify", {}).get("rows", [])
+    t = line("verification at batch >= 8", "<= 1.5x its byte floor", "bench_verify")
+    picked, note = _pick(verify, lambda r: True, lambda r: (_num(r.get("batch")) or 0) >= 8, dry)
+    _judge(t, [(_num(r.get("x_floor")), r.get("case", "?")) for r in picked if _num(r.get("x_floor"))], 1.5,
+           at_most=True, unit="x")  # fmt: skip
+    t.source += f"; {note}" if note else ""
+    t = line("verification at batch 1, inside a graph", "<= 15 us GPU time", "bench_verify")
+    picked = [r for r in verify if _num(r.get("batch")) == 1]
+    _judge(t, [(_num(r.get("graph_us")), r.get("case", "?")) for r in picked if _num(r.get("graph_us"))], 15,
+           at_most=True, unit=" us")  # fmt: skip
+
+    # host time: bench_host_time's targets
+    host = results.get("host_time", {}).get("targets", [])
+    public_calls = "public verify_chain / verify_tree / sample call, batch 1"
+    for what, target, public in ((public_calls, "<= 25 us host time", True),
+                                 ("unchecked run_* entry", "<= 15 us host time", False)):  # fmt: skip
+        t = line(what, target, "host_time")
+        mine = [h for h in host if ("public" in str(h.get("what", ""))) == public and _num(h.get("value")) is not None]
+        if mine:
+            worst = max(mine, key=lambda h: _num(h["value"]))
+            met = sum(bool(h.get("pass")) for h in mine)
+            t.value = f"max {_num(worst['value']):.3g} us ({worst.get('what')}); {met} of {len(mine)} met"
+            t.status = "PASS" if met == len(mine) else "FAIL"
+
+    # paged rollback: bench_kv_rollback
+    rollback = results.get("bench_kv_rollback", {}).get("rows", [])
+    t = line("paged rollback, batch 64", "<= 2x its byte floor", "bench_kv_rollback")
+    paged = [r for r in rollback if r.get("layout") == "paged" and _field(r, "x_floor", "x floor") is not None]
+    largest = max((_num(r.get("batch")) or 0 for r in paged), default=None)
+    picked = [r for r in paged if _num(r.get("batch")) == (largest if dry else 64)]
+    _judge(t, [(_field(r, "x_floor", "x floor"), f"{r.get('paths', '?')} paths") for r in picked], 2.0, at_most=True,
+           unit="x")  # fmt: skip
+    if dry and picked:
+        t.source += f"; dry run: batch {largest:.0f}"
+
+    # the tests
+    t = Target("gpu-marked and compiled Triton tests", "all pass, the six KV-cache cases included", source="pytest")
+    lines.append(t)
+    ran = {name: result for name, result in tests.items() if name in TEST_STAGES}
+    if ran:
+        t.value = "; ".join(f"{name}: {result}" for name, (_, result) in ran.items())
+        failed = not all(ok for ok, _ in ran.values())
+        t.status = "FAIL" if failed else "PASS" if len(ran) == len(TEST_STAGES) else "not measured"
+        if t.status == "not measured":
+            t.value += f" ({', '.join(sorted(set(TEST_STAGES) - set(ran)))} did not run)"
+    else:
+        t.value = "no test stage ran"
+    return lines
+
+
+def _fit(points):
+    sys.path.insert(0, str(BENCH))
+    return __import__("common").fit_cost(points)
+
+
+def targets_table(lines: list[Target], dry: bool) -> str:
+    """The summary's one table of targets (markdown)."""
+    counts = {s: sum(t.status == s for t in lines) for s in ("PASS", "FAIL", "not measured")}
+    title = "Issue 34's targets" + (" (dry run: CPU values of tiny shapes, not the GPU's)" if dry else "")
+    out = [f"\n## {title}\n", "| what | target | value | status | from |", "|---|---|---|---|---|"]
+    out += [f"| {t.what} | {t.target} | {t.value} | {t.status} | {t.source} |" for t in lines]
+    out.append(f"\n{counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['not measured']} not measured.\n")
+    return "\n".join(out) + "\n"
 
 
 def main() -> int:
@@ -347,6 +568,11 @@ def main() -> int:
         check.write(f"| {name} | {status} | {seconds:.0f} |\n")
     if skipped:
         check.write("\nSkipped (budget): " + "; ".join(skipped) + "\n")
+    results = check.bench_json()
+    lines = targets(results, check.test_results, args.dry_run)
+    check.write(targets_table(lines, args.dry_run))
+    report = dict(stages=check.results, tests=check.test_results, targets=[vars(t) for t in lines], benches=results)
+    (args.out / "results.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     elapsed = time.monotonic() - check.started
     verdict = "FAILED: " + ", ".join(failed) if failed else "all stages that ran passed"
     if args.dry_run and skipped:

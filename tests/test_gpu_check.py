@@ -1,6 +1,7 @@
 """The GPU check (``bench/gpu_check.sh``): its plan fits the budgets, its arguments are checked, and a short
 dry run writes the summary a GPU run would (CI runs the whole dry run: ``make gpu-dry-run``)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -12,8 +13,25 @@ import gpu_check  # noqa: E402
 
 from specdec.kernels import tuning  # noqa: E402
 
-EIGHT_MINUTES = 480  # issue 18's bound for the whole check on an H200
+EIGHT_MINUTES = 480  # issues 18 and 34: the bound for the whole check on an H200
 CI_DRY_RUN = 180  # the dry run's share of CI: 3 minutes
+# issue 34's Targets table, one line per bound (its combined rows split in two)
+TARGET_LINES = [
+    ("decode attention, context >= 4k, batch >= 8", ">= 85% of copy bandwidth"),
+    ("decode attention, every row", ">= 1.0x SDPA"),
+    ("decode attention, batch 1", "fitted fixed cost <= 22 us"),
+    ("64-node tree, batch >= 8", ">= 2x SDPA+mask"),
+    ("64-node tree, batch >= 8", ">= 40% of dense bf16 peak"),
+    ("64-node tree vs FlexAttention", "reported"),
+    ("chain of 8", ">= 1.5x SDPA+mask"),
+    ("8B-shaped decode step with graphs", "<= 1.25x the weight-bandwidth floor"),
+    ("verification at batch >= 8", "<= 1.5x its byte floor"),
+    ("verification at batch 1, inside a graph", "<= 15 us GPU time"),
+    ("public verify_chain / verify_tree / sample call, batch 1", "<= 25 us host time"),
+    ("unchecked run_* entry", "<= 15 us host time"),
+    ("paged rollback, batch 64", "<= 2x its byte floor"),
+    ("gpu-marked and compiled Triton tests", "all pass, the six KV-cache cases included"),
+]
 
 
 def test_the_gpu_plan_runs_every_stage_within_eight_minutes():
@@ -22,10 +40,12 @@ def test_the_gpu_plan_runs_every_stage_within_eight_minutes():
     planned, total = gpu_check.plan(default, gpu_check.BUDGET, dry=False)
     assert all(fits for _, fits in planned), [s.name for s, fits in planned if not fits]
     assert total == sum(s.expected for s in default) <= gpu_check.BUDGET
-    assert [s.name for s in gpu_check.STAGES if s.optional] == ["bench_model", "bench_sampling"]  # with --stages
-    names = [s.name for s in gpu_check.STAGES]
-    assert names[:4] == ["first-light", "extension", "tests-gpu", "tests-triton"]  # then benchmarks, by value
-    assert all(name.startswith("bench_") for name in names[4:])
+    assert [s.name for s in gpu_check.STAGES if s.optional] == ["bench_model", "bench_sampling", "bench_e2e"]
+    names = [s.name for s in default]
+    assert names == ["first-light", "extension", "tests-kv-cache", "tests-gpu", "tests-triton",  # issue 34's order
+                     "bench_tree_attention", "bench_verify", "bench_kv_rollback", "bench_model_ops", "bench_host_time",
+                     "bench_step"]  # fmt: skip
+    assert dict(gpu_check.STAGES[names.index("bench_tree_attention")].env) == {"SPECDEC_AUTOTUNE": "1"}
     assert gpu_check.STAGES[0].expected <= 60 and gpu_check.STAGES[0].limit <= 90  # first light is short
 
 
@@ -94,7 +114,111 @@ def test_a_dry_run_stage_writes_the_summary(tmp_path):
     assert "### bench_kv_rollback: done" in summary and "kernel configs |" in summary  # its table, configs column
     assert "| bench_kv_rollback | ok |" in summary and "all stages that ran passed" in summary
     assert {p.name for p in (tmp_path / "out").iterdir()} <= {"summary.md", "info.txt", "build.log", "tests.log",
-                                                             "failures.log", "bench.log"}  # fmt: skip
+                                                             "failures.log", "bench.log", "results.json"}  # fmt: skip
+    statuses = target_statuses(summary)
+    assert statuses[TARGET_LINES[12]] in ("PASS", "FAIL")  # rollback measured (tiny shapes)
+    assert all(statuses[line] == "not measured" for line in TARGET_LINES[:12])  # their stages did not run
+    assert statuses[TARGET_LINES[13]] == "not measured"
+    report = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [t["status"] for t in report["targets"]] == [statuses[line] for line in TARGET_LINES]
+    assert report["benches"]["bench_kv_rollback"]["rows"]  # the benchmark's rows beside the targets
+
+
+def target_statuses(summary: str) -> dict[tuple[str, str], str]:
+    """{(what, target): status} from the summary's table of issue 34's targets; every line exactly once."""
+    table = summary[summary.index("## Issue 34's targets"):]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in table.splitlines() if line.startswith("| ")]
+    found = {(r[0], r[1]): r[3] for r in rows[1:]}
+    assert len(rows) - 1 == len(found) == len(TARGET_LINES) and set(found) == set(TARGET_LINES), found
+    assert set(found.values()) <= {"PASS", "FAIL", "not measured"}
+    return found
+
+
+def fake_results(changes: dict | None = None) -> dict:
+    """The benchmarks' JSON as a GPU run writes it, every target met; ``changes`` ({(bench, row, field): value})
+    replaces rows' fields."""
+    tree_rows = []
+    for batch in (1, 8):
+        for context in (1024, 4096):
+            nbytes = batch * context * 4096
+            tree_rows += [
+                dict(batch=batch, context=context, shape="decode", bytes=nbytes, planned_us=10 + nbytes / 3.8e6,
+                     pct_copy=90.0, x_sdpa=1.1),
+                dict(batch=batch, context=context, shape="chain 8", x_sdpa=2.0),
+                dict(batch=batch, context=context, shape="tree 64", x_sdpa=2.5, pct_peak=45.0, x_flex=1.3),
+            ]  # fmt: skip
+    results = dict(
+        bench_tree_attention=dict(rows=tree_rows, flex_errors=[], peak_tflops=989.4, peak_source="H200 data sheet"),
+        bench_step=dict(rows=[dict(batch=1, kind="decode", graphs=True, x_floor=1.2),
+                              dict(batch=1, kind="decode", graphs=False, x_floor=3.0)]),
+        bench_verify=dict(rows=[dict(case="chain B=1 K=4", batch=1, x_floor=4.0, graph_us=9.0),
+                                dict(case="chain B=8 K=4", batch=8, x_floor=1.4, graph_us=20.0)]),
+        host_time=dict(targets=[
+            dict(what="host time of sample (public), batch 1, µs", value=20.0, target=25, **{"pass": True}),
+            dict(what="host time of sample (run_sample), batch 1, µs", value=9.0, target=15, **{"pass": True}),
+        ]),
+        bench_kv_rollback=dict(rows=[{"layout": "paged", "batch": "64", "paths": "tree", "x floor": "1.90"},
+                                     {"layout": "paged", "batch": "64", "paths": "chains", "x floor": "-"},
+                                     {"layout": "contiguous", "batch": "64", "paths": "tree", "x floor": "9.0"}]),
+    )  # fmt: skip
+    for (bench, index, field), value in (changes or {}).items():
+        results[bench]["rows"][index][field] = value
+    return results
+
+
+PASSED = {name: (True, "10 passed in 1.0s") for name in gpu_check.TEST_STAGES}
+
+
+def statuses_of(results, tests=PASSED, dry=False) -> list[str]:
+    lines = gpu_check.targets(results, tests, dry)
+    assert [(t.what, t.target) for t in lines] == TARGET_LINES
+    return [t.status for t in lines]
+
+
+def test_every_target_passes_on_a_run_that_meets_them_and_each_fails_alone():
+    assert statuses_of(fake_results()) == ["PASS"] * len(TARGET_LINES)
+    breaks = {  # one change each -> the one target line it breaks
+        ("bench_tree_attention", 9, "pct_copy"): (84.0, 0),  # decode, batch 8, context 4096
+        ("bench_tree_attention", 0, "x_sdpa"): (0.99, 1),  # any decode row
+        ("bench_tree_attention", 0, "planned_us"): (40.0, 2),  # batch 1's fit: a fixed cost past 22 us
+        ("bench_tree_attention", 8, "x_sdpa"): (1.9, 3),  # tree, batch 8
+        ("bench_tree_attention", 11, "pct_peak"): (39.0, 4),
+        ("bench_tree_attention", 1, "x_sdpa"): (1.4, 6),  # chain 8
+        ("bench_step", 0, "x_floor"): (1.3, 7),
+        ("bench_verify", 1, "x_floor"): (1.6, 8),
+        ("bench_verify", 0, "graph_us"): (16.0, 9),
+        ("bench_kv_rollback", 0, "x floor"): ("2.10", 12),
+    }
+    for change, (value, index) in breaks.items():
+        statuses = statuses_of(fake_results({change: value}))
+        assert statuses == ["PASS"] * index + ["FAIL"] + ["PASS"] * (len(TARGET_LINES) - index - 1), change
+    # rows outside a target's sizes do not count against it
+    assert statuses_of(fake_results({("bench_tree_attention", 2, "x_sdpa"): 1.0}))[3] == "PASS"  # tree, batch 1
+    assert statuses_of(fake_results({("bench_verify", 0, "x_floor"): 9.0}))[8] == "PASS"  # batch 1
+    assert statuses_of(fake_results({("bench_step", 1, "x_floor"): 9.0}))[7] == "PASS"  # graphs off
+
+
+def test_failures_that_are_not_rows_fail_their_lines():
+    results = fake_results()
+    results["host_time"]["targets"][1].update(value=16.0, **{"pass": False})
+    for row in results["bench_tree_attention"]["rows"]:
+        row.pop("x_flex", None)
+    results["bench_tree_attention"]["flex_errors"] = ["Traceback (most recent call last):\n  ...\nRuntimeError: no"]
+    statuses = statuses_of(results, dict(PASSED, **{"tests-kv-cache": (False, "1 failed, 5 passed in 3.0s")}))
+    assert [i for i, s in enumerate(statuses) if s == "FAIL"] == [5, 11, 13]
+    flex = gpu_check.targets(results, PASSED, False)[5]
+    assert "RuntimeError: no" in flex.value  # the error's last line, the whole of it in bench.log
+
+
+def test_what_did_not_run_is_not_measured():
+    assert statuses_of({}, {}) == ["not measured"] * len(TARGET_LINES)
+    results = fake_results()
+    del results["bench_verify"]
+    statuses = statuses_of(results, {"tests-gpu": PASSED["tests-gpu"]})
+    assert [i for i, s in enumerate(statuses) if s != "PASS"] == [8, 9, 13]
+    assert set(statuses[i] for i in (8, 9, 13)) == {"not measured"}
+    line = gpu_check.targets(results, {}, False)[8]
+    assert "no bench_verify.json" in line.value
 
 
 def test_a_dry_run_that_skips_a_stage_fails(tmp_path):
