@@ -5,7 +5,7 @@ A run of the batch sweep (``bench_e2e.py --sweep-only``) times real decoding, so
 percent hides in the machine's drift. This benchmark records once what the sweep's runs depend on -- for every
 held-out prompt, how many of the draft's greedy tokens the target accepts at each position of its greedy text,
 and the step time of each step shape on this machine -- then replays the controller on that trace
-(``specdec.decoding.replay``): step times drawn with noise and the machine's drift (both measured when
+(``bench/replay.py``): step times drawn with noise and the machine's drift (both measured when
 recording), every seed's exact cost in the recorded times, the fixed depths' costs alike. ``adaptive / best`` is
 the best fixed depth's (or plain decoding's) time over the controller's, per batch size, over seeds.
 
@@ -38,8 +38,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 from common import Table, cpu_threads  # noqa: E402
-
-from specdec.decoding.replay import (  # noqa: E402
+from replay import (  # noqa: E402
     DEFAULT_NOISE,
     SwitchPenalty,
     Trace,
@@ -76,25 +75,24 @@ def record(path: Path, rounds: int, batches: list[int], max_depth: int, drift_pa
             row.append(m)
         matches.append(row)
 
-    class Forced(AdaptiveSpeculation):
-        """Drafts ``depths`` (one per request, within its limit) every step; records the full batch's step times."""
+    class Forced:
+        """Drafts ``depths`` (one per request, within its limit) every step through the controller's ``forced``
+        option; records the full batch's step times (``on_step``)."""
 
         def __init__(self):
-            super().__init__(clock=time.thread_time)
             self.depths, self.times = [], []
+            self.controller = AdaptiveSpeculation(clock=time.thread_time, forced=self.choose, on_step=self.record)
 
-        def choose(self, running, limits, contexts):
-            choice = [max(0, min(d, limit)) for d, limit in zip(self.depths, limits)]
-            self._started = self.clock()
-            return choice
+        def choose(self, step, running, limits):
+            return self.depths[: len(running)]
 
-        def observe(self, running, nodes, depths, accepted, contexts):
+        def record(self, seconds, running, nodes, depths, accepted, contexts):
             if len(running) == len(self.depths) and list(depths) == self.depths:
-                self.times.append(self.clock() - self._started)
+                self.times.append(seconds)
 
     forced = Forced()
     strategy = DraftModelStrategy(draft, (1,) * max_depth)
-    decoder = SpeculativeDecoder(target, strategy, adaptive=forced)
+    decoder = SpeculativeDecoder(target, strategy, adaptive=forced.controller)
     shapes = [
         (b, d, h) for b in batches for d in range(max_depth + 1) for h in ((b,) if b == 1 or d == 0 else (b, b // 2))
     ]

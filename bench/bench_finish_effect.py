@@ -34,10 +34,10 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 from common import Table, cpu_threads, positive_int  # noqa: E402
 from forced_depths import ForcedDepths, StepRecord, full_batch_ms  # noqa: E402
+from replay import sweep_groups  # noqa: E402
 
 from specdec.cli.demo import ASSETS, heldout_token_ids, load_pair  # noqa: E402
 from specdec.decoding import DraftModelStrategy, SpeculativeDecoder  # noqa: E402
-from specdec.decoding.replay import sweep_groups  # noqa: E402
 
 
 def tokens_at_depth(steps: Sequence[StepRecord], batch: int, depth: int) -> float | None:
@@ -83,7 +83,8 @@ def main() -> None:
     for batch in batches:
         groups = sweep_groups(pool, batch)
         controllers = [ForcedDepths(lambda k, d=d: d) for d in depths]
-        decoders = [SpeculativeDecoder(target, DraftModelStrategy(draft, (1,) * top), adaptive=c) for c in controllers]
+        decoders = [SpeculativeDecoder(target, DraftModelStrategy(draft, (1,) * top), adaptive=c.controller)
+                    for c in controllers]  # fmt: skip
         for controller, decoder in zip(controllers, decoders):  # warm-up, not timed
             decoder.generate(groups[0], max_new_tokens=new_tokens, seed=0, eos_token_id=None)
             controller.steps.clear()

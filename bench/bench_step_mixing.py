@@ -76,7 +76,7 @@ def main() -> None:
     for batch in batches:
         prompts = [pool[i % len(pool)] for i in range(batch)]
         plan = {name: ForcedDepths(p) for name, p in patterns(args.depth, args.against).items()}
-        decoders = [(c, SpeculativeDecoder(target, DraftModelStrategy(draft, chain), adaptive=c))
+        decoders = [(c, SpeculativeDecoder(target, DraftModelStrategy(draft, chain), adaptive=c.controller))
                     for c in plan.values()]  # fmt: skip
         for controller, decoder in decoders:  # warm-up, not timed
             decoder.generate(prompts, max_new_tokens=new_tokens, seed=0, eos_token_id=None)

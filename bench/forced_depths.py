@@ -1,9 +1,9 @@
-"""A stand-in adaptive controller that drafts a fixed pattern of depths and records every step (issue 16 benches).
+"""A controller that drafts a fixed pattern of depths and records every step (issue 16 benches).
 
 The adaptive controller's hooks (``choose`` before a step, ``observe`` after its read-back) are where a step's
 depths are set and where its time and acceptance are known, so the benchmarks that study the controller's inputs
-drive the decoder through this subclass instead of patching the engine: depths come from a pattern, nothing is
-learnt, and each step is kept as a ``StepRecord``.
+drive the decoder through its declared options instead of patching the engine: ``forced`` gives the depths from
+a pattern (nothing is learnt), ``on_step`` keeps each step as a ``StepRecord``.
 """
 
 from __future__ import annotations
@@ -28,26 +28,19 @@ class StepRecord:
     accepted: tuple[int | None, ...]
 
 
-class ForcedDepths(AdaptiveSpeculation):
+class ForcedDepths:
     """Not adaptive: step k of each stream drafts ``pattern(k)`` tokens per request (within its limit); every step is
-    appended to ``steps``."""
+    appended to ``steps``. ``controller`` is what the decoder takes (``SpeculativeDecoder(..., adaptive=...)``)."""
 
     def __init__(self, pattern: Callable[[int], int]):
-        super().__init__(clock=time.thread_time)
-        self.pattern, self.step, self.steps = pattern, 0, []
+        self.pattern, self.depth, self.steps = pattern, 0, []
+        self.controller = AdaptiveSpeculation(clock=time.thread_time, forced=self._depths, on_step=self._record)
 
-    def start(self) -> None:
-        super().start()
-        self.step = 0
+    def _depths(self, step: int, running: Sequence[int], limits: Sequence[int]) -> list[int]:
+        self.depth = self.pattern(step)
+        return [self.depth] * len(running)
 
-    def choose(self, running, limits, contexts):
-        self.depth = self.pattern(self.step)
-        self.step += 1
-        self._started = self.clock()
-        return [max(0, min(self.depth, limit)) for limit in limits]
-
-    def observe(self, running, nodes, depths, accepted, contexts):
-        seconds = self.clock() - self._started
+    def _record(self, seconds, running, nodes, depths, accepted, contexts) -> None:
         self.steps.append(StepRecord(len(running), self.depth, max(depths, default=0), seconds, tuple(accepted)))
 
 

@@ -188,10 +188,10 @@ def test_one_stalled_step_does_not_price_the_shape_in_use_out(capped, monkeypatc
     per second). Step 30 stalls (+40%: a page fault, a preempted thread). The shape's running mean takes that step at
     no more than ``SHAPE_STEP_CAP`` over its price, so depth 2 stays chosen; uncapped (the case below, to show the
     stall matters), the one step prices depth 2 under depth 1 until an exploration measures it again."""
-    import specdec.decoding.adaptive as adaptive
+    import specdec.decoding.step_cost as step_cost
 
     if not capped:
-        monkeypatch.setattr(adaptive, "SHAPE_STEP_CAP", 10.0)
+        monkeypatch.setattr(step_cost, "SHAPE_STEP_CAP", 10.0)
     steps = []
 
     def cost(depths):
@@ -349,6 +349,29 @@ def test_bad_options_are_refused(pair):
         AdaptiveSpeculation(explore_every=1)
     with pytest.raises(TypeError, match="adaptive"):
         SpeculativeDecoder(pair[0], NgramStrategy(), adaptive="yes")
+    with pytest.raises(TypeError, match="forced"):
+        AdaptiveSpeculation(forced=[1, 2])
+    with pytest.raises(TypeError, match="on_step"):
+        AdaptiveSpeculation(on_step="print")
+
+
+def test_forced_depths_are_clipped_timed_and_teach_nothing():
+    """``forced`` gives each running request's depth per step (steps counted from 0 in each stream), clipped to the
+    request's limit and the strategy's size; the controller then learns nothing, and ``on_step`` still gets each
+    step's time and ``observe``'s arguments. A forced rule that does not give one depth per request is refused."""
+    records = []
+    ctl, clock = controller(max_depth=3, forced=lambda step, running, limits: [step, 2 * step][: len(running)],
+                            on_step=lambda *record: records.append(record))  # fmt: skip
+    choices = simulate(ctl, clock, lambda r, d: d, 3, requests=2, limit=2)
+    assert choices == [[0, 0], [1, 2], [2, 2]]
+    assert [r[0] for r in records] == [linear_cost(c) for c in choices] == [12.0, 16.0, 17.0]
+    assert records[1][1:] == ([0, 1], [2, 3], [1, 2], [1, 2], [64, 64])
+    assert ctl.cost.steps == 0 and ctl.acceptance.pooled == [] and ctl.cost.theta is None
+    ctl.start()  # a new stream starts again at step 0
+    assert ctl.choose([0], [5], [10]) == [0] and ctl.choose([0], [5], [10]) == [1]
+    one_depth, _ = controller(forced=lambda step, running, limits: [1])
+    with pytest.raises(ValueError, match="forced must return one depth per running request"):
+        one_depth.choose([0, 1], [5, 5], [10, 10])
 
 
 # ---- the engine with the controller ------------------------------------------------------------------
@@ -385,12 +408,6 @@ def pair():
     return target, noisy_copy(target, 1, 0.3)
 
 
-class RecordsStepTimes(AdaptiveSpeculation):
-    def observe(self, running, nodes, depths, accepted, contexts):
-        self.seconds = getattr(self, "seconds", []) + [self.clock() - self._started]
-        super().observe(running, nodes, depths, accepted, contexts)
-
-
 def test_a_strategys_prepare_is_not_timed_as_the_steps_cost(pair):
     """Work a strategy owes from earlier steps (``prepare``: the draft's deferred prefill) runs after the choice and
     before the step's clock starts, so no step shape is priced by it."""
@@ -405,11 +422,12 @@ def test_a_strategys_prepare_is_not_timed_as_the_steps_cost(pair):
         timed.inner.prepare(step)
 
     timed.prepare = prepare
-    ctl = RecordsStepTimes(clock=clock)
+    seconds = []  # each step's time, as the controller measured it (``on_step``)
+    ctl = AdaptiveSpeculation(clock=clock, on_step=lambda step_seconds, *step: seconds.append(step_seconds))
     result = SpeculativeDecoder(target, timed, adaptive=ctl).generate([[3, 9, 4, 3, 9, 4, 3]] * 2, max_new_tokens=20,
                                                                       eos_token_id=None)  # fmt: skip
-    assert len(prepared) == len(ctl.seconds) == result.stats[0].target_forwards - 1  # once a step, the prefill's not
-    assert all(s < 100 for s in ctl.seconds), ctl.seconds
+    assert len(prepared) == len(seconds) == result.stats[0].target_forwards - 1  # once a step, the prefill's not
+    assert all(s < 100 for s in seconds), seconds
 
 
 @pytest.mark.parametrize("strategy", ["chain", "tree", "ngram", "medusa", "eagle2", "eagle1"])
@@ -435,23 +453,23 @@ def test_greedy_output_is_the_targets_whatever_the_choices(pair, strategy):
     assert 0 in chosen and max(chosen) > 0, "the controller should both draft and not draft here"
 
 
-class DraftsAgainAfterARejection(AdaptiveSpeculation):
+def drafts_again_after_a_rejection() -> AdaptiveSpeculation:
     """Depths that depend on what was sampled before, as the controller's do (a request's own acceptance moves its
-    choice), made deterministic: a request drafts 1 at its first step, then 1 again only if its last draft was
-    rejected, else nothing."""
+    choice), made deterministic through the controller's ``forced`` and ``on_step``: a request drafts 1 at its
+    first step, then 1 again only if its last draft was rejected, else nothing."""
+    last_accepted = {}
 
-    def start(self):
-        super().start()
-        self.last_accepted = {}
+    def forced(step, running, limits):
+        if step == 0:  # a new stream
+            last_accepted.clear()
+        return [0 if last_accepted.get(b, 0) else 1 for b in running]
 
-    def choose(self, running, limits, contexts):
-        self._started = self.clock()
-        return [min(limit, 0 if self.last_accepted.get(b, 0) else 1) for b, limit in zip(running, limits)]
-
-    def observe(self, running, nodes, depths, accepted, contexts):
+    def on_step(seconds, running, nodes, depths, accepted, contexts):
         for b, d, a in zip(running, depths, accepted):
             if d:
-                self.last_accepted[b] = a
+                last_accepted[b] = a
+
+    return AdaptiveSpeculation(forced=forced, on_step=on_step)
 
 
 def test_sampling_with_adaptive_choices_is_exact():
@@ -462,7 +480,7 @@ def test_sampling_with_adaptive_choices_is_exact():
     target = random_model(config, seed=5, scale=1.5)
     draft = noisy_copy(target, 6, 0.5)
     prompt = [1, 2, 3]
-    decoder = SpeculativeDecoder(target, DraftModelStrategy(draft, (1, 1)), adaptive=DraftsAgainAfterARejection())
+    decoder = SpeculativeDecoder(target, DraftModelStrategy(draft, (1, 1)), adaptive=drafts_again_after_a_rejection())
     sampling = dict(max_new_tokens=steps, temperature=0.9, top_k=0, top_p=0.9, seed=1000, eos_token_id=None)
     result = decoder.generate([prompt] * draws, **sampling)
     assert_sequences_follow(result.tokens, model_joint(target, prompt, steps, 0.9, 0, 0.9), vocab)

@@ -1,4 +1,4 @@
-"""The adaptive controller on a recorded trace (``specdec.decoding.replay``): the replay's own arithmetic, the
+"""The adaptive controller on a recorded trace (``bench/replay.py``): the replay's own arithmetic, the
 step-cost model's pooling of shapes, and the controller's choices against fixed depths under step-time noise.
 
 ``data/adaptive_trace.json`` was recorded on the embedded pair by ``bench/bench_adaptive_replay.py --record``
@@ -12,10 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import run_bench
+from helpers import ROOT, run_bench
 
 from specdec.decoding.adaptive import AdaptiveSpeculation, StepCostModel
-from specdec.decoding.replay import (
+
+sys.path.insert(0, str(Path(ROOT) / "bench"))
+from replay import (  # noqa: E402
     SwitchPenalty,
     Trace,
     fit_drift,
@@ -179,7 +181,7 @@ def test_stalled_steps_cost_the_controller_and_the_shape_cap_wins_part_of_it_bac
     """2% of the steps stalled 15-40% (as seen live), the current engine's trace, batch 2 and 8, 8 seeds: the
     controller's mean ratio to the best fixed depth drops against the same seeds without stalls, and drops less with
     the shape means' step cap (``SHAPE_STEP_CAP``) than without it; a stall share outside [0, 1] is refused."""
-    import specdec.decoding.adaptive as adaptive
+    import specdec.decoding.step_cost as step_cost
 
     trace = Trace.load(CURRENT_TRACE)
 
@@ -191,7 +193,7 @@ def test_stalled_steps_cost_the_controller_and_the_shape_cap_wins_part_of_it_bac
         return sum(ratios) / len(ratios)
 
     calm, capped = mean_ratio(0.0), mean_ratio(0.02)
-    monkeypatch.setattr(adaptive, "SHAPE_STEP_CAP", 10.0)
+    monkeypatch.setattr(step_cost, "SHAPE_STEP_CAP", 10.0)
     uncapped = mean_ratio(0.02)
     assert uncapped < capped < calm, (uncapped, capped, calm)
     with pytest.raises(ValueError, match="stalls"):
@@ -246,14 +248,12 @@ BOUND = {1: 0.97, 2: 0.97, 4: 0.94, 8: 0.955, 16: 0.965, 32: 0.965}  # about 2% 
 def test_a_controller_that_always_drafts_its_longest_fails_the_bound():
     """The bound can fail: a controller that never shortens its drafts is far below it at batch 32."""
 
-    class Longest(AdaptiveSpeculation):
-        def choose(self, running, limits, contexts):
-            self._started = self.clock()
-            return [max(0, min(self.max_depth, x)) for x in limits]
+    def longest(clock):  # each request drafts as far as it may: its limit, within the strategy's size
+        return AdaptiveSpeculation(clock=clock, forced=lambda step, running, limits: limits)
 
     trace = Trace.load(TRACE)
     best = min(replay_fixed(trace, 32, k) for k in range(trace.max_depth + 1))
-    assert best / replay(trace, 32, noise=0.04, controller=lambda clock: Longest(clock=clock)).seconds < BOUND[32]
+    assert best / replay(trace, 32, noise=0.04, controller=longest).seconds < BOUND[32]
 
 
 def test_the_benchmark_records_a_trace_and_replays_it(tmp_path):
@@ -288,7 +288,6 @@ def test_a_rule_that_weighs_the_batchs_finish_drafts_less_for_a_request_that_fin
     the last request finishes (``"finish"``) decodes plainly and is faster. Also: ``replay_policy`` runs a rule
     with the group's prompt indices (drafting for the prompt that accepts costs less than for the one that does
     not)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from bench_adaptive_replay import oracle
 
     costs = [[b, d, h, 10.0 + b + h * d + 0.5 * d + (8.0 if d else 0.0)] for b in (1, 2) for d in range(5)
@@ -305,10 +304,9 @@ def test_a_rule_that_weighs_the_batchs_finish_drafts_less_for_a_request_that_fin
 
 
 def test_the_sweeps_held_out_ratio_never_picks_a_reference_by_the_round_it_compares():
-    """``bench_e2e.held_out_ratio``: each round against the reference fastest in the other rounds, where
-    ``paired_ratio`` takes the one fastest in all of them, that round included."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    from bench_e2e import held_out_ratio, paired_ratio
+    """``e2e_sweep.held_out_ratio`` (``bench_e2e.py --sweep-only``): each round against the reference fastest in
+    the other rounds, where ``paired_ratio`` takes the one fastest in all of them, that round included."""
+    from e2e_sweep import held_out_ratio, paired_ratio
 
     rounds = {"a": [8.0, 12.0, 10.4], "b": [10.2, 10.2, 10.6], "adaptive": [10.0, 10.0, 10.0]}
     # all rounds: b (median 10.2) beats a (10.4): ratios 1.02, 1.02, 1.06

@@ -1,0 +1,87 @@
+"""The adaptive controller's acceptance estimate: per request and draft position, the chance of acceptance.
+
+For each request and draft depth i, the chance that the node at depth i is accepted given that its ancestors
+were: a running estimate of the request's own, seeded with the pooled estimate of every request so far, whose
+own prior is ``prior_acceptance`` at depth 1 and the pooled estimate at depth i - 1 beyond. ``expected_tokens``
+turns the rates into the tokens a step is expected to emit at each depth (``specdec.decoding.adaptive``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class AcceptanceModel:
+    """Per-request acceptance by draft position: running estimates seeded with a pooled one.
+
+    ``rates(b, pooled_rates(n))[i - 1]`` (i from 1) is the chance that request b's draft node at depth i is
+    accepted given that its ancestors were. Request estimates fade by ``request_decay`` per step (recent text
+    counts more, and a request that stopped drafting drifts back to the pooled estimate, which is how it gets
+    tried again); the pooled one by ``pooled_decay`` per observation. ``*_weight``: how many observations' worth
+    each prior counts.
+
+    >>> model = AcceptanceModel(0.5)
+    >>> model.observe(0, depth=2, accepted=2)                  # request 0: both drafts accepted
+    >>> [round(r, 3) for r in model.rates(0, model.pooled_rates(2))]
+    [0.7, 0.76]
+    >>> model.expected_tokens([0, 1], caps=[1, 0])             # request 1 may not draft
+    [[1.0, 1.7], [1.0]]
+    """
+
+    def __init__(
+        self, prior_acceptance: float = 0.6, *, request_decay: float = 0.9, pooled_decay: float = 0.995,
+        request_weight: float = 3.0, pooled_weight: float = 4.0,
+    ):  # fmt: skip
+        self.prior = prior_acceptance
+        self.request_decay, self.pooled_decay = request_decay, pooled_decay
+        self.request_weight, self.pooled_weight = request_weight, pooled_weight
+        self.pooled: list[list[float]] = []  # per position: [accepted, tested] (decayed counts)
+        self.requests: dict[int, list[list[float]]] = {}
+
+    def start(self) -> None:
+        """A new stream: forget the requests (batch slots are reused), keep the pooled estimate."""
+        self.requests = {}
+
+    def pooled_rates(self, depth: int) -> list[float]:
+        rates, previous = [], self.prior
+        for i in range(depth):
+            accepted, tested = self.pooled[i] if i < len(self.pooled) else (0.0, 0.0)
+            previous = (accepted + self.pooled_weight * previous) / (tested + self.pooled_weight)
+            rates.append(previous)
+        return rates
+
+    def rates(self, request: int, pooled: list[float]) -> list[float]:
+        """Request ``request``'s conditional acceptance at depths 1 .. len(pooled)."""
+        own = self.requests.get(request, [])
+        out = []
+        for i, prior in enumerate(pooled):
+            accepted, tested = own[i] if i < len(own) else (0.0, 0.0)
+            out.append((accepted + self.request_weight * prior) / (tested + self.request_weight))
+        return out
+
+    def observe(self, request: int, depth: int, accepted: int) -> None:
+        """Request ``request`` proposed a tree of ``depth`` levels and ``accepted`` of its nodes were accepted."""
+        own = self.requests.setdefault(request, [])
+        for counts in own:
+            counts[0] *= self.request_decay
+            counts[1] *= self.request_decay
+        for i in range(min(depth, accepted + 1)):  # positions 1 .. accepted + 1 were tested
+            hit = float(accepted > i)
+            for table, decay in ((own, 1.0), (self.pooled, self.pooled_decay)):
+                while len(table) <= i:
+                    table.append([0.0, 0.0])
+                table[i][0] = decay * table[i][0] + hit
+                table[i][1] = decay * table[i][1] + 1.0
+
+    def expected_tokens(self, running: Sequence[int], caps: Sequence[int]) -> list[list[float]]:
+        """Per running request, the tokens it is expected to emit when drafting d levels, d = 0 .. its cap: 1 plus
+        the chances that its first 1, 2, .. drafts are all accepted."""
+        pooled = self.pooled_rates(max(caps, default=0))
+        expected = []
+        for b, cap in zip(running, caps):
+            reach, row = 1.0, [1.0]
+            for rate in self.rates(b, pooled[:cap]):
+                reach *= rate
+                row.append(row[-1] + reach)
+            expected.append(row)
+        return expected

@@ -1,0 +1,115 @@
+"""The adaptive controller's choice: the draft depths with the most expected tokens per second of step time.
+
+Every function here is pure: it reads a ``StepCostModel`` (the prices) and ``prices = (expected, rows)``, where
+``expected[r][d]`` is the tokens running request r is expected to emit when drafting d levels
+(``AcceptanceModel.expected_tokens``) and ``rows[d]`` the nodes, root included, of a d-level tree.
+
+``best_depths``: for each draft-level count L, the requests' depths are filled greedily by expected tokens per
+second of extra cost (the chance that a request's first i drafts are all accepted, over the cost of the rows its
+i-th level adds) while that raises the batch's tokens per second; that fill and the uniform depth L are priced as
+whole shapes (``StepCostModel.price``: a measured shape at its own mean), and the best of every L wins. 0 is
+plain decoding. ``exploration_variants``: the neighbours of a choice an exploration step may try instead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from specdec.decoding.step_cost import StepCostModel
+
+Prices = tuple[list[list[float]], list[int]]  # (expected tokens per request and depth, nodes per depth)
+
+
+def expected_rate(cost: StepCostModel, prices: Prices, depths: Sequence[int], contexts: Sequence[int],
+                  entry: float = 0.0) -> float:  # fmt: skip
+    """Expected tokens per predicted second of a step drafting ``depths``, its time priced from the features the
+    controller records for it, plus ``entry`` seconds when it drafts (its share of a catch-up the drafter owes)."""
+    expected, rows = prices
+    tokens, nodes, context_rows, deepest = 0, 0, 0, 0
+    for row, d, c in zip(expected, depths, contexts):
+        n = rows[d]
+        tokens, nodes, context_rows = tokens + row[d], nodes + n, context_rows + n * c
+        if d > deepest:
+            deepest = d
+    seconds = cost.price(len(depths), nodes - len(depths), deepest, context_rows)
+    if deepest > 0:
+        seconds += entry
+    return tokens / (seconds if seconds > 1e-12 else 1e-12)
+
+
+def best_depths(cost: StepCostModel, prices: Prices, caps: Sequence[int], contexts: Sequence[int],
+                entry: float) -> list[int]:  # fmt: skip
+    """The depths (each within its request's cap) maximising expected tokens / predicted seconds (see the module
+    docstring); ``entry``: seconds added to every shape that drafts."""
+    expected, rows = prices
+    top = max(caps, default=0)
+    requests, context = len(caps), sum(contexts)
+    tokens0, seconds0 = float(requests), cost.price(requests, 0, 0, context)
+    best_rate, best = tokens0 / max(seconds0, 1e-12), [0] * requests
+    if requests == 1:  # the fill below is the uniform depth: the best of every depth, priced as a whole shape
+        for levels in range(1, top + 1):
+            rate = expected_rate(cost, prices, [levels], contexts, entry)
+            if rate > best_rate:
+                best_rate, best = rate, [levels]
+        return best
+    per_row, per_context_row = cost.row_price, cost.context_price / 1024
+    row_steps = [rows[i] - rows[i - 1] for i in range(1, top + 1)]
+    # Items (ratio, -depth, request index, gain, cost): the i-th draft level of a request. (This runs every
+    # step over every request and level: plain loops, no calls.)
+    items = []
+    for r, (tokens_by_depth, ctx) in enumerate(zip(expected, contexts)):
+        ratio_cap, row_cost = math.inf, per_row + per_context_row * ctx
+        previous = 1.0
+        for i in range(1, len(tokens_by_depth)):
+            reach = tokens_by_depth[i] - previous  # the chance its first i drafts are accepted
+            previous = tokens_by_depth[i]
+            level_cost = row_steps[i - 1] * row_cost
+            if level_cost < 1e-12:
+                level_cost = 1e-12
+            ratio = reach / level_cost
+            if ratio < ratio_cap:  # a deeper level never goes before a shallower one
+                ratio_cap = ratio
+            items.append((ratio_cap, -i, r, reach, level_cost))
+    items.sort(reverse=True)
+    for levels in range(1, top + 1):
+        tokens, seconds = tokens0, max(cost.price(requests, 0, levels, context) + entry, 1e-12)
+        depth, deepest = [0] * requests, 0
+        for ratio, neg_i, r, gain, level_cost in items:
+            i = -neg_i
+            if i > levels or i != depth[r] + 1:
+                continue
+            if ratio * seconds <= tokens:  # adding it would not raise tokens / seconds
+                break
+            tokens, seconds = tokens + gain, seconds + level_cost
+            depth[r] = i
+            if i > deepest:
+                deepest = i
+        uniform = [levels if cap >= levels else cap for cap in caps]  # the shape fixed sizes use: often measured
+        if deepest == levels:  # the whole shape, priced as measured where it was
+            rate = expected_rate(cost, prices, depth, contexts, entry)
+            if rate > best_rate:
+                best_rate, best = rate, depth
+        if depth != uniform and max(uniform) == levels:
+            rate = expected_rate(cost, prices, uniform, contexts, entry)
+            if rate > best_rate:
+                best_rate, best = rate, uniform
+    return best
+
+
+def exploration_variants(choice: Sequence[int], caps: Sequence[int]) -> list[list[int]]:
+    """The depths an exploration step may try instead of ``choice``: one level fewer / more for all, one fewer /
+    more for every other request (the first always among them, so extra rows vary apart from draft levels), and
+    every uniform depth (an optimum far from the choice, under a cost curve the linear fit misses, is reached in
+    one exploration).
+
+    >>> exploration_variants([2, 1], caps=[3, 1])
+    [[1, 0], [3, 1], [1, 1], [3, 1], [0, 0], [1, 1], [2, 1], [3, 1]]
+    """
+    return [
+        [max(d - 1, 0) for d in choice],
+        [min(d + 1, cap) if r % 2 == 0 else d for r, (d, cap) in enumerate(zip(choice, caps))],
+        [max(d - 1, 0) if r % 2 == 0 else d for r, d in enumerate(choice)],
+        [min(d + 1, cap) for d, cap in zip(choice, caps)],
+        *([min(depth, cap) for cap in caps] for depth in range(max(caps, default=0) + 1)),
+    ]
