@@ -5,34 +5,30 @@ Layouts (K and V of every layer in one tensor, so one launch can touch all layer
     contiguous  data [L, 2, B, max_len, Hkv, D]
     paged       data [L, 2, num_blocks, block_size, Hkv, D],  block_tables [B, max_blocks] int32
 
-``seq_lens [B]`` (int32, on the device) counts each request's committed tokens. A step
-writes the K/V of its query tokens at ``seq_lens[b] + i`` (``write``, once per layer),
-then commits them: ``advance`` for prefill chunks and plain decode tokens, ``compact``
-for a verified token tree (moves the accepted path's nodes next to the prefix in every
-layer in one launch, then adds the accepted count). ``truncate`` / ``rollback`` shorten
-requests, ``release`` ends them.
+``seq_lens [B]`` (int32, on the device) counts each request's committed tokens. A step writes the K/V of its query
+tokens at ``seq_lens[b] + i`` (``write``, once per layer), then commits them: ``advance`` for prefill chunks and
+plain decode tokens, ``compact`` for a verified token tree (moves the accepted path's nodes next to the prefix in
+every layer in one launch, then adds the accepted count). ``truncate`` / ``rollback`` shorten requests, ``release``
+ends them.
 
-Capacity without device syncs. The host keeps, per request, an upper bound on
-``seq_lens[b]`` built only from sizes it already knows: ``reserve(counts)`` (called by
-``write`` if the caller did not) records how many tokens the step writes; committing
-adds that count (``advance`` with device counts), the exact count (host counts), or at
-most the path width (``compact``). A write is admitted when ``bound + count <= max_len``.
-Bounds drift upwards when trees are only partly accepted; only when a bound says a
-request *might* overflow (or the paged pool runs dry) does the cache read ``seq_lens``
-back once (``sync_lengths``) and decide on exact lengths. A write that still does not
-fit is refused with a ValueError naming the request and the excess, before anything is
-written. ``room()`` gives each request's guaranteed free slots so a strategy can shorten
-its draft instead. An engine that reads each step's results back anyway passes the exact
-lengths to ``known_lengths`` (no device access), keeping the bounds exact and the pool tight.
+Capacity without device syncs. The host keeps, per request, an upper bound on ``seq_lens[b]`` built only from sizes
+it already knows: ``reserve(counts)`` (called by ``write`` if the caller did not) records how many tokens the step
+writes; committing adds that count (``advance`` with device counts), the exact count (host counts), or at most the
+path width (``compact``). A write is admitted when ``bound + count <= max_len``. Bounds drift upwards when trees are
+only partly accepted; only when a bound says a request *might* overflow (or the paged pool runs dry) does the cache
+read ``seq_lens`` back once (``sync_lengths``) and decide on exact lengths. A write that still does not fit is
+refused with a ValueError naming the request and the excess, before anything is written. ``room()`` gives each
+request's guaranteed free slots so a strategy can shorten its draft instead. An engine that reads each step's
+results back anyway passes the exact lengths to ``known_lengths`` (no device access), keeping the bounds exact and
+the pool tight.
 
-Paged allocation (``specdec.model.paged_blocks``). Blocks come from a shared pool on the host.
-``reserve`` gives each request the blocks its bound plus the new tokens need; committing tightens
-the bound and immediately returns the blocks past it to the free list (no device round trip: block
-ids are host data, and later kernels run after the compaction in stream order). ``sync_lengths``
-returns the blocks between the exact length and the old bound; ``release`` returns all of a
-request's blocks at its end. A pool smaller than ``batch_size * ceil(max_len / block_size)`` is
-shared on demand; when a step cannot get the blocks it needs, ``reserve`` refuses it (the engine
-plans around that: ``specdec.decoding.schedule``).
+Paged allocation (``specdec.model.paged_blocks``). Blocks come from a shared pool on the host. ``reserve`` gives
+each request the blocks its bound plus the new tokens need; committing tightens the bound and immediately returns
+the blocks past it to the free list (no device round trip: block ids are host data, and later kernels run after the
+compaction in stream order). ``sync_lengths`` returns the blocks between the exact length and the old bound;
+``release`` returns all of a request's blocks at its end. A pool smaller than
+``batch_size * ceil(max_len / block_size)`` is shared on demand; when a step cannot get the blocks it needs,
+``reserve`` refuses it (the engine plans around that: ``specdec.decoding.schedule``).
 """
 
 from __future__ import annotations
