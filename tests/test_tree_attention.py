@@ -6,16 +6,17 @@ bit mask or a causal flag, so it checks the op's mask handling independently.
 """
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from helpers import assert_close
 
 from specdec import _backend
-from specdec.kernels import build_tree_metadata, plan_attention, run_attention, tree_attention
+from specdec.kernels import build_tree_metadata, plan_attention, run_attention, tree_attention, tuning
 from specdec.kernels import tree_attention_torch as torch_path
 from specdec.kernels.tree_attention_kernels import triton_launches
-from specdec.kernels.tree_attention_tiles import attention_space, tile_config
+from specdec.kernels.tree_attention_tiles import attention_space, ctas_per_sm, default_splits, tile_config
 from specdec.kernels.tree_attention_torch import tree_attention_reference
 
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (3e-3, 3e-3), torch.bfloat16: (2e-2, 2e-2)}
@@ -190,11 +191,11 @@ def test_tree_over_256_nodes(backend, device):
     check(batch, what="300-node tree")
 
 
-def test_whole_64_node_tree_in_one_tile(backend, device):
-    # 64 nodes x 4 heads per request: the launcher picks one 256-row tile with 32-wide KV steps
+def test_64_node_trees_in_two_tiles(backend, device):
+    # 64 nodes x 4 heads per request: two 128-row tiles per request (32 nodes each), 64-wide KV steps
     trees = [random_tree(64), random_tree(50)]
     batch = Batch([40, 3], trees, hq=8, hkv=2, d=64, dtype=torch.float16, device=device, paged=True)
-    check(batch, what="256-row tile")
+    check(batch, what="128-row tiles")
 
 
 def test_long_prefill_chunk_causal(backend, device):
@@ -208,6 +209,76 @@ def test_split_context(backend, device, splits):
     trees = [random_tree(5), [-1], chain(4)]
     batch = Batch([200, 0, 129], trees, hq=4, hkv=2, d=64, dtype=torch.float32, device=device, paged=True)
     check(batch, what=f"{splits} splits", num_splits=splits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("block_size", [4, 16, 128], ids=lambda b: f"block{b}")
+def test_paged_contexts_across_blocks(backend, device, dtype, block_size):
+    # shuffled tables; contexts of 0, 1 block, many blocks and no multiple of the KV step (16 in fp32, 64 in
+    # fp16): the block ids of the next step are read one step ahead and must be the right ones; NaN outside
+    for causal, trees in ((False, [[-1], random_tree(5), chain(3), [-1], random_tree(9)]), (True, [[-1]] * 5)):
+        batch = Batch([0, 16, 61, 200, 130], trees, hq=4, hkv=2, d=32, dtype=dtype, device=device, paged=True,
+                      block_size=block_size)  # fmt: skip
+        batch.poison_unused_cache()
+        check(batch, causal=causal, what=f"blocks of {block_size} causal={causal}", num_splits=3 if causal else None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_tree_start_inside_the_prefix(backend, device, dtype):
+    # the last level of each tree is queried with the earlier levels cached: the unmasked prefix ends at
+    # tree_start (no multiple of the KV step or the block), the masked tail covers the cached levels
+    widths = [[1, 3, 4], [1, 2], [1, 5, 9]]
+    batch = Batch([70, 0, 133], [level_tree(w) for w in widths], hq=4, hkv=2, d=32, dtype=dtype, device=device,
+                  paged=True, block_size=8)  # fmt: skip
+    ref_out, ref_lse = batch.oracle()
+    rows, counts, prefixes, offsets = [], [], [], batch.offsets.tolist()
+    for b, w in enumerate(widths):
+        rows += range(offsets[b] + sum(w[:-1]), offsets[b + 1])
+        counts.append(w[-1])
+        prefixes.append(batch.prefixes[b] + sum(w[:-1]))
+    rows = torch.tensor(rows, device=device)
+    for splits in (1, 2):
+        out, lse = tree_attention(
+            batch.q[rows], batch.k, batch.v, torch.tensor([0] + counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+            .to(device), torch.tensor(prefixes, dtype=torch.int32, device=device), tree_mask=batch.tree_mask[rows],
+            tree_start=batch.prefix_lens, block_table=batch.block_table, return_lse=True, num_splits=splits,
+        )  # fmt: skip
+        assert_close(out, ref_out[rows.cpu()], *TOL[dtype], f"{splits} splits out")
+        assert_close(lse, ref_lse[rows.cpu()], *TOL[dtype], f"{splits} splits lse")
+
+
+@pytest.mark.parametrize("uniform", [True, False], ids=["uniform", "ragged"])
+def test_uniform_queries_launch_no_idle_tiles(backend, device, uniform):
+    # fp32 tiles hold 8 queries of a group of 2: 20 nodes take 3 tiles per request. Uniform queries launch
+    # exactly those; ragged ones keep the searched grid with room for every request
+    sizes = [20, 20, 20] if uniform else [20, 3, 9]
+    batch = Batch([5, 33, 0], [random_tree(n) for n in sizes], hq=4, hkv=2, d=32, dtype=torch.float32,
+                  device=device, paged=True, block_size=8)  # fmt: skip
+    check(batch, what="uniform" if uniform else "ragged")
+    if backend == "triton":
+        with tuning.capture_launches() as launches:
+            batch.run()
+        tiles = launches[0].grid[0]
+        assert launches[0].meta["TILES_PER_REQUEST"] == (3 if uniform else 0)
+        assert tiles == (3 * 3 if uniform else sum(sizes) // 8 + 3)
+
+
+HOPPER_TREE = attention_space(128, 32, False, True)
+SM80_TREE = attention_space(128, 32, False, False)
+
+
+@pytest.mark.parametrize(
+    "config", HOPPER_TREE.configs[:1] + SM80_TREE.configs, ids=lambda c: tuning.describe(c)
+)  # fmt: skip
+def test_128_row_tree_tiles(config):
+    # a 48-node tree x group 4 fills two 128-row tiles; Hopper's default and every sm_80 candidate (pinned:
+    # the interpreter plans Hopper's tile) against the oracle, fp16 with a prefix that is no multiple of 64
+    batch = Batch([75, 2], [random_tree(48), random_tree(40)], hq=8, hkv=2, d=32, dtype=torch.float16,
+                  device="cuda" if torch.cuda.is_available() else "cpu", paged=True)  # fmt: skip
+    with _backend.use_backend("triton"), tuning.use_config("tree_attention_kernel", config):
+        tuning.clear_chosen()
+        check(batch, what=tuning.describe(config))
+        assert tuning.chosen_configs()["tree_attention_kernel"] == config
 
 
 def test_softmax_scale(backend, device):
@@ -437,25 +508,71 @@ def test_launches_follow_the_plan(splits):
                               torch.empty(64 * 3, 32) if splits > 1 else None)  # fmt: skip
     assert [p[0].__name__ for p in planned] == ["tree_attention_kernel"] + ["merge_splits_kernel"] * (splits > 1)
     kernel, grid, _args, meta, config, space = planned[0]
-    assert (tile.block_m, tile.block_q, tile.block_n) == (256, 64, 16)  # a whole 64-node tree x 4 heads per tile
-    assert grid == (3 * 64 // tile.block_q + 3, 8, splits)
-    assert meta["BLOCK_M"] == 256 and meta["TREE"] and meta["PAGED"]
-    assert config == {"BLOCK_N": 16, "num_warps": 8, "num_stages": 3}
+    assert (tile.block_m, tile.block_q, tile.block_n) == (128, 32, 64)  # a 64-node tree x 4 heads: two tiles
+    assert grid == (3 * 64 // tile.block_q + 3, 8, splits)  # ragged (not told uniform): room for every request
+    assert meta["BLOCK_M"] == 128 and meta["TREE"] and meta["PAGED"] and meta["TILES_PER_REQUEST"] == 0
+    assert config == {"BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
     assert config in space.configs  # the default is one of the tuning candidates
+    uniform = tile_config(64 * 3, 3, 4, 128, splits, uniform=True)
+    assert uniform.tiles_per_request == 2
+    planned = triton_launches(q, cache, cache, offsets, prefix, prefix, torch.zeros(64 * 3, 1, dtype=torch.int64),
+                              torch.zeros(3, 8, dtype=torch.int32), part_out, part_lse, 0.1, uniform,
+                              torch.empty_like(q), torch.empty(64 * 3, 32) if splits > 1 else None)  # fmt: skip
+    assert planned[0][1] == (3 * 2, 8, splits) and planned[0][3]["TILES_PER_REQUEST"] == 2  # no idle tiles
 
 
 def test_tile_choice_by_architecture_and_dtype():
-    # 256-row tiles (a 64-node tree x 4 heads) only on Hopper: every 256-row configuration spills on sm_80;
-    # fp32 tiles hold one query token's group (16 rows), as wider fp32 tiles spill; the default is always
-    # the first candidate of its tuning space
-    assert tile_config(64 * 3, 3, 4, 128, 1).block_m == 256
-    assert tile_config(64 * 3, 3, 4, 128, 1, hopper=False)[:4] == (128, 32, 32, 128)
-    assert tile_config(64 * 3, 3, 4, 128, 1, fp32=True)[:5] == (16, 4, 16, 128, 8)
-    for tokens, batch, group, d, fp32, hopper in [(8, 8, 4, 128, False, True), (4096, 1, 8, 128, False, False),
-                                                  (64, 1, 8, 256, False, True), (1, 1, 4, 64, True, True)]:  # fmt: skip
+    # trees over 128 rows per request: 128-row tiles, 64-wide KV steps on Hopper, 16-wide on sm_80 (wider
+    # ones spill there); fp32 tiles hold one query token's group (16 rows), as wider fp32 tiles spill; the default is
+    # always the first candidate of its architecture's tuning space
+    assert tile_config(64 * 3, 3, 4, 128, 1)[:5] == (128, 32, 64, 128, 8)
+    assert tile_config(64 * 3, 3, 4, 128, 1, hopper=False)[:4] == (128, 32, 16, 128)
+    assert tile_config(64 * 3, 3, 4, 128, 1, fp32=True)[:5] == (16, 4, 32, 128, 16)
+    shapes = [(8, 8, 4, 128, False, True), (4096, 1, 8, 128, False, False), (64, 1, 8, 256, False, True),
+              (1, 1, 4, 64, True, True), (256, 4, 4, 128, False, True), (256, 4, 4, 128, False, False)]  # fmt: skip
+    for tokens, batch, group, d, fp32, hopper in shapes:
         tile = tile_config(tokens, batch, group, d, 1, fp32=fp32, hopper=hopper)
-        space = attention_space(tile.block_m, tile.block_d, fp32)
+        space = attention_space(tile.block_m, tile.block_d, fp32, hopper)
         assert space.configs[0] == {"BLOCK_N": tile.block_n, "num_warps": tile.num_warps, "num_stages": tile.num_stages}
+    assert attention_space(128, 128, False, True) != attention_space(128, 128, False, False)
+
+
+def fake_gpu(monkeypatch, sms=132, shared=233472):
+    """torch.cuda.get_device_properties answering for a GPU that is not here (an H200-like one by default)."""
+    props = SimpleNamespace(multi_processor_count=sms, max_threads_per_multi_processor=2048,
+                            regs_per_multiprocessor=65536, shared_memory_per_multiprocessor=shared)  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    return props
+
+
+def test_split_counts_fill_whole_waves(monkeypatch):
+    props = fake_gpu(monkeypatch)
+    cuda = torch.device("cuda")
+    decode = tile_config(8, 8, 4, 128, 1, uniform=True)  # 16 rows, 64-wide steps, 4 warps, 3 stages
+    assert ctas_per_sm(decode, props, 2) == 3  # 3 x 70 KB of shared memory, 3 x 128 threads x 168 registers
+    slots = 132 * 3
+    # batch 8 x 8 KV heads = 64 programs: 6 splits fill one wave of 396 (384 programs)
+    assert default_splits(cuda, 8, 8, 8, decode, 16384) == slots // 64 == 6
+    # (more splits in whole extra waves, e.g. 37 in 6 waves, are under 10% faster: not worth the merge)
+    # batch 1: 8 programs; 49 splits fill one wave (392 of 396); the fewest within 10% of that: 45
+    assert default_splits(cuda, 1, 1, 8, decode, 16384) == 45
+    # the minimum work per split: 1000 positions hold 3 splits of 4 x 64
+    assert default_splits(cuda, 1, 1, 8, decode, 1000) == 3
+    # a full GPU is not split; nor is anything off the GPU
+    assert default_splits(cuda, 64, 64, 8, tile_config(64, 64, 4, 128, 1, uniform=True), 16384) == 1
+    assert default_splits(torch.device("cpu"), 8, 8, 8, decode, 16384) == 1
+    # working tiles only: uniform 64-node trees at batch 8 are 16 tiles, a ragged plan counts the grid's 24
+    tree = tile_config(512, 8, 4, 128, 1, uniform=True)
+    ragged = tree._replace(tiles_per_request=0)
+    assert ctas_per_sm(tree, props, 2) == 1  # 8 warps at up to 255 registers
+    assert default_splits(cuda, 512, 8, 8, tree, 4096) == 132 // (16 * 8) == 1
+    assert default_splits(cuda, 512, 4, 2, tree, 4096) == 132 // (8 * 2)
+    assert default_splits(cuda, 512, 4, 2, ragged, 4096) == 132 // (20 * 2)
+    # a smaller SM count (sm_80-like shared memory: 2 decode programs per SM)
+    props = fake_gpu(monkeypatch, sms=108, shared=167936)
+    assert ctas_per_sm(decode, props, 2) == 2
+    # 3 splits fill 192 of 216 slots in one wave; 10 fill three waves to 640 of 648, more than 10% sooner
+    assert default_splits(cuda, 8, 8, 8, decode, 16384) == 10
 
 
 # ---------------------------------------------------------------- GPU only (compiled Triton, bf16, big caches)

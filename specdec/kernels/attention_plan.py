@@ -7,14 +7,15 @@ the chosen backend needs; each layer then calls ``run_attention`` (see
 
 What the plan holds, and what each piece depends on:
 
-    backend, tile (Triton)          host sizes: tokens, batch, heads, head dim, device
+    backend, tile (Triton)          host sizes: tokens, batch, heads, head dim, device; uniform_queries
     num_splits, part_out, part_lse  host sizes and the context bound; scratch for split contexts
     query_rows, token_slots         q_offsets                          (PyTorch path; None when uniform)
     kv_rows                         q_offsets, prefix_lens, block_table (PyTorch path; None for cache views)
     attn_bias                       q_offsets, prefix_lens, tree_start, tree_mask (PyTorch path)
 
 Two host facts let the PyTorch path skip its gathers: ``uniform_queries`` (every request has
-the same number of queries, so the padded layout is q itself) and ``finite_cache`` (a
+the same number of queries, so the padded layout is q itself; the Triton path then launches
+exactly each request's query tiles, no idle ones) and ``finite_cache`` (a
 contiguous cache whose every position holds finite values, e.g. a zero-initialised
 ``KVCache`` written only by a model, so the first ``max_context`` positions of each row
 can be read as a view: the padding past a request's context is stale but masked, and
@@ -256,8 +257,9 @@ def build_attention_plan(
             raise ValueError(f"head dim {head_dim} is above the Triton path's limit of {MAX_HEAD_DIM}")
         hopper = device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
         tile = tile_config(max(num_tokens, 1), batch, num_heads // kv_heads, head_dim, 1,
-                           fp32=dtype == torch.float32, hopper=hopper)  # fmt: skip
-        splits = num_splits or default_splits(device, num_tokens, batch, kv_heads, tile, max_context)
+                           fp32=dtype == torch.float32, hopper=hopper, uniform=uniform_queries)  # fmt: skip
+        splits = num_splits or default_splits(device, num_tokens, batch, kv_heads, tile, max_context,
+                                              elem_bytes=dtype.itemsize)  # fmt: skip
         tile = tile._replace(num_splits=splits)
         if splits > 1:
             part_out = torch.empty(splits, num_tokens, num_heads, head_dim, dtype=torch.float32, device=device)

@@ -39,6 +39,36 @@ LN2 = math.log(2.0)
 
 
 @jit
+def _block_ids_tl(table_row, pos, limit, SLOTS, MAX_BLOCKS):
+    """Block ids [BLOCK_N] (int32, as stored) of positions ``pos``; lanes at or past ``limit`` read nothing
+    and get block 0 (a real block: their loads are masked anyway). Ids are trusted (module docstring)."""
+    page = tl.minimum(pos // SLOTS, MAX_BLOCKS - 1)
+    return tl.load(table_row + page, mask=pos < limit, other=0)
+
+
+@jit
+def _attend_tl(q, k_ptr, v_ptr, k_off, v_off, d_at, d_ok, pos_ok, allowed, m_i, l_i, acc, scale_log2,
+               GUARD: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """One KV tile of the online softmax (base 2): K and V at offsets ``k_off`` / ``v_off`` [BLOCK_N], scores
+    kept where ``allowed``. GUARD: a row may have seen nothing yet (m = -inf): subtract 0 then, so exp2
+    gives 0, not NaN; without it every row must have an allowed column in this tile."""
+    k = tl.load(k_ptr + k_off[None, :] + d_at[:, None], mask=pos_ok[None, :] & d_ok[:, None], other=0.0)
+    s = tl.dot(q, k, input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if GUARD:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    p = tl.exp2(s - m_ref[:, None])
+    alpha = tl.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptr + v_off[:, None] + d_at[None, :], mask=pos_ok[:, None] & d_ok[None, :], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@jit
 def tree_attention_kernel(
     # q [T, Hq, D]; k, v [rows, SLOTS, Hkv, D]: contiguous (a row per request) or paged (a block per row)
     # out [S, T, Hq, D] and lse [S, T, Hq]: per-split partials (fp32) when NUM_SPLITS > 1, else the results
@@ -82,36 +112,42 @@ def tree_attention_kernel(
     # meta-parameters
     BLOCK_M: tl.constexpr,  # tile rows = BLOCK_Q query tokens x GROUP heads (padded)
     BLOCK_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr,  # KV positions per step
+    BLOCK_N: tl.constexpr,  # KV positions per step (a power of two <= 64)
     BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two >= 16
     PAD_D: tl.constexpr,  # lane_alignment(HEAD_DIM, BLOCK_D): padding lanes fold back into the row
-    SEARCH_STEPS: tl.constexpr,  # >= log2(B + 1)
+    TILES_PER_REQUEST: tl.constexpr,  # every request has this many query tiles (uniform queries); 0: ragged
+    SEARCH_STEPS: tl.constexpr,  # >= log2(B + 1) (ragged)
     PAGED: tl.constexpr,
     TREE: tl.constexpr,  # bit-packed mask rows, else causal
     WRITE_LSE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    tl.static_assert(BLOCK_N <= 64, "a KV tile may span at most two mask words")
+    tl.static_assert(BLOCK_N <= 64, "a KV tile of the tree must lie inside one mask word")
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     # -- map program to (request, query tile) --------------------------------------------------
-    # Request b's tiles are numbered from q_offsets[b] // BLOCK_Q + b on: strictly increasing in b
-    # and leaving room for its ceil(n_b / BLOCK_Q) tiles, so a binary search finds the request
-    # without a host-side table. Tiles past a request's last query do nothing.
-    lo = 0
-    hi = B
-    for _ in tl.static_range(SEARCH_STEPS):
-        mid = (lo + hi) // 2
-        first = tl.load(q_offsets_ptr + mid) // BLOCK_Q + mid
-        lo = tl.where(first <= tile, mid, lo)
-        hi = tl.where(first <= tile, hi, mid)
-    req = lo
-    q_start = tl.load(q_offsets_ptr + req)
+    if TILES_PER_REQUEST > 0:  # the grid holds exactly B * TILES_PER_REQUEST tiles
+        req = tile // TILES_PER_REQUEST
+        q_lo = (tile % TILES_PER_REQUEST) * BLOCK_Q
+        q_start = tl.load(q_offsets_ptr + req)
+    else:
+        # Request b's tiles are numbered from q_offsets[b] // BLOCK_Q + b on: strictly increasing in b
+        # and leaving room for its ceil(n_b / BLOCK_Q) tiles, so a binary search finds the request
+        # without a host-side table. Tiles past a request's last query do nothing.
+        lo = 0
+        hi = B
+        for _ in tl.static_range(SEARCH_STEPS):
+            mid = (lo + hi) // 2
+            first = tl.load(q_offsets_ptr + mid) // BLOCK_Q + mid
+            lo = tl.where(first <= tile, mid, lo)
+            hi = tl.where(first <= tile, hi, mid)
+        req = lo
+        q_start = tl.load(q_offsets_ptr + req)
+        q_lo = (tile - (q_start // BLOCK_Q + req)) * BLOCK_Q
     n_q = tl.load(q_offsets_ptr + req + 1) - q_start
     prefix = tl.load(prefix_lens_ptr + req)
-    q_lo = (tile - (q_start // BLOCK_Q + req)) * BLOCK_Q
 
     # -- the tile's queries: row r is local query q_lo + r // GROUP, head r % GROUP of the group
     rows = tl.arange(0, BLOCK_M)
@@ -138,77 +174,75 @@ def tree_attention_kernel(
         kv_len = prefix + tl.minimum(n_q, q_lo + BLOCK_Q)
     capacity = MAX_BLOCKS * SLOTS if PAGED else SLOTS
     kv_len = tl.where(q_lo < n_q, tl.minimum(kv_len, capacity), 0)
+    tstart = tl.minimum(tstart, kv_len)
     chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     kv_lo = split * chunk
     kv_hi = tl.minimum(kv_lo + chunk, kv_len)
 
-    # -- iterate over KV tiles with an online softmax (base 2) ---------------------------------
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     cols = tl.arange(0, BLOCK_N)
-    for start in range(kv_lo, kv_hi, BLOCK_N):
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_vh
+    table_row = block_table_ptr + req * stride_bt
+    # Lanes past the context still address cache slots: a table column and a slot of a real block (paged),
+    # or a position inside the request's row (contiguous). Paged loops read the next tile's block ids one
+    # step ahead, so no load in the loop waits on another and K/V copies stay in flight across steps.
+
+    # -- the prefix [kv_lo, min(kv_hi, tstart)): visible to every row, no mask --------------------
+    pre_hi = tl.minimum(kv_hi, tstart)
+    if PAGED:
+        blocks = _block_ids_tl(table_row, kv_lo + cols, pre_hi, SLOTS, MAX_BLOCKS)
+    for start in range(kv_lo, pre_hi, BLOCK_N):
         pos = start + cols
-        pos_ok = pos < kv_hi
-        # lanes past the context still address cache slots: a table column and a slot of a real block
-        # (paged), or a position inside the request's row (contiguous)
+        pos_ok = pos < pre_hi
         if PAGED:
-            page = tl.minimum(pos // SLOTS, MAX_BLOCKS - 1)
-            block = tl.load(block_table_ptr + req * stride_bt + page, mask=pos_ok, other=0)
-            block = block.to(tl.int64)  # ids are trusted (see the module docstring)
-            k_off = block * stride_kb + (pos % SLOTS) * stride_kt
-            v_off = block * stride_vb + (pos % SLOTS) * stride_vt
+            k_off = blocks.to(tl.int64) * stride_kb + (pos % SLOTS) * stride_kt
+            v_off = blocks.to(tl.int64) * stride_vb + (pos % SLOTS) * stride_vt
+            blocks = _block_ids_tl(table_row, pos + BLOCK_N, pre_hi, SLOTS, MAX_BLOCKS)
         else:
             pos_at = tl.minimum(pos, SLOTS - 1).to(tl.int64)
             k_off = req.to(tl.int64) * stride_kb + pos_at * stride_kt
             v_off = req.to(tl.int64) * stride_vb + pos_at * stride_vt
-        k = tl.load(
-            k_ptr + k_off[None, :] + kv_head * stride_kh + d_at[:, None],
-            mask=pos_ok[None, :] & d_ok[:, None],
-            other=0.0,
-        )  # [BLOCK_D, BLOCK_N]
-        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        # column 0 is always in range here, so every row has a finite maximum: no guard needed
+        m_i, l_i, acc = _attend_tl(q, k_head, v_head, k_off, v_off, d_at, d_ok, pos_ok, pos_ok[None, :], m_i, l_i,
+                                   acc, scale_log2, False, PRECISION)  # fmt: skip
 
-        # positions before tstart are always visible; tree position j = pos - tstart by mask bit j
-        # (or, causal, j <= the query's index)
+    # -- the tail [max(kv_lo, tstart), kv_hi): tree position j = pos - tstart by mask bit j (or, causal,
+    # j <= the query's index). Steps start at tstart + a multiple of BLOCK_N, so a step's mask bits lie in
+    # one 64-bit word per row; the first step masks the columns before the split.
+    tail_lo = tl.maximum(kv_lo, tstart)
+    tail_start = tstart + (tail_lo - tstart) // BLOCK_N * BLOCK_N
+    if PAGED:
+        blocks = _block_ids_tl(table_row, tail_start + cols, kv_hi, SLOTS, MAX_BLOCKS)
+    for start in range(tail_start, kv_hi, BLOCK_N):
+        pos = start + cols
+        pos_ok = (pos >= tail_lo) & (pos < kv_hi)
+        if PAGED:
+            k_off = blocks.to(tl.int64) * stride_kb + (pos % SLOTS) * stride_kt
+            v_off = blocks.to(tl.int64) * stride_vb + (pos % SLOTS) * stride_vt
+            blocks = _block_ids_tl(table_row, pos + BLOCK_N, kv_hi, SLOTS, MAX_BLOCKS)
+        else:
+            pos_at = tl.minimum(pos, SLOTS - 1).to(tl.int64)
+            k_off = req.to(tl.int64) * stride_kb + pos_at * stride_kt
+            v_off = req.to(tl.int64) * stride_vb + pos_at * stride_vt
         j = pos - tstart
         if TREE:
-            # a tile of BLOCK_N <= 64 columns spans at most two mask words per row: load those two
-            # [BLOCK_M] vectors (none for a tile inside the prefix) and pick each column's word
-            jj = tl.maximum(j, 0)
-            w0 = tl.maximum(start - tstart, 0) // 64
-            # (scalar conditions enter the masks through tl.where: Triton 3.9's interpreter rejects
-            # a vector & scalar-tensor mask)
-            rows_in_tile = tl.where(start + BLOCK_N > tstart, row_ok, False)
-            row_words = mask_ptr + q_row * stride_mt
-            word0 = tl.load(
-                row_words + tl.minimum(w0, MASK_WORDS - 1), mask=tl.where(w0 < MASK_WORDS, rows_in_tile, False), other=0
-            )
-            word1 = tl.load(
-                row_words + tl.minimum(w0 + 1, MASK_WORDS - 1),
-                mask=tl.where(w0 + 1 < MASK_WORDS, rows_in_tile, False),
+            w = (start - tstart) // 64
+            # (a scalar condition enters the mask through tl.where: Triton 3.9's interpreter rejects a
+            # vector & scalar-tensor mask)
+            word = tl.load(
+                mask_ptr + q_row * stride_mt + tl.minimum(w, MASK_WORDS - 1),
+                mask=tl.where(w < MASK_WORDS, row_ok, False),
                 other=0,
             )
-            word = tl.where((jj // 64 == w0)[None, :], word0[:, None], word1[:, None])
-            in_tree = ((word >> (jj % 64).to(tl.int64)[None, :]) & 1) != 0
+            visible = ((word[:, None] >> (j % 64).to(tl.int64)[None, :]) & 1) != 0
         else:
-            in_tree = j[None, :] <= tok[:, None]
-        allowed = ((j < 0)[None, :] | in_tree) & pos_ok[None, :] & row_ok[:, None]
-        s = tl.where(allowed, s, float("-inf"))
-
-        # a row with nothing allowed yet keeps m = -inf; subtract 0 then so exp2 gives 0, not NaN
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_ref[:, None])
-        alpha = tl.exp2(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_ptr + v_off[:, None] + kv_head * stride_vh + d_at[None, :],
-            mask=pos_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+            visible = j[None, :] <= tok[:, None]
+        allowed = visible & pos_ok[None, :] & row_ok[:, None]
+        m_i, l_i, acc = _attend_tl(q, k_head, v_head, k_off, v_off, d_at, d_ok, pos_ok, allowed, m_i, l_i, acc,
+                                   scale_log2, True, PRECISION)  # fmt: skip
 
     # -- write back: normalised output and natural-log lse (0 and -inf for an empty row or split)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -312,12 +346,15 @@ def triton_launches(q, k_cache, v_cache, q_offsets, prefix_lens, tree_start, tre
     pad_d = lane_alignment(head_dim, tile.block_d)
     main_meta = dict(
         BLOCK_M=tile.block_m, BLOCK_Q=tile.block_q, BLOCK_D=tile.block_d, PAD_D=pad_d,
-        SEARCH_STEPS=max(1, batch.bit_length()), PAGED=paged, TREE=tree, WRITE_LSE=dest_lse is not None,
+        TILES_PER_REQUEST=tile.tiles_per_request, SEARCH_STEPS=max(1, batch.bit_length()), PAGED=paged, TREE=tree,
+        WRITE_LSE=dest_lse is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     config = dict(BLOCK_N=tile.block_n, num_warps=tile.num_warps, num_stages=tile.num_stages)
-    grid = (tokens // tile.block_q + batch, kv_heads, splits)
-    space = attention_space(tile.block_m, tile.block_d, q.dtype == torch.float32)
+    # uniform queries: exactly each request's tiles; ragged: room for every request's (some stay idle)
+    tiles = batch * tile.tiles_per_request if tile.tiles_per_request else tokens // tile.block_q + batch
+    grid = (tiles, kv_heads, splits)
+    space = attention_space(tile.block_m, tile.block_d, q.dtype == torch.float32, bool(tile.hopper))
     launches = [(tree_attention_kernel, grid, main_args, main_meta, config, space)]
     if splits > 1:
         merge_args = (
