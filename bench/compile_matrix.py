@@ -8,7 +8,9 @@ its default configuration and its tuning space. Every distinct launch is then co
 with the installed Triton for each architecture (``specdec.kernels.compile_target``):
 with its default configuration at every case, and with every candidate of its tuning
 space at the primary cases (LLaMA-3-8B and vocab 128256, bf16). A compile that fails,
-spills registers or needs more shared memory than a block may have fails the run (exit 1).
+spills registers, needs more shared memory than a block may have or more registers than its
+kernel declares (``REGISTER_BOUND``), or a paged decode launch whose loop does not double
+buffer K and V (``DECODE_BUFFERS``), fails the run (exit 1).
 
     python bench/compile_matrix.py --out OUT                 # everything (CI, per Triton version)
     python bench/compile_matrix.py --primary --defaults-only # the test suite's check
@@ -77,12 +79,13 @@ HIDDEN = {"llama3-8b": (4096, 14336), "llama3-70b": (8192, 28672), "tinyllama": 
 
 def attention_cases():
     """{case: thunk}: the tree attention body at every LLaMA-3-8B shape in bf16 and fp32 (paged), the
-    other models' decode, split decode, 64-node trees and prefill (bf16, paged), and fp16 and a contiguous
-    cache at LLaMA-3-8B's decode and trees."""
+    other models' decode, split decode, 64-node trees and prefill (bf16, paged), and fp16, a contiguous
+    cache and ragged queries (the tile-to-request search) at LLaMA-3-8B's decode and trees; the rest plan
+    uniform queries, as a model's forward does when every request has as many."""
     from specdec.kernels.tree_attention_kernels import tree_attention_triton
     from specdec.kernels.tree_attention_tiles import tile_config
 
-    def run(model, shape, dtype, paged):
+    def run(model, shape, dtype, paged, uniform=True):
         hq, hkv, d = MODELS[model]
         n, batch, tree, splits = ATTENTION_SHAPES[shape]
         tokens = n * batch
@@ -93,7 +96,7 @@ def attention_cases():
         mask = torch.zeros(tokens, -(-n // 64), dtype=torch.int64) if tree else None
         table = torch.zeros(batch, 300, dtype=torch.int32) if paged else None
         fp32, hopper = dtype == torch.float32, ARCH[0] >= 90
-        tile = list(tile_config(tokens, batch, hq // hkv, d, splits, fp32=fp32, hopper=hopper))
+        tile = list(tile_config(tokens, batch, hq // hkv, d, splits, fp32=fp32, hopper=hopper, uniform=uniform))
         part_out = torch.empty(splits, tokens, hq, d) if splits > 1 else None
         part_lse = torch.empty(splits, tokens, hq) if splits > 1 else None
         lse = torch.empty(tokens, hq) if splits > 1 else None
@@ -108,6 +111,10 @@ def attention_cases():
     for shape in ATTENTION_SHAPES:
         cases[f"attention llama3-8b {shape} fp32 paged"] = lambda s=shape: run(LLAMA, s, torch.float32, True)
     for shape in ("decode-b8", "tree64-b4"):
+        # every case above plans uniform queries (the grid maps tiles to requests); ragged batches search
+        cases[f"attention llama3-8b {shape} bf16 paged-ragged"] = lambda s=shape: run(
+            LLAMA, s, torch.bfloat16, True, uniform=False
+        )
         cases[f"attention llama3-8b {shape} fp16 paged"] = lambda s=shape: run(LLAMA, s, torch.float16, True)
         cases[f"attention llama3-8b {shape} bf16 contiguous"] = lambda s=shape: run(LLAMA, s, torch.bfloat16, False)
     return cases
@@ -266,9 +273,13 @@ class Job:
     args: tuple
     meta: dict  # meta-parameters and the configuration
     config: dict
-    default: bool  # the launcher's own choice (else a tuning candidate)
+    defaults: list  # (architecture, case) where it is the launcher's own choice (else a tuning candidate)
     cases: list
     archs: list  # the architectures whose launchers choose it
+
+    @property
+    def default(self) -> bool:
+        return bool(self.defaults)
 
 
 def specialization(kernel, args, meta) -> tuple:
@@ -301,13 +312,49 @@ def collect_jobs(cases: dict, archs: list[int], defaults_only: bool) -> list[Job
                     job = jobs.get(key)
                     if job is None:
                         module = launch.kernel.fn.__module__
-                        job = jobs[key] = Job(module, launch.name, args, meta, config, i == 0, [], [])
-                    job.default |= i == 0
+                        job = jobs[key] = Job(module, launch.name, args, meta, config, [], [], [])
+                    if i == 0 and (arch, case) not in job.defaults:
+                        job.defaults.append((arch, case))
                     if case not in job.cases:
                         job.cases.append(case)
                     if arch not in job.archs:
                         job.archs.append(arch)
     return list(jobs.values())
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+# Registers per thread each kernel may use: the most its configurations compile to (sm_80 and sm_90, Triton
+# 3.6 and 3.9) with a little headroom, so that a change that makes a kernel much hungrier fails here; tree
+# attention by tile rows (BLOCK_M). A kernel not listed is not checked for registers.
+REGISTER_BOUND = {
+    "tree_attention_kernel": {16: 184, 32: 224, 64: 224, 128: 255},
+    "merge_splits_kernel": 40,
+}
+WIDE_HEAD_BOUND = 248  # tree attention with heads wider than 128 (BLOCK_D 256), whatever its rows
+# Loads the paged decode loop (one query per request, causal, 16-bit: the bandwidth-bound path) must
+# buffer at least this deep at the launcher's default stages: then the next K/V tile's copy overlaps this
+# tile's math instead of every tile paying a full DRAM round trip. The names are the kernel's variables
+# the loads assign. (fp32 tiles run their dots on FMA units and are not checked.)
+DECODE_BUFFERS = {"k": 2, "v": 2}
+
+
+def register_bound(job: Job) -> int | None:
+    bound = REGISTER_BOUND.get(job.kernel)
+    if not isinstance(bound, dict):
+        return bound
+    return WIDE_HEAD_BOUND if job.meta.get("BLOCK_D", 0) > 128 else bound.get(job.meta.get("BLOCK_M"))
+
+
+def buffer_check(job: Job, arch: int) -> tuple[dict, str]:
+    """({load: fewest buffers}, the case that asks): ``DECODE_BUFFERS`` where the launch is the default
+    of a 16-bit paged decode case on ``arch``, else nothing."""
+    if job.kernel == "tree_attention_kernel" and job.meta["PAGED"] and not job.meta["TREE"]:
+        for where, case in job.defaults:
+            _, _, shape, dtype, _ = case.split()
+            if where == arch and ATTENTION_SHAPES[shape][0] == 1 and dtype != "fp32":
+                return DECODE_BUFFERS, case
+    return {}, ""
 
 
 def compile_job(job: Job, arch: int) -> dict:
@@ -316,8 +363,11 @@ def compile_job(job: Job, arch: int) -> dict:
         r = compile_launch(kernel, job.args, job.meta, arch)
     except Exception as exc:  # reported per row; the run fails at the end
         return dict(error=f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200] if str(exc) else ''}")
+    needed, case = buffer_check(job, arch)
+    problems = r.problems(arch, register_bound(job), needed)
     return dict(registers=r.registers, spill=r.spill_bytes, stack=r.stack_bytes, shared=r.shared_bytes,
-                seconds=r.compile_s, problems=r.problems(arch))  # fmt: skip
+                seconds=r.compile_s, buffers=[[b.name, b.count, b.shape] for b in r.buffers],
+                waits=list(r.loop_waits), checked=case, problems=problems)  # fmt: skip
 
 
 def _worker(payload):
@@ -333,6 +383,22 @@ USAGE = "regs / spill / stack / shared KB"
 
 def usage(r: dict) -> str:
     return f"{r['registers']} / {r['spill']} / {r['stack']} / {r['shared'] / 1024:.1f}"
+
+
+def rings(r: dict) -> str:
+    """The loop's buffer rings by load (several loops: several counts) and the in-loop waits' ``num``."""
+    counts: dict[str, list] = {}
+    for name, count, _ in r["buffers"]:
+        counts.setdefault(name, []).append(str(count))
+    text = ", ".join(f"{name} {'/'.join(c)}" for name, c in counts.items()) or "none"
+    return text + (f"; wait {'/'.join(map(str, r['waits']))}" if r["waits"] else "")
+
+
+def bound_text(kernel: str) -> str:
+    bound = REGISTER_BOUND.get(kernel)
+    if isinstance(bound, dict):
+        return ", ".join(f"{rows} rows {b}" for rows, b in bound.items()) + f", heads > 128 {WIDE_HEAD_BOUND}"
+    return "none" if bound is None else str(bound)
 
 
 def short_spec(job: Job) -> str:
@@ -353,51 +419,74 @@ def report(jobs: list[Job], results: dict, archs: list[int], version: str, elaps
         summary["cases"].update(job.cases)
         cells = []
         for arch in archs:
-            worst = summary["arch"].setdefault(arch, dict(registers=0, spill=0, stack=0, shared=0, failed=0))
+            worst = summary["arch"].setdefault(
+                arch, dict(registers=0, spill=0, stack=0, shared=0, failed=0, buffer_checks=0, buffers={})
+            )
             if (j, arch) not in results:  # this architecture's launchers never choose it
-                cells.append("-")
+                cells += ["-", "-"]
                 continue
             r = results[j, arch]
             if "error" in r or r["problems"]:
                 why = r.get("error") or "; ".join(r["problems"])
-                failures.append(f"{job.kernel} [{tuning.describe(job.config)}] sm_{arch}: {why} ({job.cases[0]})")
+                failures.append(f"{job.kernel} [{tuning.describe(job.config)}] sm_{arch} Triton {version}: {why} "
+                                f"({r.get('checked') or job.cases[0]})")  # fmt: skip
                 worst["failed"] += 1
             if "error" in r:
-                cells.append("FAILED")
+                cells += ["FAILED", "-"]
                 continue
             for field in ("registers", "spill", "stack", "shared"):
                 worst[field] = max(worst[field], r[field])
+            if r["checked"]:  # the fewest buffers of each checked load over the checked launches
+                worst["buffer_checks"] += 1
+                for name in DECODE_BUFFERS:
+                    count = min((c for n, c, _ in r["buffers"] if n == name), default=0)
+                    worst["buffers"][name] = min(worst["buffers"].get(name, count), count)
             summary["seconds"] += r["seconds"]
-            cells.append(usage(r))
+            cells += [usage(r), rings(r)]
         origin = "default" if job.default else "candidate"
         more = f" (+{len(job.cases) - 1})" if len(job.cases) > 1 else ""
+        bound = register_bound(job)
         rows.append(f"| {job.kernel} | {tuning.describe(job.config)} | {origin} | {short_spec(job)} | "
-                    f"{job.cases[0]}{more} | " + " | ".join(cells) + " |")  # fmt: skip
+                    f"{job.cases[0]}{more} | {'none' if bound is None else bound} | {' | '.join(cells)} |")  # fmt: skip
     lines = [
         f"## Compile matrix, Triton {version}: {len(jobs)} configurations, {len(results)} compiles for "
         f"sm_{', sm_'.join(map(str, archs))} ({elapsed:.0f} s)",
         "",
-        "Per kernel: configurations compiled (the launchers' defaults among them), cases, and the worst "
-        "registers per thread / spill-store bytes / stack-frame bytes / shared KB over them, per architecture "
-        "(from ptxas -v).",
+        "Per kernel: configurations compiled (the launchers' defaults among them), cases, the worst registers "
+        "per thread / spill-store bytes / stack-frame bytes / shared KB over them, per architecture (from ptxas "
+        "-v), the declared register bound, and at the 16-bit paged decode launches the fewest shared-memory buffers "
+        "of the loop's K and V loads (from the TritonGPU IR; launches checked in brackets).",
         "",
         "| kernel | configs (defaults) | cases | " + " | ".join(f"sm_{a} {USAGE}" for a in archs)
-        + " | failed | compile s |",
-        "|---|---|---|" + "---|" * len(archs) + "---|---|",
+        + " | register bound | " + " | ".join(f"sm_{a} decode buffers" for a in archs) + " | failed | compile s |",
+        "|---|---|---|" + "---|" * (2 * len(archs) + 3),
     ]
     for name, s in sorted(kernels.items()):
         worst = [s["arch"][a] for a in archs]
-        cells = [usage(w) for w in worst]
+        cells = [usage(w) for w in worst] + [bound_text(name)]
+        cells += [", ".join(f"{k} {c}" for k, c in w["buffers"].items()) + f" ({w['buffer_checks']})"
+                  if w["buffer_checks"] else "-" for w in worst]  # fmt: skip
         lines.append(f"| {name} | {s['configs']} ({s['defaults']}) | {len(s['cases'])} | " + " | ".join(cells)
                      + f" | {sum(w['failed'] for w in worst)} | {s['seconds']:.0f} |")  # fmt: skip
-    lines += ["", "Limits: no spill stores; shared memory per block <= "
-              + ", ".join(f"{SHARED_LIMIT[a] // 1024} KB (sm_{a})" for a in archs) + ".", ""]  # fmt: skip
+    # kernels (or tiles of a kernel bounded by rows) without a declared bound
+    tile = lambda job: f" BLOCK_M={job.meta['BLOCK_M']}" if job.kernel in REGISTER_BOUND else ""  # noqa: E731
+    unbounded = sorted({job.kernel + tile(job) for job in jobs if register_bound(job) is None})
+    lines += [
+        "",
+        "Limits: no spill stores; shared memory per block <= "
+        + ", ".join(f"{SHARED_LIMIT[a] // 1024} KB (sm_{a})" for a in archs)
+        + "; registers per thread <= the kernel's declared bound ("
+        + (f"not checked for {', '.join(unbounded)}: no bound declared" if unbounded else "every kernel declares one")
+        + "); in the loop of a 16-bit paged decode launch at the launcher's default configuration, at least "
+        + ", ".join(f"{n} buffers for {name!r}" for name, n in DECODE_BUFFERS.items()) + ".",
+        "",
+    ]
     if failures:
         lines += ["Failures:", ""] + [f"- {f}" for f in failures] + [""]
     lines += [
-        "| kernel | config | origin | fixed meta-parameters, dtypes | case | "
-        + " | ".join(f"sm_{a} {USAGE}" for a in archs) + " |",
-        "|---|---|---|---|---|" + "---|" * len(archs),
+        "| kernel | config | origin | fixed meta-parameters, dtypes | case | register bound | "
+        + " | ".join(f"sm_{a} {USAGE} | sm_{a} buffers by load; loop waits" for a in archs) + " |",
+        "|---|---|---|---|---|---|" + "---|" * (2 * len(archs)),
         *rows,
     ]
     summary = {
@@ -405,8 +494,10 @@ def report(jobs: list[Job], results: dict, archs: list[int], version: str, elaps
         "archs": archs,
         "configurations": len(jobs),
         "failures": failures,
+        "unbounded": unbounded,  # not checked for registers
         "kernels": {k: {"configs": s["configs"], "defaults": s["defaults"], "cases": len(s["cases"]),
-                        "compile_s": round(s["seconds"], 1), "worst": {str(a): s["arch"][a] for a in archs}}
+                        "compile_s": round(s["seconds"], 1), "register_bound": REGISTER_BOUND.get(k),
+                        "worst": {str(a): s["arch"][a] for a in archs}}
                     for k, s in kernels.items()},  # fmt: skip
     }
     return "\n".join(lines) + "\n", summary, len(failures)

@@ -6,7 +6,8 @@ arguments are specialised exactly as the JIT specialises them on that GPU (Trito
 binder and ``_pack_args``: pointer and integer types, 16-byte divisibility, integers equal
 to 1 folded), and ``triton.compile`` lowers the kernel for ``GPUTarget("cuda", arch, 32)``
 with the ptxas bundled in Triton's wheel, whose ``-v`` report (registers, stack frame,
-spill stores) Triton prints on request; shared memory comes from the compiled metadata.
+spill stores) Triton prints on request; shared memory comes from the compiled metadata, and
+the software pipeline's shared-memory buffers from the compiled TritonGPU IR (``pipeline``).
 Checked with Triton 3.6 and 3.9 (the binder is Triton's, not a public API, so
 ``bench/compile_matrix.py`` runs under both in CI).
 
@@ -27,23 +28,75 @@ SHARED_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
 
 
 @dataclass(frozen=True)
+class Buffer:
+    """A ring of shared-memory buffers the software pipeliner allocated for one load of a loop."""
+
+    name: str  # the kernel's variable the load assigns (the IR value's name)
+    count: int  # buffers in the ring: loads of that many iterations can be in flight
+    shape: str  # one buffer, e.g. "128x64xbf16"
+
+
+@dataclass(frozen=True)
 class Resources:
-    """What one compiled launch needs, as ptxas reports it."""
+    """What one compiled launch needs, as ptxas reports it, and how its loops were pipelined."""
 
     registers: int  # per thread
     spill_bytes: int  # per thread: spill stores (0 means no register spills)
     stack_bytes: int  # per thread stack frame (spills, local arrays, call frames)
     shared_bytes: int  # per block
     compile_s: float
+    buffers: tuple[Buffer, ...] = ()
+    loop_waits: tuple[int, ...] = ()  # ``num`` of each async wait inside a loop: copy groups left in flight
 
-    def problems(self, arch: int) -> list[str]:
-        """Why this launch could fail or run slowly on ``arch`` (empty: it fits)."""
+    def buffer_count(self, name: str) -> int:
+        """The fewest buffers of a ring for the load into ``name`` (0: none, the load is not pipelined)."""
+        return min((b.count for b in self.buffers if b.name == name), default=0)
+
+    def problems(self, arch: int, max_registers: int | None = None, min_buffers: dict | None = None) -> list[str]:
+        """Why this launch could fail or run slowly on ``arch`` (empty: it fits): spills, shared memory
+        over the limit, and, where given, registers over ``max_registers`` and fewer buffers than
+        ``min_buffers`` asks for the named loads."""
         found = []
         if self.spill_bytes:
             found.append(f"{self.spill_bytes} bytes of register spill stores")
         if self.shared_bytes > SHARED_LIMIT[arch]:
             found.append(f"{self.shared_bytes} bytes of shared memory > the {SHARED_LIMIT[arch]} a block may use")
+        if max_registers is not None and self.registers > max_registers:
+            found.append(f"{self.registers} registers per thread > the declared bound {max_registers}")
+        for name, least in (min_buffers or {}).items():
+            if self.buffer_count(name) < least:
+                found.append(f"{self.buffer_count(name)} shared-memory buffers for {name!r} in the loop < {least}")
         return found
+
+
+# The pipeliner's rings in TritonGPU IR (Triton 3.6 to 3.9): an operand-less mutable allocation whose
+# leading dimension is the buffer index,
+#   %k_149 = ttg.local_alloc : () -> !ttg.memdesc<2x128x64xbf16, #shared1, #smem, mutable> loc(#loc330)
+# that is indexed by stage,
+#   %k_400 = ttg.memdesc_index %k_149[%blocks_395] : !ttg.memdesc<2x128x64xbf16, ...> -> ...
+# (each value is named after the variable the load assigns, plus a number), and in the loop the waits
+# for the copies, ``num`` copy groups left in flight,
+#   %k_399 = ttg.async_wait %k_383, %v_385 {num = 2 : i32} loc(#loc330)
+_ALLOC = re.compile(r"^\s*%([\w.$-]+) = ttg\.local_alloc : \(\) -> !ttg\.memdesc<(\d+)x([^,>]+),[^>]*\bmutable>")
+_WAIT = re.compile(r"\bttg\.async_wait\b.*\{num = (\d+) : i32\}")
+
+
+def pipeline(ttgir: str) -> tuple[tuple[Buffer, ...], tuple[int, ...]]:
+    """The buffer rings and the in-loop async waits' ``num`` of a kernel's TritonGPU IR (``asm["ttgir"]``)."""
+    buffers, waits, loops = [], [], []  # loops: for each open region, whether an scf.for opened it
+    for line in ttgir.splitlines():
+        text = line.strip()
+        if text.startswith("}"):
+            loops.pop()
+        alloc = _ALLOC.match(line)
+        if alloc and f"ttg.memdesc_index %{alloc[1]}[" in ttgir:
+            buffers.append(Buffer(re.sub(r"_\d+$", "", alloc[1]), int(alloc[2]), alloc[3]))
+        wait = _WAIT.search(text)
+        if wait and any(loops):
+            waits.append(int(wait[1]))
+        if text.endswith("{"):
+            loops.append("scf.for " in text)
+    return tuple(buffers), tuple(waits)
 
 
 def toolchain() -> tuple[bool, str]:
@@ -95,4 +148,5 @@ def compile_launch(kernel, args: tuple, meta: dict, arch: int) -> Resources:
     if frame is None or regs is None:
         raise RuntimeError(f"no ptxas report in the compile log: {text[-500:]!r}")
     stack, spills, _ = map(int, frame.groups())
-    return Resources(int(regs.group(1)), spills, stack, compiled.metadata.shared, seconds)
+    buffers, waits = pipeline(compiled.asm["ttgir"])
+    return Resources(int(regs.group(1)), spills, stack, compiled.metadata.shared, seconds, buffers, waits)
