@@ -19,7 +19,7 @@ from test_tree_attention import Batch, chain, random_tree
 
 import specdec.kernels  # noqa: F401  (registers every kernel module)
 from specdec import _backend
-from specdec.kernels import apply_rotary, counter_uniform, rms_norm, tuning
+from specdec.kernels import SamplingParams, apply_rotary, counter_uniform, rms_norm, tuning, verify_chain
 from specdec.kernels.rotary import apply_rotary_reference
 from specdec.kernels.top_k_top_p import filter_thresholds_reference, filter_thresholds_triton, scaled_logits
 from specdec.kernels.tree_attention_tiles import attention_space
@@ -80,6 +80,30 @@ def test_threshold_candidates(config):
         got, _ = filter_thresholds_triton(*(t.to(DEVICE) for t in (logits, temp, top_k, top_p)), block=64)
     expected = filter_thresholds_reference(scaled_logits(logits, temp), temp, top_k, top_p)
     assert torch.equal(got.cpu(), expected), f"{got}\n{expected}"
+
+
+WALK = mod("tree_walk").TREE_WALK_SPACE
+
+
+@pytest.mark.parametrize("config", tile_candidates(WALK), ids=ids(tile_candidates(WALK)))
+def test_tree_walk_candidates(config):
+    # the final draw's steps of TILES tiles, a partial last step included (V = 1500: 3 tiles of 512)
+    vocab, k = 1500, 3
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    logits = (torch.randn(2 * (k + 1), vocab) * 2).to(DEVICE)
+    drafts = torch.randint(0, vocab, (2 * k,), **i32)
+    offsets = torch.tensor([0, k, 2 * k], **i32)
+    q = torch.softmax(torch.randn(2 * k, vocab), -1).to(DEVICE)
+    params = SamplingParams.make(2, temperature=[1.0, 0.7], top_p=[1.0, 0.9], seed=[5, 6], device=DEVICE)
+    results = {}
+    for backend in ("triton", "torch"):
+        with _backend.use_backend(backend), tuning.use_config("_tree_walk_kernel", config):
+            results[backend] = [
+                verify_chain(logits, drafts, offsets, params, rule="stochastic", draft_probs=q, max_draft_len=k),
+                verify_chain(logits, drafts, offsets, params, rule="deterministic", max_draft_len=k),
+            ]
+    for fast, ref in zip(results["triton"], results["torch"]):
+        assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(fast, ref)), (fast, ref)
 
 
 SILU = mod("silu_mul").SILU_MUL_SPACE  # warps only: no tile to tell apart in the interpreter
@@ -206,22 +230,29 @@ def test_autotune_variable_refuses_other_values(value):
         tuning.parse_autotune(value)
 
 
-def test_autotune_variable_is_read_at_launch_and_overridden_by_set_autotune(monkeypatch):
+def test_autotune_variable_is_read_once_and_again_after_set_autotune(monkeypatch):
     x = torch.randn(2, 40).to(DEVICE)
-    monkeypatch.setenv("SPECDEC_AUTOTUNE", "on")
     assert tuning._autotune is None  # no test left an override behind
-    with _backend.use_backend("triton"), pytest.raises(ValueError, match="SPECDEC_AUTOTUNE must be 1"):
-        rms_norm(x, torch.ones(40, device=DEVICE), 1e-5)  # refused at the launch, before anything runs
-    monkeypatch.setenv("SPECDEC_AUTOTUNE", "1")
-    assert tuning.autotune_enabled()
-    tuning.set_autotune(False)
+    monkeypatch.setenv("SPECDEC_AUTOTUNE", "on")
+    tuning.set_autotune(None)  # the variable changed in this process: read it at the next launch
     try:
+        for _ in range(2):  # a refused value is never kept: every launch refuses it until it is fixed
+            with _backend.use_backend("triton"), pytest.raises(ValueError, match="SPECDEC_AUTOTUNE must be 1"):
+                rms_norm(x, torch.ones(40, device=DEVICE), 1e-5)  # refused at the launch, before anything runs
+        monkeypatch.setenv("SPECDEC_AUTOTUNE", "1")
+        assert tuning.autotune_enabled()
+        monkeypatch.setenv("SPECDEC_AUTOTUNE", "0")
+        assert tuning.autotune_enabled()  # kept until set_autotune
+        tuning.set_autotune(False)
+        assert not tuning.autotune_enabled()
+        monkeypatch.setenv("SPECDEC_AUTOTUNE", "1")
+        tuning.set_autotune(None)
+        assert tuning.autotune_enabled()  # None follows the variable again, read anew
+        monkeypatch.delenv("SPECDEC_AUTOTUNE")
+        tuning.set_autotune(None)
         assert not tuning.autotune_enabled()
     finally:
         tuning.set_autotune(None)
-    assert tuning.autotune_enabled()  # None follows the variable again
-    monkeypatch.delenv("SPECDEC_AUTOTUNE")
-    assert not tuning.autotune_enabled()
 
 
 # ---------------------------------------------------------------- every kernel's declared space

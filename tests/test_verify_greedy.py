@@ -116,7 +116,7 @@ def test_the_triton_fast_path_launches_argmax_statistics_and_the_walk_only(monke
         assert launched == ["_row_stats_kernel", "_greedy_walk_kernel"]  # no filter, uniforms or tile sampling
         launched.clear()
         verify_chain(logits, tokens, offsets, params(len(ks), 0.0), rule="deterministic")
-    assert len(launched) == 5  # what the general op costs for the same batch
+    assert launched == ["_threshold_kernel", "_row_stats_kernel", "_tree_walk_kernel"]  # the general op's pipeline
 
 
 def test_a_sampled_request_is_refused_not_answered_greedily():

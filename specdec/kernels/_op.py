@@ -49,8 +49,10 @@ class RegisteredOp:
         if _torch.compiler.is_compiling():
             self.op(*args)
             return
-        device_tensor = next(a for a in args if isinstance(a, _torch.Tensor))
-        self.body(_backend.select_backend(device_tensor))(*args)
+        device_tensor = args[0]  # (every op's first argument is a tensor but a few; those search)
+        if not isinstance(device_tensor, _torch.Tensor):
+            device_tensor = next(a for a in args if isinstance(a, _torch.Tensor))
+        (self.triton if _backend.select_backend(device_tensor) == "triton" else self.torch)(*args)
 
 
 def register_op(

@@ -1,43 +1,46 @@
 """The final token of a verification: one draw from the distribution where the walk stopped
 (``tree_walk`` derives which one), by the two-level inverse CDF of ``sample_probs``.
 
-The distribution is never written out: ``_final_tile`` recomputes any tile of it from the
-logits, the tile statistics and, for a residual, the draft row -- p itself, max(0, p - C q),
-or p without the rejected children, as the walk's ``FINAL_*`` mode says. ``_final_mass_kernel``
-(requests x tiles) sums every tile of it and of p; ``_final_sample_kernel`` (one program per
-request) draws ``u = counter_uniform(seed, offset, 2 * node + 1)``, picks the tile whose running
-mass passes ``u * total`` and then the token inside it. A residual whose summed mass is below
-``RESIDUAL_EPS`` (p == q up to rounding) falls back to p. The draft row is read only for a
-residual, i.e. only after a rejection, so a request whose drafts were all accepted (or that
-drafted nothing) never touches ``draft_probs``.
+The distribution is never written out: ``_final_weights`` recomputes any tile of it from the
+target tile and, for a residual, the draft row -- p itself, max(0, p - C q), or p without the
+rejected children, as the walk's ``FINAL_*`` mode says. ``final_draw_tl`` runs in the walk's own
+program (one per request, so no stage waits on another program's results): one pass sums every
+tile of that distribution and of p, then it draws ``u = counter_uniform(seed, offset, 2 * node + 1)``,
+picks the tile whose running mass passes ``u * total`` and the token inside it. A residual whose
+summed mass is below ``RESIDUAL_EPS`` (p == q up to rounding) falls back to p. The draft row is
+read only for a residual, i.e. only after a rejection, so a request whose drafts were all accepted
+(or that drafted nothing) never touches ``draft_probs``.
 """
 
 from __future__ import annotations
 
-import torch
-
-from specdec.kernels._triton import jit, next_power_of_2, tl
+from specdec.kernels._triton import jit, tl
 from specdec.kernels.sample_probs import pick_in_tile_tl, pick_tile_tl
-from specdec.kernels.target_stats import row_argmax_tl, row_normaliser_tl, target_tile_tl
-from specdec.kernels.tree_walk import (
-    FINAL_DONE,
-    FINAL_EXCLUDED,
-    FINAL_RESIDUAL,
-    FINAL_TARGET,
-    RESIDUAL_EPS,
-    residual_tile_tl,
-)
-from specdec.kernels.tuning import TuningSpace, candidates, launch
+from specdec.kernels.target_stats import target_cols_tl, target_tile_tl
 from specdec.kernels.uniforms import counter_uniform_tl
+
+RESIDUAL_EPS = 1e-5  # a residual with less mass is rounding noise: sample from p instead
+
+# The final draw the walk hands over:
+FINAL_DONE = tl.constexpr(0)  # greedy or invalid: the walk wrote the last token already
+FINAL_TARGET = tl.constexpr(1)  # draw from p
+FINAL_RESIDUAL = tl.constexpr(2)  # stochastic rule: draw from max(0, p - C q), its mass summed over the tiles
+FINAL_EXCLUDED = tl.constexpr(3)  # deterministic rule: draw from p without the rejected children, mass 1 - X
 
 
 @jit
-def _rejected_children(cols, tokens_ptr, parents_ptr, b, row, cur, n, CHAIN: tl.constexpr):
+def residual_tile_tl(p, q_row_ptr, cols, V, c):
+    """max(0, p - C q) on one tile (negative or non-finite q read as 0; p is 0 past V)."""
+    q = tl.load(q_row_ptr + tl.minimum(cols, V - 1)).to(tl.float32)  # clamped: no lane leaves the row
+    return tl.maximum(p - c * tl.where((q >= 0) & (q < float("inf")), q, 0.0), 0.0)
+
+
+@jit
+def _rejected_children(cols, tokens_ptr, parents_ptr, start, cur, n, first_child, CHAIN: tl.constexpr):
     # Columns holding a child of node cur (deterministic rule, FINAL_EXCLUDED: all were rejected).
-    if CHAIN:  # its one child is draft offsets[b] + cur = row - b
-        hit = cols == tl.load(tokens_ptr + row - b)
+    if CHAIN:  # its one child carries tokens[first_child]
+        hit = cols == tl.load(tokens_ptr + first_child)
     else:
-        start = row - cur
         hit = cols < 0
         for i in range(cur + 1, n):
             if tl.load(parents_ptr + start + i) == cur:
@@ -46,110 +49,50 @@ def _rejected_children(cols, tokens_ptr, parents_ptr, b, row, cur, n, CHAIN: tl.
 
 
 @jit
-def _final_tile(
-    logits_ptr, tokens_ptr, parents_ptr, q_ptr, thr_ptr, inv_row_ptr, max_ptr, sum_ptr, arg_ptr, bad_ptr,
-    fin_i_ptr, fin_f_ptr, b, mode, start_col, V, n_tiles, stride_l, stride_q,
-    RULE: tl.constexpr, CHAIN: tl.constexpr, BLOCK: tl.constexpr, T_PAD: tl.constexpr,
-):  # fmt: skip
-    # (cols, p, w) on the tile at start_col of request b's final node: the target p and the mass w
-    # the token is drawn from under `mode`.
-    row = tl.load(fin_i_ptr + 4 * b).to(tl.int64)
-    m, _argmax, _bad = row_argmax_tl(max_ptr, arg_ptr, bad_ptr, row, n_tiles, T_PAD)
-    z = row_normaliser_tl(max_ptr, sum_ptr, row, m, n_tiles, T_PAD)
-    inv_t = tl.load(inv_row_ptr + row)
-    cols, p = target_tile_tl(logits_ptr + row * stride_l, start_col, V, inv_t, tl.load(thr_ptr + row), m, z, BLOCK)
+def _final_weights(p, cols, mode, q_row, c, V, tokens_ptr, parents_ptr, start, cur, n, first_child,
+                   RULE: tl.constexpr, CHAIN: tl.constexpr):  # fmt: skip
+    # The mass w the token is drawn from under `mode`, on the tile whose target probabilities are p.
     w = p
     if RULE == "stochastic":
         if mode == FINAL_RESIDUAL:  # the draft row of the final node's children: after a rejection, it exists
-            q_row = q_ptr + (row - b if CHAIN else row) * stride_q
-            w = residual_tile_tl(p, q_row, cols, V, tl.load(fin_f_ptr + 2 * b))
+            w = residual_tile_tl(p, q_row, cols, V, c)
     else:
         if mode == FINAL_EXCLUDED:
-            cur, n = tl.load(fin_i_ptr + 4 * b + 2), tl.load(fin_i_ptr + 4 * b + 3)
-            w = tl.where(_rejected_children(cols, tokens_ptr, parents_ptr, b, row, cur, n, CHAIN), 0.0, p)
-    return cols, p, w
+            w = tl.where(_rejected_children(cols, tokens_ptr, parents_ptr, start, cur, n, first_child, CHAIN), 0.0, p)
+    return w
 
 
 @jit
-def _final_mass_kernel(
-    logits_ptr, tokens_ptr, parents_ptr, q_ptr, thr_ptr, inv_row_ptr, max_ptr, sum_ptr, arg_ptr, bad_ptr,
-    fin_i_ptr,  # [B, 4] int32 from the walk: final row, mode, final node, node count
-    fin_f_ptr,  # [B, 2] fp32 from the walk: C, mass
-    mass_ptr,  # [B, n_tiles] fp32 out: mass w of the final distribution per tile
-    p_ptr,  # [B, n_tiles] fp32 out: mass of p per tile (the fallback when a residual is ~0)
-    V, n_tiles, stride_l, stride_q,
-    RULE: tl.constexpr, CHAIN: tl.constexpr, BLOCK: tl.constexpr, T_PAD: tl.constexpr,
+def final_draw_tl(
+    logits_row, q_row, tokens_ptr, parents_ptr, mode, start, cur, n, first_child, c, total, inv_t, thr, m, z,
+    seed, off, V, n_tiles, RULE: tl.constexpr, CHAIN: tl.constexpr, BLOCK: tl.constexpr, T_PAD: tl.constexpr,
+    EPS: tl.constexpr, TILES: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
-    tile = tl.program_id(1)
-    mode = tl.load(fin_i_ptr + 4 * b + 1)
-    if mode != FINAL_DONE:
-        _cols, p, w = _final_tile(
-            logits_ptr, tokens_ptr, parents_ptr, q_ptr, thr_ptr, inv_row_ptr, max_ptr, sum_ptr, arg_ptr, bad_ptr,
-            fin_i_ptr, fin_f_ptr, b, mode, tile * BLOCK, V, n_tiles, stride_l, stride_q, RULE, CHAIN, BLOCK, T_PAD,
-        )  # fmt: skip
-        at = b.to(tl.int64) * n_tiles + tile
-        tl.store(mass_ptr + at, tl.sum(w, 0))
-        tl.store(p_ptr + at, tl.sum(p, 0))
-
-
-@jit
-def _final_sample_kernel(
-    logits_ptr, tokens_ptr, parents_ptr, q_ptr, thr_ptr, inv_row_ptr, max_ptr, sum_ptr, arg_ptr, bad_ptr,
-    fin_i_ptr, fin_f_ptr, mass_ptr, p_ptr,
-    seed_ptr,  # [B] int64
-    offset_ptr,  # [B] int64
-    out_tok_ptr,  # [B, W] int32: the drawn token goes after the accepted ones
-    num_acc_ptr,  # [B] int32 from the walk
-    V, n_tiles, stride_l, stride_q, stride_tok,
-    RULE: tl.constexpr, CHAIN: tl.constexpr, BLOCK: tl.constexpr, T_PAD: tl.constexpr, EPS: tl.constexpr,
-):  # fmt: skip
-    b = tl.program_id(0)
-    mode = tl.load(fin_i_ptr + 4 * b + 1)
-    if mode != FINAL_DONE:
-        t_idx = tl.arange(0, T_PAD)
-        at = b.to(tl.int64) * n_tiles + tl.minimum(t_idx, n_tiles - 1)  # clamped: lanes past n_tiles stay in
-        w_tiles = tl.where(t_idx < n_tiles, tl.load(mass_ptr + at), 0.0)
-        p_tiles = tl.where(t_idx < n_tiles, tl.load(p_ptr + at), 0.0)
-        total = tl.load(fin_f_ptr + 2 * b + 1)
-        total = tl.where(mode == FINAL_RESIDUAL, tl.sum(w_tiles, 0), total)
-        use_p = total <= EPS  # a residual of rounding noise (p == q): draw from p
-        w_tiles = tl.where(use_p, p_tiles, w_tiles)
-        total = tl.where(use_p, 1.0, total)
-        mode = tl.where(use_p, FINAL_TARGET, mode)
-        node = tl.load(fin_i_ptr + 4 * b + 2)
-        target = counter_uniform_tl(tl.load(seed_ptr + b), tl.load(offset_ptr + b), 2 * node + 1) * total
-        tile, before = pick_tile_tl(w_tiles, t_idx, target)
-        cols, _p, w = _final_tile(
-            logits_ptr, tokens_ptr, parents_ptr, q_ptr, thr_ptr, inv_row_ptr, max_ptr, sum_ptr, arg_ptr, bad_ptr,
-            fin_i_ptr, fin_f_ptr, b, mode, tile * BLOCK, V, n_tiles, stride_l, stride_q, RULE, CHAIN, BLOCK, T_PAD,
-        )  # fmt: skip
-        token = pick_in_tile_tl(w, cols, before, target)
-        tl.store(out_tok_ptr + b.to(tl.int64) * stride_tok + tl.load(num_acc_ptr + b), token)
-
-
-# The vocabulary tile is the statistics' own (shared by every stage): warps only.
-FINAL_MASS_SPACE = TuningSpace(candidates(num_warps=(8, 2)), key=("V", "RULE", "CHAIN"))  # 4 spills (sm_80, 3.6)
-FINAL_SAMPLE_SPACE = TuningSpace(candidates(num_warps=(2, 4, 8)), key=("V", "RULE", "CHAIN"))
-
-
-def final_sample_triton(logits, tokens, parents, q, thr, inv_row, stats, params, fin_i, fin_f, out_tok, num_acc, *,
-                        rule: str, chain: bool, block: int, mass=None) -> None:  # fmt: skip
-    """Draw every request's final token after ``tree_walk_triton`` (the walk's hand-off ``fin_i`` /
-    ``fin_f``) into ``out_tok [B, W]`` at column ``num_acc [B]``; ``mass`` = two fp32 ``[B, n_tiles]``
-    scratch tensors (else fresh). Triton launcher, no checks."""
-    batch, n_tiles = fin_i.shape[0], stats.max.shape[1]
-    _temperature, _top_k, _top_p, seed, offset = params
-    if mass is None:
-        mass = (torch.empty(batch, n_tiles, dtype=torch.float32, device=logits.device),
-                torch.empty(batch, n_tiles, dtype=torch.float32, device=logits.device))  # fmt: skip
-    w_mass, p_mass = mass
-    common = (logits, tokens, parents, q, thr, inv_row, *stats, fin_i, fin_f)
-    meta = dict(RULE=rule, CHAIN=chain, BLOCK=block, T_PAD=next_power_of_2(n_tiles))
-    vocab = logits.shape[1]
-    mass_args = (*common, w_mass, p_mass, vocab, n_tiles, logits.stride(0), q.stride(0))
-    launch(_final_mass_kernel, (batch, n_tiles), mass_args, meta, dict(num_warps=8), FINAL_MASS_SPACE)
-    sample_args = (*common, w_mass, p_mass, seed, offset, out_tok, num_acc, vocab, n_tiles, logits.stride(0),
-                   q.stride(0), out_tok.stride(0))  # fmt: skip
-    sample_meta = dict(meta, EPS=RESIDUAL_EPS)
-    launch(_final_sample_kernel, (batch,), sample_args, sample_meta, dict(num_warps=4), FINAL_SAMPLE_SPACE)
+    """The token drawn at local node ``cur`` of the request whose nodes start at row ``start`` (mode not
+    FINAL_DONE): ``logits_row`` / ``q_row`` that node's rows, (inv_t, thr, m, z) its target, ``c`` the
+    residual's C, ``total`` the mass of an excluded draw (1 otherwise), ``first_child`` where a chain
+    node's one child's token lies."""
+    # ---- per-tile mass of the final distribution w and of p, TILES tiles a step (a shorter serial chain)
+    t_idx = tl.arange(0, T_PAD)
+    w_tiles = tl.zeros([T_PAD], dtype=tl.float32)
+    p_tiles = tl.zeros([T_PAD], dtype=tl.float32)
+    for first in range(0, n_tiles, TILES):
+        tiles = first + tl.arange(0, TILES)
+        cols = tiles[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # [TILES, BLOCK]; past V: p = 0
+        p = target_cols_tl(logits_row, cols, V, inv_t, thr, m, z)
+        w = _final_weights(p, cols, mode, q_row, c, V, tokens_ptr, parents_ptr, start, cur, n, first_child, RULE,
+                           CHAIN)  # fmt: skip
+        at = t_idx[:, None] == tiles[None, :]  # each tile's sum lands in its lane once (added to 0: exact)
+        w_tiles += tl.sum(tl.where(at, tl.sum(w, 1)[None, :], 0.0), 1)
+        p_tiles += tl.sum(tl.where(at, tl.sum(p, 1)[None, :], 0.0), 1)
+    # ---- the draw
+    total = tl.where(mode == FINAL_RESIDUAL, tl.sum(w_tiles, 0), total)
+    use_p = total <= EPS  # a residual of rounding noise (p == q): draw from p
+    w_tiles = tl.where(use_p, p_tiles, w_tiles)
+    total = tl.where(use_p, 1.0, total)
+    mode = tl.where(use_p, FINAL_TARGET, mode)
+    target = counter_uniform_tl(seed, off, 2 * cur + 1) * total
+    tile, before = pick_tile_tl(w_tiles, t_idx, target)
+    cols, p = target_tile_tl(logits_row, tile * BLOCK, V, inv_t, thr, m, z, BLOCK)
+    w = _final_weights(p, cols, mode, q_row, c, V, tokens_ptr, parents_ptr, start, cur, n, first_child, RULE, CHAIN)
+    return pick_in_tile_tl(w, cols, before, target)

@@ -90,7 +90,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, *, out: SampleResult | 
     batch = logits.shape[0]
     check_params(params, batch, device)
     out = result_buffers(out, SampleResult, batch, 1, device)
-    _sample_op.run(logits, *(t.contiguous() for t in params), *out)
+    t, k, p, s, o = params
+    _sample_op.run(logits, t.contiguous(), k.contiguous(), p.contiguous(), s.contiguous(), o.contiguous(), *out)
     return out
 
 

@@ -37,6 +37,8 @@ _FIELDS = (
     ("offset", torch.int64),
 )
 
+_Tensor, _F32, _I32, _I64 = torch.Tensor, torch.float32, torch.int32, torch.int64
+
 
 class SamplingParams(NamedTuple):
     """Five ``[B]`` tensors: temperature fp32, top_k int32, top_p fp32, seed int64, offset int64.
@@ -83,11 +85,18 @@ class SamplingParams(NamedTuple):
     def check(self, batch: int, device: torch.device) -> None:
         """Dtypes, shapes ``[batch]`` and device of every field; errors name ``params.<field>``."""
         want = (batch,)
+        t, k, p, s, o = self
+        # the same conditions as check_tensor's, tested inline in one expression (every call of every op
+        # checks them); any failure goes field by field through check_tensor, which names the field
+        if (type(t) is _Tensor and type(k) is _Tensor and type(p) is _Tensor and type(s) is _Tensor
+                and type(o) is _Tensor and t.dtype is _F32 and k.dtype is _I32 and p.dtype is _F32
+                and s.dtype is _I64 and o.dtype is _I64 and t.shape == want and k.shape == want
+                and p.shape == want and s.shape == want and o.shape == want and t.device == device
+                and k.device == device and p.device == device and s.device == device
+                and o.device == device):  # fmt: skip
+            return
         for (name, dtype), value in zip(_FIELDS, self):
-            # the same conditions as check_tensor's, tested inline (every call of every op checks them)
-            if not (isinstance(value, torch.Tensor) and value.dtype is dtype and value.shape == want
-                    and value.device == device):  # fmt: skip
-                check_tensor(f"params.{name}", value, dtype=dtype, shape=want, device=device)
+            check_tensor(f"params.{name}", value, dtype=dtype, shape=want, device=device)
 
     def select(self, rows: torch.Tensor) -> SamplingParams:
         """The parameters of requests ``rows`` (int64 indices), in that order."""

@@ -19,6 +19,7 @@ its own maximum.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -105,6 +106,14 @@ def target_tile_tl(row_ptr, start, V, inv_t, thr, m, z, BLOCK: tl.constexpr):
 
 
 @jit
+def target_cols_tl(row_ptr, cols, V, inv_t, thr, m, z):
+    """p at columns ``cols`` of any shape: the values ``target_tile_tl`` gives them (0 past V)."""
+    s = tl.load(row_ptr + tl.minimum(cols, V - 1)).to(tl.float32) * inv_t  # clamped: no lane leaves the row
+    s = tl.where(cols < V, s, float("-inf"))
+    return tl.where((s >= thr) & (s > float("-inf")), tl.exp(s - m) / z, 0.0)
+
+
+@jit
 def target_prob_tl(row_ptr, col, inv_t, thr, m, z):
     """p at one column ``col`` (which must lie in the row)."""
     s = tl.load(row_ptr + col).to(tl.float32) * inv_t
@@ -144,9 +153,17 @@ def row_stats_triton(logits, inv_row, thr, block: int, argmax_only: bool = False
         unread = stats.max  # any fp32 tensor stands in for inv_row / thr when they are not read
         args = (logits, unread if argmax_only else inv_row, unread if argmax_only else thr, *stats, vocab, n_tiles,
                 logits.stride(0))  # fmt: skip
-        meta = dict(ARGMAX_ONLY=argmax_only, BLOCK=block)
-        launch(_row_stats_kernel, (rows, n_tiles), args, meta, dict(num_warps=4), ROW_STATS_SPACE)
+        meta = _stats_meta(argmax_only, block)
+        launch(_row_stats_kernel, (rows, n_tiles), args, meta, _STATS_CONFIG, ROW_STATS_SPACE)
     return stats
+
+
+_STATS_CONFIG = dict(num_warps=4)  # (constants: launches read them, never change them)
+
+
+@functools.cache
+def _stats_meta(argmax_only: bool, block: int) -> dict:
+    return dict(ARGMAX_ONLY=argmax_only, BLOCK=block)
 
 
 # ----------------------------------------------------------------------------- PyTorch reference

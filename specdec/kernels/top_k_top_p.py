@@ -22,6 +22,8 @@ holds a whole row.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from specdec.kernels._triton import jit, next_power_of_2, tl
@@ -201,10 +203,19 @@ def filter_thresholds_triton(
     if offsets is None:  # ROWS_ARE_REQUESTS: never read
         offsets = top_k
     if n_rows:
-        args = (logits, offsets, temperature, top_k, top_p, thr, inv_row, temperature.numel(), vocab, logits.stride(0))
-        config = dict(BLOCK=block, num_warps=8 if block >= 1024 else 4)
-        launch(_threshold_kernel, (n_rows,), args, dict(ROWS=rows), config, THRESHOLD_SPACE)
+        args = (logits, offsets, temperature, top_k, top_p, thr, inv_row, temperature.shape[0], vocab,
+                logits.stride(0))  # fmt: skip
+        launch(_threshold_kernel, (n_rows,), args, _ROWS_META[rows], _threshold_config(block), THRESHOLD_SPACE)
     return thr, inv_row
+
+
+_ROWS_META = {rows: dict(ROWS=rows) for rows in (ROWS_ARE_REQUESTS, ROWS_BY_NODE_OFFSETS, ROWS_BY_DRAFT_OFFSETS)}
+
+
+@functools.cache
+def _threshold_config(block: int) -> dict:
+    """The default configuration for a tile (made once: launches read it, never change it)."""
+    return dict(BLOCK=block, num_warps=8 if block >= 1024 else 4)
 
 
 # ----------------------------------------------------------------------------- PyTorch reference

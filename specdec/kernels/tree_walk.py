@@ -45,14 +45,24 @@ q(x) = 0, NaN, inf or > 1 is never accepted; negative or non-finite q count as 0
 residual. A request with any row that cannot be sampled is flagged invalid and walks
 nowhere.
 
-The walk reads scalars (a row only to sum S) and hands the final draw to ``final_sample``
-as a mode (``FINAL_*``), the final node and (C, mass); greedy requests' last token, the
-argmax, is written here.
+The walk reads scalars (a row only to sum S); greedy requests' last token, the argmax, is written
+by the walk itself, every other request's by ``final_sample.final_draw_tl`` in the same program
+(a mode ``FINAL_*``, the final node and (C, mass) say what it draws from).
 """
 
 from __future__ import annotations
 
+import functools
+
 from specdec.kernels._triton import jit, next_power_of_2, tl
+from specdec.kernels.final_sample import (
+    FINAL_EXCLUDED,
+    FINAL_RESIDUAL,
+    FINAL_TARGET,
+    RESIDUAL_EPS,
+    final_draw_tl,
+    residual_tile_tl,
+)
 from specdec.kernels.target_stats import (
     any_row_bad_tl,
     row_argmax_tl,
@@ -63,14 +73,6 @@ from specdec.kernels.target_stats import (
 from specdec.kernels.top_k_top_p import inverse_temperature_tl
 from specdec.kernels.tuning import TuningSpace, launch
 from specdec.kernels.uniforms import counter_uniform_tl
-
-RESIDUAL_EPS = 1e-5  # a residual with less mass is rounding noise: sample from p instead
-
-# The final draw each request hands to final_sample (fin_i[b, 1]):
-FINAL_DONE = tl.constexpr(0)  # greedy or invalid: the walk wrote the last token already
-FINAL_TARGET = tl.constexpr(1)  # draw from p
-FINAL_RESIDUAL = tl.constexpr(2)  # stochastic rule: draw from max(0, p - C q), its mass summed over the tiles
-FINAL_EXCLUDED = tl.constexpr(3)  # deterministic rule: draw from p without the rejected children, mass 1 - X
 
 
 @jit
@@ -87,13 +89,6 @@ def request_nodes_tl(offsets_ptr, b, CHAIN: tl.constexpr):
     else:
         start, n, base = lo, hi - lo, lo
     return start, n, base
-
-
-@jit
-def residual_tile_tl(p, q_row_ptr, cols, V, c):
-    """max(0, p - C q) on one tile (negative or non-finite q read as 0; p is 0 past V)."""
-    q = tl.load(q_row_ptr + tl.minimum(cols, V - 1)).to(tl.float32)  # clamped: no lane leaves the row
-    return tl.maximum(p - c * tl.where((q >= 0) & (q < float("inf")), q, 0.0), 0.0)
 
 
 @jit
@@ -150,12 +145,10 @@ def _tree_walk_kernel(
     temp_ptr,  # [B] fp32
     seed_ptr,  # [B] int64
     offset_ptr,  # [B] int64
-    out_tok_ptr,  # [B, W] int32 out: accepted tokens, then (greedy only) the argmax; -1 padded
+    out_tok_ptr,  # [B, W] int32 out: accepted tokens, then the final one; -1 padded
     out_path_ptr,  # [B, W] int32 out: local nodes root(0), accepted..., -1 padded
     num_acc_ptr,  # [B] int32 out
     invalid_ptr,  # [B] bool out
-    fin_i_ptr,  # [B, 4] int32 out: final node's row, FINAL_* mode, final node, node count
-    fin_f_ptr,  # [B, 2] fp32 out: C, and the final distribution's mass (1 - X, or 1)
     V,
     n_tiles,
     W,
@@ -169,6 +162,7 @@ def _tree_walk_kernel(
     T_PAD: tl.constexpr,
     W_PAD: tl.constexpr,
     EPS: tl.constexpr,
+    TILES: tl.constexpr,  # vocabulary tiles the final draw sums a step
 ):
     b = tl.program_id(0)
     start, n, tok_base = request_nodes_tl(offsets_ptr, b, CHAIN)
@@ -238,7 +232,7 @@ def _tree_walk_kernel(
                 else:
                     x_rej = x_rej + px
 
-    # ---- the final draw: greedy requests are done, the others go to final_sample
+    # ---- the final draw: greedy requests have theirs (the argmax), invalid ones none
     if greedy & ~invalid:
         toks = tl.where(lanes == depth, am, toks)
     total = zero + 1.0
@@ -248,13 +242,15 @@ def _tree_walk_kernel(
         exclude = (x_rej > 0) & (1.0 - x_rej > EPS)  # else the rejected mass is rounding noise: draw from p
         total = tl.where(exclude, 1.0 - x_rej, total)
         mode = tl.where(exclude, FINAL_EXCLUDED, FINAL_TARGET)
-    mode = tl.where(invalid | greedy, FINAL_DONE, mode)
-    tl.store(fin_i_ptr + 4 * b, start + cur)
-    tl.store(fin_i_ptr + 4 * b + 1, mode)
-    tl.store(fin_i_ptr + 4 * b + 2, cur)
-    tl.store(fin_i_ptr + 4 * b + 3, n)
-    tl.store(fin_f_ptr + 2 * b, c_res)
-    tl.store(fin_f_ptr + 2 * b + 1, total)
+    if ~invalid & ~greedy:
+        row = (start + cur).to(tl.int64)
+        q_row = q_ptr + (row - b if CHAIN else row) * stride_q  # read only for a residual
+        token = final_draw_tl(
+            logits_ptr + row * stride_l, q_row, tokens_ptr, parents_ptr, mode, start, cur, n, tok_base + cur + 1,
+            c_res, total, inv_t, tl.load(thr_ptr + row), m, z, seed, off, V, n_tiles, RULE, CHAIN, BLOCK, T_PAD, EPS,
+            TILES,
+        )  # fmt: skip
+        toks = tl.where(lanes == depth, token, toks)
 
     # ---- write back
     at = tl.minimum(lanes, W - 1)  # clamped: lanes past the width stay inside the row
@@ -264,28 +260,35 @@ def _tree_walk_kernel(
     tl.store(invalid_ptr + b, invalid)
 
 
-# One program walks one request, mostly scalar work: warps only. ptxas caps registers for occupancy
-# (64 at 8 warps) and then spills a few bytes; a walk has few programs, so it may use more (maxnreg).
+# One program walks one request (mostly scalar work), then streams its final row once: TILES vocabulary
+# tiles a step, so the serial chain of loads is n_tiles / TILES long, at about 16 values per thread and
+# tensor. ptxas caps registers for occupancy (64 at 8 warps) and then spills; a walk has few programs,
+# so it may use more (maxnreg).
 TREE_WALK_SPACE = TuningSpace(
-    (dict(num_warps=4, maxnreg=128), dict(num_warps=8, maxnreg=128), dict(num_warps=2, maxnreg=160)),
+    (dict(TILES=4, num_warps=8, maxnreg=128), dict(TILES=2, num_warps=4, maxnreg=128),
+     dict(TILES=1, num_warps=2, maxnreg=160)),
     key=("V", "RULE", "CHAIN"),
-)
+)  # fmt: skip
 
 
-def tree_walk_triton(logits, tokens, parents, offsets, q, thr, stats, params, out, fin_i, fin_f, *,
-                     rule: str, chain: bool, block: int, width: int) -> None:  # fmt: skip
-    """Launch the walk, one program per request: writes ``out`` (output_tokens, num_accepted,
-    accepted_path, invalid) and the final-draw hand-off ``fin_i [B, 4]`` int32 / ``fin_f [B, 2]``
-    fp32. ``q`` holds the draft rows (any tensor for the deterministic rule). Triton launcher, no checks."""
+def tree_walk_triton(logits, tokens, parents, offsets, q, thr, stats, params, out, *, rule: str, chain: bool,
+                     block: int, width: int) -> None:  # fmt: skip
+    """Launch the walk and the final draw, one program per request: writes ``out`` (output_tokens,
+    num_accepted, accepted_path, invalid). ``q`` holds the draft rows (any tensor for the deterministic
+    rule). Triton launcher, no checks."""
     out_tok, num_acc, out_path, invalid = out
     temperature, _top_k, _top_p, seed, offset = params
-    batch = offsets.numel() - 1
     n_tiles = stats.max.shape[1]
     args = (
-        logits, tokens, parents, offsets, q, thr, *stats, temperature, seed, offset,
-        out_tok, out_path, num_acc, invalid, fin_i, fin_f,
-        logits.shape[1], n_tiles, width, logits.stride(0), q.stride(0), out_tok.stride(0), out_path.stride(0),
+        logits, tokens, parents, offsets, q, thr, *stats, temperature, seed, offset, out_tok, out_path, num_acc,
+        invalid, logits.shape[1], n_tiles, width, logits.stride(0), q.stride(0), out_tok.stride(0), out_path.stride(0),
     )  # fmt: skip
-    meta = dict(RULE=rule, CHAIN=chain, BLOCK=block, T_PAD=next_power_of_2(n_tiles),
-                W_PAD=next_power_of_2(width), EPS=RESIDUAL_EPS)  # fmt: skip
-    launch(_tree_walk_kernel, (batch,), args, meta, TREE_WALK_SPACE.configs[0], TREE_WALK_SPACE)
+    launch(_tree_walk_kernel, (offsets.shape[0] - 1,), args, walk_meta(rule, chain, block, n_tiles, width),
+           TREE_WALK_SPACE.configs[0], TREE_WALK_SPACE)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def walk_meta(rule: str, chain: bool, block: int, n_tiles: int, width: int) -> dict:
+    """The walk's meta-parameters (made once per shape: a launch reads them, never changes them)."""
+    return dict(RULE=rule, CHAIN=chain, BLOCK=block, T_PAD=next_power_of_2(n_tiles), W_PAD=next_power_of_2(width),
+                EPS=RESIDUAL_EPS)  # fmt: skip

@@ -10,8 +10,10 @@ launches through ``launch(kernel, grid, args, meta, config, space)``:
   ``space`` gives the same results as the default, up to the order of floating-point sums.
 * Tuning off (the default): the kernel runs with ``config``, no benchmarking, nothing a
   CUDA-graph capture or a ``torch.compile`` region could trip on.
-* ``SPECDEC_AUTOTUNE=1`` (read at every launch; ``0`` or unset is off, any other value is
-  refused with an error naming the variable; ``set_autotune`` overrides it) on a GPU: the launch
+* ``SPECDEC_AUTOTUNE=1`` (read at the first launch, and again at the first launch after
+  ``set_autotune(None)``: call that after changing the variable in a running process; ``0`` or
+  unset is off, any other value is refused with an error naming the variable, at every launch
+  until it is fixed; ``set_autotune`` overrides it) on a GPU: the launch
   goes through ``triton.autotune`` over the default and the space's candidates, keyed by the
   space's ``key`` (argument names; the tensors' dtypes are added by Triton). The first call
   for each key value benchmarks every candidate, later calls reuse the winner, so run one
@@ -34,12 +36,14 @@ import os
 import pkgutil
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from specdec import _backend
 
 AUTOTUNE_ENV = "SPECDEC_AUTOTUNE"
 PERF_KEYS = {"num_warps": "w", "num_stages": "s", "maxnreg": "r"}  # launch options (not kernel arguments), short
 _autotune: bool | None = None  # set_autotune's choice; None follows the environment variable
+_env_autotune: bool | None = None  # the variable as last read (None: read it at the next launch)
 
 
 @dataclass(frozen=True)
@@ -52,9 +56,8 @@ class TuningSpace:
     autotune: bool = True  # False: the candidates are compiled and can be pinned, never benchmarked by Triton
 
 
-@dataclass(frozen=True)
-class Launch:
-    """One launch as the launcher planned it (what ``capture_launches`` records)."""
+class Launch(NamedTuple):
+    """One launch as the launcher planned it (what ``capture_launches`` records; a tuple, cheap to make)."""
 
     kernel: object  # the @triton.jit function
     grid: tuple
@@ -88,16 +91,22 @@ def candidates(**axes: Sequence) -> tuple[dict, ...]:
 
 
 def set_autotune(enabled: bool | None) -> None:
-    """Turn autotuning on or off for later launches; ``None`` follows SPECDEC_AUTOTUNE again."""
-    global _autotune
+    """Turn autotuning on or off for later launches; ``None`` follows SPECDEC_AUTOTUNE again, read anew
+    at the next launch."""
+    global _autotune, _env_autotune
     _autotune = None if enabled is None else bool(enabled)
+    _env_autotune = None
 
 
 def autotune_enabled() -> bool:
-    """``set_autotune``'s choice, else the environment variable (see ``parse_autotune``)."""
+    """``set_autotune``'s choice, else the environment variable (see ``parse_autotune``), read once and
+    kept until ``set_autotune`` is called (a value that is refused is never kept)."""
+    global _env_autotune
     if _autotune is not None:
         return _autotune
-    return parse_autotune(os.environ.get(AUTOTUNE_ENV, ""))
+    if _env_autotune is None:
+        _env_autotune = parse_autotune(os.environ.get(AUTOTUNE_ENV, ""))
+    return _env_autotune
 
 
 def parse_autotune(value: str) -> bool:
@@ -158,27 +167,25 @@ def describe(config: dict) -> str:
 
 def launch(kernel, grid, args: tuple, meta: dict, config: dict, space: TuningSpace) -> None:
     """Run ``kernel`` with ``config`` (or, autotuning, the best of ``space``); ``grid`` is a tuple or a
-    function of the configuration (a dict of the meta-parameters, as Triton passes it)."""
-    name = kernel.__name__
+    function of the configuration (a dict of the meta-parameters, as Triton passes it). Launchers call
+    this on every op call: the common case (no pin, no capture, no tuning) does only a few lookups."""
     tune = autotune_enabled()  # a bad SPECDEC_AUTOTUNE fails the first launch on every backend, not only on a GPU
-    pinned = _pinned.get(name)
-    config = config if pinned is None else pinned
+    pinned = _pinned.get(kernel.__name__) if _pinned else None
+    if pinned is not None:
+        config = pinned
+    shape = grid(config) if callable(grid) else grid
     if _captured:
-        _captured[-1].append(Launch(kernel, _grid(grid, config), args, meta, config, space))
+        _captured[-1].append(Launch(kernel, shape, args, meta, config, space))
         return
     if tune and space.autotune and pinned is None and not _backend.interpreter_enabled():
         tuned = _autotuner(kernel, _frozen((config, *space.configs)), space.key, space.restore)
         tuned[grid if callable(grid) else lambda _: grid](*args, **meta)
         best = tuned.best_config
         options = {"num_warps": best.num_warps, "num_stages": best.num_stages, "maxnreg": best.maxnreg}
-        _chosen[name] = {**best.kwargs, **{k: v for k, v in options.items() if v is not None}}
+        _chosen[kernel.__name__] = {**best.kwargs, **{k: v for k, v in options.items() if v is not None}}
         return
-    kernel[_grid(grid, config)](*args, **meta, **config)
-    _chosen[name] = config
-
-
-def _grid(grid, config: dict) -> tuple:
-    return grid(config) if callable(grid) else grid
+    kernel[shape](*args, **meta, **config)
+    _chosen[kernel.__name__] = config
 
 
 def _frozen(configs: Sequence[dict]) -> tuple:

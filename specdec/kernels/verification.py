@@ -5,13 +5,12 @@ The pipeline, one launch each, no host synchronisation:
 
 1. ``top_k_top_p``: the filter threshold and 1/T of every target row (only filtered rows work);
 2. ``target_stats``: per-tile statistics of every row (rows x tiles);
-3. ``tree_walk``: the acceptance walk (one program per request);
-4. ``final_sample``: per-tile mass of each final distribution (requests x tiles), then the draw.
+3. ``tree_walk``: the acceptance walk and the final draw (``final_sample``), one program per request.
 
-The stages hand each other their results through scratch tensors (thresholds, tile statistics, the
-walk's hand-off, per-tile masses), which ``scratch`` takes from a workspace reused from call to call
-instead of allocating a dozen tensors per call. Scratch never holds a result: the results are fresh
-tensors (or the caller's ``out=``) every call.
+The stages hand each other their results through scratch tensors (thresholds, tile statistics),
+which ``scratch`` takes from a workspace reused from call to call instead of allocating them per
+call. Scratch never holds a result: the results are fresh tensors (or the caller's ``out=``) every
+call.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ import torch
 
 from specdec.kernels._checks import check_tensor
 from specdec.kernels._triton import cdiv
-from specdec.kernels.final_sample import final_sample_triton
 from specdec.kernels.target_stats import TileStats, row_stats_triton
 from specdec.kernels.top_k_top_p import (
     FLOAT_DTYPES,
@@ -39,6 +37,8 @@ from specdec.kernels.tree_walk import tree_walk_triton
 
 def check_logits(logits, name: str = "target_logits") -> torch.device:
     """fp32/fp16/bf16 ``[rows, V]`` with V >= 1; returns its device."""
+    if type(logits) is torch.Tensor and logits.dtype in FLOAT_DTYPES and logits.dim() == 2 and logits.shape[1]:
+        return logits.device  # (the conditions below, tested at once: every call checks them)
     check_tensor(name, logits, dtype=FLOAT_DTYPES, ndim=2)
     if logits.shape[1] < 1:
         raise ValueError(f"{name} must have a vocabulary of at least 1, got shape {tuple(logits.shape)}")
@@ -47,6 +47,9 @@ def check_logits(logits, name: str = "target_logits") -> torch.device:
 
 def check_request_offsets(name: str, offsets, device: torch.device) -> int:
     """int32 ``[B+1]`` offsets on ``device``; returns B (values are checked where they are read)."""
+    if type(offsets) is torch.Tensor and offsets.dtype is torch.int32 and offsets.dim() == 1 and offsets.shape[0]:
+        if offsets.device == device:  # (check_tensor's conditions, tested inline: every call checks them)
+            return offsets.shape[0] - 1
     check_tensor(name, offsets, dtype=torch.int32, ndim=1, device=device)
     if offsets.numel() < 1:
         raise ValueError(f"{name} must hold B+1 >= 1 entries, got none")
@@ -55,6 +58,9 @@ def check_request_offsets(name: str, offsets, device: torch.device) -> int:
 
 def check_draft_probs(draft_probs, rows: int, vocab: int, device: torch.device) -> None:
     """Float ``[rows, V]`` on ``device``, sharing the target's vocabulary."""
+    if type(draft_probs) is torch.Tensor and draft_probs.dtype in FLOAT_DTYPES and draft_probs.shape == (rows, vocab):
+        if draft_probs.device == device:  # (the conditions below, tested inline)
+            return
     check_tensor("draft_probs", draft_probs, dtype=FLOAT_DTYPES, ndim=2, device=device)
     if draft_probs.shape[1] != vocab:
         raise ValueError(
@@ -83,14 +89,16 @@ class _ResultFields(dict):
 
 
 _RESULT_FIELDS = _ResultFields()
+_empty = torch.empty
 
 
 def result_buffers(out, result_type: type[NamedTuple], batch: int, width: int, device: torch.device):
     """``out`` checked field by field (a ``result_type``, same fields and order as the op returns), or
     fresh buffers: ``[batch, width]`` int32 for 2-D fields (unit last stride), ``[batch]`` for the rest."""
-    if out is None:
-        return result_type(*(torch.empty((batch, width) if wide else batch, dtype=dtype, device=device)
-                             for wide, dtype in _RESULT_FIELDS[result_type]))  # fmt: skip
+    if out is None:  # (sizes as separate ints: torch parses them faster than a shape tuple)
+        return tuple.__new__(result_type, [_empty(batch, width, dtype=dtype, device=device) if wide
+                                           else _empty(batch, dtype=dtype, device=device)
+                                           for wide, dtype in _RESULT_FIELDS[result_type]])  # fmt: skip
     specs = {
         "output_tokens": ((batch, width), torch.int32),
         "accepted_path": ((batch, width), torch.int32),
@@ -132,23 +140,39 @@ class Workspace:
 def _workspace(device: torch.device) -> Workspace | None:
     """This thread's workspace for ``device`` and its current CUDA stream; None while a CUDA graph is being
     captured (the graph then owns fresh allocations)."""
+    spaces = getattr(_workspaces, "by_place", None)
+    if spaces is None:
+        spaces = _workspaces.by_place = {}
+    space = spaces.get(device)  # a device without streams: its workspace is keyed by the device alone
+    if space is not None:
+        return space
     if device.type == "cuda":
         if torch.cuda.is_current_stream_capturing():
             return None
         where = (device, torch.cuda.current_stream(device).stream_id)
     else:
-        where = (device, None)
-    spaces = getattr(_workspaces, "by_place", None)
-    if spaces is None:
-        spaces = _workspaces.by_place = {}
+        where = device
     space = spaces.get(where)
     if space is None:
         space = spaces[where] = Workspace()
     return space
 
 
+class Layout(tuple):
+    """A scratch layout (``scratch``'s argument and cache key) that hashes once, not at every lookup."""
+
+    def __new__(cls, entries):
+        self = super().__new__(cls, entries)
+        self.hash = tuple.__hash__(self)
+        return self
+
+    def __hash__(self) -> int:
+        return self.hash
+
+
 def scratch(device: torch.device, layout: tuple[tuple[tuple[int, ...], torch.dtype], ...]) -> tuple[torch.Tensor, ...]:
-    """Uninitialised tensors of the shapes and 4-byte dtypes in ``layout`` (also the cache key), reused by
+    """Uninitialised tensors of the shapes and 4-byte dtypes in ``layout`` (also the cache key: a ``Layout``
+    where the caller keeps one), reused by
     every call with the same layout on this thread, device and CUDA stream: a caller writes what it
     reads within its call and never returns or keeps them."""
     space = _workspace(device)
@@ -190,15 +214,16 @@ def _carve(space: Workspace, device: torch.device, layout) -> tuple[torch.Tensor
 
 
 @functools.lru_cache(maxsize=256)
-def _pipeline_layout(rows: int, batch: int, n_tiles: int, width: int) -> tuple:
-    """Scratch of ``verify_triton``: thr, inv_row [R]; tile max, sum, arg, bad [R, T]; the walk's hand-off
-    fin_i [B, 4], fin_f [B, 2]; final masses w, p [B, T]; a path [B, W] and counts [B] for callers
-    that do not want them."""
+def _pipeline_plan(rows: int, vocab: int, batch: int, width: int) -> tuple[int, Layout]:
+    """(vocabulary tile, scratch layout) of ``verify_triton``: thr, inv_row [R]; tile max,
+    sum, arg, bad [R, T]; a path [B, W] and counts [B] for callers that do not want them."""
+    block = vocab_block(vocab)
+    n_tiles = cdiv(vocab, block)
     f32, i32 = torch.float32, torch.int32
     tiles = (rows, n_tiles)
-    return (((rows,), f32), ((rows,), f32), (tiles, f32), (tiles, f32), (tiles, i32), (tiles, i32),
-            ((batch, 4), i32), ((batch, 2), f32), ((batch, n_tiles), f32), ((batch, n_tiles), f32),
-            ((batch, width), i32), ((batch,), i32))  # fmt: skip
+    layout = Layout((((rows,), f32), ((rows,), f32), (tiles, f32), (tiles, f32), (tiles, i32), (tiles, i32),
+                     ((batch, width), i32), ((batch,), i32)))  # fmt: skip
+    return block, layout
 
 
 def tree_depth(parents: torch.Tensor, bounds: list[int]) -> int:
@@ -226,26 +251,22 @@ def verify_triton(logits, tokens, parents, offsets, draft_probs, params, out, *,
     (``TreeVerifyResult``'s order) in place; a None num_accepted or accepted_path goes to scratch.
     ``params`` = (temperature, top_k, top_p, seed, offset). With ``chain``, ``tokens`` and ``offsets``
     are draft tokens and draft offsets, ``parents`` unread."""
-    batch = offsets.numel() - 1
+    batch = offsets.shape[0] - 1
     if batch == 0:
         return
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    q = logits if draft_probs is None else draft_probs  # a stand-in the deterministic rule never reads
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    q = logits  # a stand-in the deterministic rule never reads
+    if draft_probs is not None:
+        q = draft_probs if draft_probs.stride(-1) == 1 else draft_probs.contiguous()
     (rows, vocab), output_tokens = logits.shape, out[0]
-    block, width = vocab_block(vocab), output_tokens.shape[1]
-    n_tiles = cdiv(vocab, block)
-    thr, inv_row, *tiles, fin_i, fin_f, w_mass, p_mass, path, num_acc = scratch(
-        logits.device, _pipeline_layout(rows, batch, n_tiles, width)
-    )
+    width = output_tokens.shape[1]
+    block, layout = _pipeline_plan(rows, vocab, batch, width)
+    thr, inv_row, *tiles, path, num_acc = scratch(logits.device, layout)
     out = (output_tokens, num_acc if out[1] is None else out[1], path if out[2] is None else out[2], out[3])
     temperature, top_k, top_p, _seed, _offset = params
     rows_of = ROWS_BY_DRAFT_OFFSETS if chain else ROWS_BY_NODE_OFFSETS
     filter_thresholds_triton(logits, temperature, top_k, top_p, block, rows_of, offsets, out=(thr, inv_row))
     stats = row_stats_triton(logits, inv_row, thr, block, out=TileStats(*tiles))
-    tree_walk_triton(logits, tokens, parents, offsets, q, thr, stats, params, out, fin_i, fin_f,
-                     rule=rule, chain=chain, block=block, width=width)  # fmt: skip
-    final_sample_triton(logits, tokens, parents, q, thr, inv_row, stats, params, fin_i, fin_f, out[0], out[1],
-                        rule=rule, chain=chain, block=block, mass=(w_mass, p_mass))  # fmt: skip
+    tree_walk_triton(logits, tokens, parents, offsets, q, thr, stats, params, out, rule=rule, chain=chain,
+                     block=block, width=width)  # fmt: skip

@@ -95,7 +95,9 @@ def check_chain(target_logits, draft_tokens, draft_offsets, params, max_draft_le
     device = check_logits(target_logits)
     batch = check_request_offsets("draft_offsets", draft_offsets, device)
     check_params(params, batch, device)
-    check_tensor("draft_tokens", draft_tokens, dtype=torch.int32, ndim=1, device=device)
+    if not (type(draft_tokens) is torch.Tensor and draft_tokens.dtype is torch.int32 and draft_tokens.dim() == 1
+            and draft_tokens.device == device):  # fmt: skip
+        check_tensor("draft_tokens", draft_tokens, dtype=torch.int32, ndim=1, device=device)
     total = draft_tokens.numel()
     if target_logits.shape[0] != total + batch:
         raise ValueError(
@@ -169,8 +171,10 @@ def verify_chain(
     if draft_probs is not None:
         check_draft_probs(draft_probs, draft_tokens.numel(), target_logits.shape[1], device)
     out = result_buffers(out, ChainVerifyResult, batch, max_draft_len + 1, device)
+    t, k, p, s, o = params
     _verify_chain_op.run(target_logits, draft_tokens.contiguous(), draft_offsets.contiguous(), draft_probs,
-                     *(t.contiguous() for t in params), rule, *out)  # fmt: skip
+                         t.contiguous(), k.contiguous(), p.contiguous(), s.contiguous(), o.contiguous(), rule,
+                         *out)  # fmt: skip
     return out
 
 

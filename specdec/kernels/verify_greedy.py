@@ -5,7 +5,7 @@ Greedy verification needs only each row's argmax: follow the child equal to argm
 argmax p (``tree_walk``). So this path reads the logits once for their argmax and invalid flags
 -- no temperature, filter, exponentials, uniforms or tile sampling -- and walks: two launches
 (``target_stats`` in argmax-only mode, then ``_greedy_walk_kernel``) instead of the general
-pipeline's five. Results equal ``verify_chain`` / ``verify_tree`` at temperature 0 exactly,
+pipeline's three. Results equal ``verify_chain`` / ``verify_tree`` at temperature 0 exactly,
 invalid rows included (tested).
 
 Misuse is refused, never answered wrongly: a request with temperature above 0 (or NaN) raises a
@@ -28,7 +28,7 @@ from specdec.kernels.target_stats import TileStats, any_row_bad_tl, row_argmax_t
 from specdec.kernels.top_k_top_p import bad_rows, vocab_block
 from specdec.kernels.tree_walk import request_nodes_tl
 from specdec.kernels.tuning import TuningSpace, candidates, launch
-from specdec.kernels.verification import result_buffers, scratch
+from specdec.kernels.verification import Layout, result_buffers, scratch
 from specdec.kernels.verify_chain import ChainVerifyResult, check_chain
 from specdec.kernels.verify_tree import TreeVerifyResult, check_tree
 
@@ -114,8 +114,8 @@ def _greedy_triton(logits, tokens, parents, offsets, out, chain: bool) -> None:
 def _greedy_layout(rows: int, batch: int, n_tiles: int, width: int) -> tuple:
     """Scratch of the greedy path: tile max, sum (unwritten), arg, bad ``[R, T]``; a path ``[B, W]``."""
     tiles = (rows, n_tiles)
-    return ((tiles, torch.float32), (tiles, torch.float32), (tiles, torch.int32), (tiles, torch.int32),
-            ((batch, width), torch.int32))  # fmt: skip
+    return Layout(((tiles, torch.float32), (tiles, torch.float32), (tiles, torch.int32), (tiles, torch.int32),
+                   ((batch, width), torch.int32)))  # fmt: skip
 
 
 def _chain_greedy_triton(logits, tokens, offsets, output_tokens, num_accepted, invalid) -> None:
@@ -290,13 +290,13 @@ def _verify_tree_greedy_op(
 
 def check_all_greedy(params: SamplingParams, op: str, general: str) -> None:
     """Every ``params.temperature`` <= 0: ValueError on the CPU, a device-side assertion on CUDA (no sync)."""
-    greedy = (params.temperature <= 0).all()
+    temperature = params.temperature
+    if temperature.is_cpu and all(t <= 0 for t in temperature.tolist()):  # (NaN <= 0 is false: refused)
+        return
     message = f"params.temperature must be <= 0 for every request of {op}; use {general} for sampled requests"
-    if greedy.device.type == "cpu":
-        if not bool(greedy):
-            raise ValueError(message)
-    else:
-        torch._assert_async(greedy, message)
+    if temperature.is_cpu:
+        raise ValueError(message)
+    torch._assert_async((temperature <= 0).all(), message)
 
 
 def verify_chain_greedy(

@@ -93,8 +93,11 @@ def check_tree(target_logits, node_tokens, parents, node_offsets, params, max_de
     batch = check_request_offsets("node_offsets", node_offsets, device)
     n = target_logits.shape[0]
     check_params(params, batch, device)
-    check_tensor("node_tokens", node_tokens, dtype=torch.int32, shape=(n,), device=device)
-    check_tensor("parents", parents, dtype=torch.int32, shape=(n,), device=device)
+    if not (type(node_tokens) is torch.Tensor and type(parents) is torch.Tensor and node_tokens.dtype is torch.int32
+            and parents.dtype is torch.int32 and node_tokens.shape == (n,) and parents.shape == (n,)
+            and node_tokens.device == device and parents.device == device):  # fmt: skip
+        check_tensor("node_tokens", node_tokens, dtype=torch.int32, shape=(n,), device=device)
+        check_tensor("parents", parents, dtype=torch.int32, shape=(n,), device=device)
     if max_depth is None or device.type == "cpu":
         depth = tree_depth(parents, check_offsets("node_offsets", node_offsets, total=n))
         max_depth = depth if max_depth is None else max_depth
@@ -170,8 +173,10 @@ def verify_tree(
     if draft_probs is not None:
         check_draft_probs(draft_probs, *target_logits.shape, device)
     out = result_buffers(out, TreeVerifyResult, batch, max_depth + 1, device)
+    t, k, p, s, o = params
     _verify_tree_op.run(target_logits, node_tokens.contiguous(), parents.contiguous(), node_offsets.contiguous(),
-                    draft_probs, *(t.contiguous() for t in params), rule, *out)  # fmt: skip
+                        draft_probs, t.contiguous(), k.contiguous(), p.contiguous(), s.contiguous(), o.contiguous(),
+                        rule, *out)  # fmt: skip
     return out
 
 
