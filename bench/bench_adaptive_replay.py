@@ -31,14 +31,11 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-from common import Table, cpu_threads  # noqa: E402
-from replay import (  # noqa: E402
+from common import Table, cpu_threads
+from replay import (
     DEFAULT_NOISE,
     SwitchPenalty,
     Trace,
@@ -55,8 +52,8 @@ NEW_TOKENS = 48
 
 def record(path: Path, rounds: int, batches: list[int], max_depth: int, drift_passes: int) -> None:
     """Writes the trace of the embedded pair on this machine (CPU, one intra-op thread, fp32)."""
-    from specdec.cli.demo import ASSETS, heldout_token_ids, load_pair
     from specdec.decoding import AdaptiveSpeculation, DraftModelStrategy, SpeculativeDecoder
+    from specdec.testing import ASSETS, heldout_token_ids, load_pair
 
     cpu_threads("cpu")
     target, draft, tokenizer = load_pair("cpu", assets=ASSETS)

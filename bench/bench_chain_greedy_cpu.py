@@ -11,16 +11,13 @@ one intra-op thread, timed with the thread's CPU time, and must give equal resul
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
+from common import Table, bench_args, cpu_threads, measure_many_us
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Table, bench_args, cpu_threads, measure_many_us  # noqa: E402
-
-from specdec import _backend  # noqa: E402
-from specdec.kernels import run_verify_chain_greedy  # noqa: E402
-from specdec.kernels.verify_greedy import _has_cpp_greedy  # noqa: E402
+from specdec import _backend
+from specdec.kernels import run_verify_chain_greedy
+from specdec.kernels.verify_greedy import _has_cpp_greedy
 
 
 def chains(batch: int, k: int, vocab: int, dtype: torch.dtype, gen: torch.Generator):

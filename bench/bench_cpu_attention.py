@@ -15,18 +15,15 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "0"  # the PyTorch body (a CPU user's default), not Triton's interpreter
 
-import torch  # noqa: E402
+import common
+import torch
+from common import Table, bench_args, clock, cpu_threads
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
-from common import Table, bench_args, clock, cpu_threads  # noqa: E402
-
-from specdec import use_backend  # noqa: E402
-from specdec.kernels import cpu_attention, plan_attention, run_attention  # noqa: E402
+from specdec import use_backend
+from specdec.kernels import cpu_attention, plan_attention, run_attention
 
 # (batch, queries per request, context, query heads, KV heads, head dim)
 EMBEDDED = [(b, n, c, 8, 4, 32) for b in (1, 6) for n in (1, 6) for c in (64, 256, 512)]

@@ -14,16 +14,11 @@ column: the engine peer's GEMM.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
+from common import Table, bench_args, cpu_threads, measure_many_us
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Table, bench_args, cpu_threads, measure_many_us  # noqa: E402
-
-from specdec.model.cpu_linear import (  # noqa: E402
+from specdec.model.cpu_linear import (
     PACK_MIN_ELEMENTS,
     SKINNY_ALL_ROWS,
     few_rows_linear,

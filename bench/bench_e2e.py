@@ -21,18 +21,13 @@ drifting background load on a shared machine hits them all alike (``e2e_runs``).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from common import bench_args, cpu_threads
+from e2e_greedy import greedy_and_sampled, kernel_configs, step_counts
+from e2e_heads import eagle_table, medusa_table
+from e2e_peers import vllm_peer_rows
+from e2e_sweep import batch_sweep
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-from common import bench_args, cpu_threads  # noqa: E402
-from e2e_greedy import greedy_and_sampled, kernel_configs, step_counts  # noqa: E402
-from e2e_heads import eagle_table, medusa_table  # noqa: E402
-from e2e_peers import vllm_peer_rows  # noqa: E402
-from e2e_sweep import batch_sweep  # noqa: E402
-
-from specdec.cli.demo import ASSETS, heldout_token_ids, load_pair  # noqa: E402
+from specdec.testing import ASSETS, heldout_token_ids, load_pair
 
 
 def main() -> None:

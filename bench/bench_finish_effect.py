@@ -25,19 +25,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-from common import Table, cpu_threads, positive_int  # noqa: E402
-from forced_depths import ForcedDepths, StepRecord, full_batch_ms  # noqa: E402
-from replay import sweep_groups  # noqa: E402
+from common import Table, cpu_threads, positive_int
+from forced_depths import ForcedDepths, StepRecord, full_batch_ms
+from replay import sweep_groups
 
-from specdec.cli.demo import ASSETS, heldout_token_ids, load_pair  # noqa: E402
-from specdec.decoding import DraftModelStrategy, SpeculativeDecoder  # noqa: E402
+from specdec.decoding import DraftModelStrategy, SpeculativeDecoder
+from specdec.testing import ASSETS, heldout_token_ids, load_pair
 
 
 def tokens_at_depth(steps: Sequence[StepRecord], batch: int, depth: int) -> float | None:

@@ -24,18 +24,13 @@ specdec runs its PyTorch body (what dispatch picks there), on one thread.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
+from common import Table, bench_args, copy_bandwidth_gbs, cpu_threads, fit_table, measure_many_us
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Table, bench_args, copy_bandwidth_gbs, cpu_threads, fit_table, measure_many_us  # noqa: E402
-
-from specdec import _backend  # noqa: E402
-from specdec.kernels import kv_compact  # noqa: E402
-from specdec.kernels.kv_compact import kv_compact_op, slab_groups  # noqa: E402
-from specdec.kernels.kv_layout import MAX_ROW_BLOCK  # noqa: E402
+from specdec import _backend
+from specdec.kernels import kv_compact
+from specdec.kernels.kv_compact import kv_compact_op, slab_groups
+from specdec.kernels.kv_layout import MAX_ROW_BLOCK
 
 
 def make_case(layout, batch, layers, heads, dim, tree, max_accept, dtype, device, page=16, chains=False, seed=0):

@@ -15,16 +15,11 @@ The last column is the fraction of requests whose N greedy tokens are identical 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
+from common import Table, bench_args, cpu_threads, measure_many_us
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Table, bench_args, cpu_threads, measure_many_us  # noqa: E402
-
-from specdec.decoding.autoregressive import generate  # noqa: E402
-from specdec.model import LlamaModel, ModelConfig  # noqa: E402
+from specdec.decoding.autoregressive import generate
+from specdec.model import LlamaModel, ModelConfig
 
 QUICK = dict(
     hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,

@@ -22,20 +22,15 @@ the CPU ratio mostly measures dispatch overhead: that run checks the script, not
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
+from common import Table, bench_args, copy_bandwidth_gbs, cpu_threads, fit_table, measure_many_us
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Table, bench_args, copy_bandwidth_gbs, cpu_threads, fit_table, measure_many_us  # noqa: E402
-
-from specdec import _backend  # noqa: E402
-from specdec.kernels import add_rms_norm, apply_rotary, rms_norm, silu_mul  # noqa: E402
-from specdec.kernels.rms_norm import add_rms_norm_op, rms_norm_op  # noqa: E402
-from specdec.kernels.rotary import apply_rotary_op  # noqa: E402
-from specdec.kernels.silu_mul import silu_mul_op  # noqa: E402
+from specdec import _backend
+from specdec.kernels import add_rms_norm, apply_rotary, rms_norm, silu_mul
+from specdec.kernels.rms_norm import add_rms_norm_op, rms_norm_op
+from specdec.kernels.rotary import apply_rotary_op
+from specdec.kernels.silu_mul import silu_mul_op
 
 EPS = 1e-5
 

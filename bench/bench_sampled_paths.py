@@ -17,17 +17,13 @@ alternates every round).
 from __future__ import annotations
 
 import statistics
-import sys
-from pathlib import Path
 
 import torch
+from common import Table, bench_args, clock, cpu_threads
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Table, bench_args, clock, cpu_threads  # noqa: E402
-
-from specdec.cli.demo import heldout_token_ids, load_pair  # noqa: E402
-from specdec.decoding import DraftModelStrategy, NoDraft, SpeculativeDecoder, draft_model, verification  # noqa: E402
-from specdec.kernels import SampleResult, filtered_probs, run_verify_tree, sample_probs  # noqa: E402
+from specdec.decoding import DraftModelStrategy, NoDraft, SpeculativeDecoder, draft_model, verification
+from specdec.kernels import SampleResult, filtered_probs, run_verify_tree, sample_probs
+from specdec.testing import heldout_token_ids, load_pair
 
 
 def through_verify_tree(logits: torch.Tensor, params) -> SampleResult:

@@ -22,15 +22,10 @@ bodies against the eager recipe, not the Triton kernels.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
+from common import Table, bench_args, copy_bandwidth_gbs, cpu_threads, measure_many_us
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Table, bench_args, copy_bandwidth_gbs, cpu_threads, measure_many_us  # noqa: E402
-
-from specdec.kernels import SamplingParams, filtered_probs, kv_append, sample  # noqa: E402
+from specdec.kernels import SamplingParams, filtered_probs, kv_append, sample
 
 TEMPERATURE, TOP_K, TOP_P = 0.8, 50, 0.9
 

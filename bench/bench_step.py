@@ -18,18 +18,13 @@ is a step's time over it (issue 34's target: a decode step with graphs <= 1.25x)
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
+from common import Table, bench_args, clock, copy_bandwidth_gbs, cpu_threads
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Table, bench_args, clock, copy_bandwidth_gbs, cpu_threads  # noqa: E402
-
-from specdec._transfer import offsets_to_device, read_back, to_device  # noqa: E402
-from specdec.decoding.proposal import tree_metadata_on  # noqa: E402
-from specdec.kernels import run_verify_tree_greedy  # noqa: E402
-from specdec.model import AttentionMetadata, LlamaModel, ModelConfig, causal_positions, tree_positions  # noqa: E402
+from specdec._transfer import offsets_to_device, read_back, to_device
+from specdec.decoding.proposal import tree_metadata_on
+from specdec.kernels import run_verify_tree_greedy
+from specdec.model import AttentionMetadata, LlamaModel, ModelConfig, causal_positions, tree_positions
 
 SHAPE_8B = dict(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,

@@ -22,16 +22,13 @@ different GEMM paths). Only steps that run every request of the batch at the pat
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-from common import Table, cpu_threads, positive_int  # noqa: E402
-from forced_depths import ForcedDepths, full_batch_ms  # noqa: E402
+from common import Table, cpu_threads, positive_int
+from forced_depths import ForcedDepths, full_batch_ms
 
-from specdec.cli.demo import ASSETS, heldout_token_ids, load_pair  # noqa: E402
-from specdec.decoding import DraftModelStrategy, SpeculativeDecoder  # noqa: E402
+from specdec.decoding import DraftModelStrategy, SpeculativeDecoder
+from specdec.testing import ASSETS, heldout_token_ids, load_pair
 
 
 def label(depth: int) -> str:

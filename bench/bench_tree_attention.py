@@ -32,13 +32,10 @@ import sys
 import time
 import traceback
 import warnings
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+from common import (
     Table,
     bench_args,
     copy_bandwidth_gbs,
@@ -48,7 +45,7 @@ from common import (  # noqa: E402
     measure_many_us,
 )
 
-from specdec.kernels import (  # noqa: E402
+from specdec.kernels import (
     build_tree_metadata,
     plan_attention,
     run_attention,

@@ -26,16 +26,11 @@ greedy row's ratio is the fast path's own PyTorch body against the general refer
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
+from common import Table, bench_args, copy_bandwidth_gbs, cpu_threads, fit_table, measure_many_us
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Table, bench_args, copy_bandwidth_gbs, cpu_threads, fit_table, measure_many_us  # noqa: E402
-
-from specdec import _backend  # noqa: E402
-from specdec.kernels import (  # noqa: E402
+from specdec import _backend
+from specdec.kernels import (
     SamplingParams,
     run_verify_chain,
     run_verify_chain_greedy,
@@ -44,8 +39,8 @@ from specdec.kernels import (  # noqa: E402
     verify_chain_greedy,
     verify_tree,
 )
-from specdec.kernels.verify_chain import verify_chain_reference  # noqa: E402
-from specdec.kernels.verify_tree import verify_tree_reference  # noqa: E402
+from specdec.kernels.verify_chain import verify_chain_reference
+from specdec.kernels.verify_tree import verify_tree_reference
 
 
 def sampling_params(batch, device, top_p=1.0, temperature=0.8):

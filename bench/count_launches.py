@@ -1,10 +1,10 @@
 """Kernel launches per model forward and per decoder layer, and host syncs per step, counted on the CPU.
 
-The Triton path runs through Triton's interpreter (``tests/launch_counter.py``): each ``@triton.jit``
+The Triton path runs through Triton's interpreter (``launch_counter.py``): each ``@triton.jit``
 grid launch is one launch, each dispatched ATen op that is not a view, an allocation or a host read
 is one more (cuBLAS GEMMs included). Per layer = the difference between a model of 2 layers and one
 of 1 (everything else identical), so the per-forward work (embedding, plan, final norm, logits) is
-not charged to the layers. Host syncs per step: ``tests/sync_counter.py`` over a whole generation.
+not charged to the layers. Host syncs per step: ``sync_counter.py`` over a whole generation.
 
     python bench/count_launches.py          # the embedded pair's shapes, batch 1 and 8
     python bench/count_launches.py --json   # launches only, as JSON
@@ -16,22 +16,18 @@ import json
 import os
 import sys
 from collections import Counter
-from pathlib import Path
 
 if __name__ == "__main__":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before specdec decorates its kernels
 
 import torch
+from launch_counter import LaunchCounter
+from sync_counter import SyncCounter
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-from launch_counter import LaunchCounter  # noqa: E402
-from sync_counter import SyncCounter  # noqa: E402
-
-from specdec import use_backend  # noqa: E402
-from specdec._transfer import offsets_to_device  # noqa: E402
-from specdec.decoding.proposal import tree_metadata_on  # noqa: E402
-from specdec.model import AttentionMetadata, LlamaModel, ModelConfig, causal_positions, tree_positions  # noqa: E402
+from specdec import use_backend
+from specdec._transfer import offsets_to_device
+from specdec.decoding.proposal import tree_metadata_on
+from specdec.model import AttentionMetadata, LlamaModel, ModelConfig, causal_positions, tree_positions
 
 TREE_16 = [-1, 0, 0, 0, 1, 1, 2, 2, 3, 4, 5, 6, 7, 8, 9, 10]
 KINDS = {"decode": [-1], "chain K=5": list(range(-1, 5)), "tree 16 nodes": TREE_16}
@@ -96,7 +92,8 @@ def launch_table(config: ModelConfig) -> dict[str, dict[int, tuple[int, int]]]:
 
 
 def main() -> None:
-    from specdec.cli.demo import ASSETS, load_pair, strategies
+    from specdec.cli.demo import strategies
+    from specdec.testing import ASSETS, load_pair
 
     config = ModelConfig.from_pretrained(ASSETS / "target")
     if "--json" in sys.argv:  # for bench_e2e, which cannot interpret Triton in its own process

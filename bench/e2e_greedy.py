@@ -13,7 +13,7 @@ tokens equal specdec's autoregressive greedy tokens. Then a temperature-1 run (s
 chain again, the tree on the stochastic rule, HF sampling and HF assisted sampling): tokens/s and tau. Methods
 run interleaved prompt by prompt (``e2e_runs.interleaved``). A PNG bar chart of the greedy tokens/s goes to
 ``--out`` when matplotlib is importable. ``step_counts``: per strategy, the host syncs of each step (counted,
-``tests/sync_counter.py``) and the kernel launches of the target forward it runs (counted by
+``bench/sync_counter.py``) and the kernel launches of the target forward it runs (counted by
 ``bench/count_launches.py`` with the Triton path interpreted). ``kernel_configs``: each kernel's configuration
 at its last launch.
 """
@@ -30,8 +30,9 @@ import torch
 from common import Table, launched_configs
 from e2e_runs import ForwardCounter, hf_run, interleaved, load_hf
 
-from specdec.cli.demo import ASSETS, CHAIN, Run, decode_all, first_difference, medusa_row, strategies
+from specdec.cli.demo import CHAIN, Run, decode_all, first_difference, medusa_row, strategies
 from specdec.decoding import DraftModelStrategy
+from specdec.testing import ASSETS
 
 BENCH = Path(__file__).resolve().parent
 
@@ -118,7 +119,6 @@ def greedy_and_sampled(target, draft, prompts, num_prompts: int, new_tokens: int
 
 def step_counts(target, draft, prompts, quick: bool) -> Table:
     """Per strategy: host syncs per step (counted over a greedy generation) and target launches per forward."""
-    sys.path.insert(0, str(BENCH.parent / "tests"))
     from count_launches import syncs_per_step
 
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(BENCH.parent))

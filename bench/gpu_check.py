@@ -317,15 +317,15 @@ def launched_kernels(rows: list[str]) -> set[str]:
 
 def all_kernels() -> set[str]:
     """Short names of every Triton kernel of the package (as first light's configs column writes them)."""
-    sys.path.insert(0, str(ROOT))
     from specdec.kernels import tuning
 
     return {name.strip("_").removesuffix("_kernel") for name in tuning.triton_kernels()}
 
 
 def first_light_checks() -> list[str]:
-    sys.path.insert(0, str(BENCH))
-    return list(__import__("first_light").CHECKS)
+    from first_light import CHECKS
+
+    return list(CHECKS)
 
 
 # ---------------------------------------------------------------------- issue 34's targets
@@ -494,8 +494,9 @@ def targets(results: dict[str, dict], tests: dict[str, tuple[bool, str]], dry: b
 
 
 def _fit(points):
-    sys.path.insert(0, str(BENCH))
-    return __import__("common").fit_cost(points)
+    from common import fit_cost
+
+    return fit_cost(points)
 
 
 def targets_table(lines: list[Target], dry: bool) -> str:

@@ -9,4 +9,5 @@
 #   PYTHON=...                                   the interpreter (default python3)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's specdec, installed or not
 exec "${PYTHON:-python3}" bench/gpu_check.py "$@"

@@ -136,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     t0 = time.perf_counter()
 
-    from specdec.cli.demo import heldout_prompts, load_pair
     from specdec.decoding.static_tree import best_paths
     from specdec.model import MedusaHeads
+    from specdec.testing import heldout_prompts, load_pair
 
     target, _, tokenizer = load_pair()
     heads = MedusaHeads.from_pretrained(args.heads, target)

@@ -58,13 +58,13 @@ def table_rows(path, first_cell: str) -> list[list[str]]:
 
 
 def generic_version_runs(script: str, switch: str) -> dict[str, list[str]]:
-    """The words ``script`` prints in a fresh Python process (run from the repository root) with the environment
-    switch ``switch`` at "1" (a C++ kernel's generic version forced; the choice is made once per process) and at
-    "0". Where this CPU has AVX2 + FMA (Linux), the two runs must round differently somewhere (fused multiply-adds
-    against separate ones): the switch took effect."""
+    """The words ``script`` prints in a fresh Python process (run from the repository root, the tests importable)
+    with the environment switch ``switch`` at "1" (a C++ kernel's generic version forced; the choice is made once
+    per process) and at "0". Where this CPU has AVX2 + FMA (Linux), the two runs must round differently somewhere
+    (fused multiply-adds against separate ones): the switch took effect."""
     runs = {}
     for generic in ("1", "0"):
-        env = {**os.environ, switch: generic, "PYTHONPATH": ROOT}
+        env = {**os.environ, switch: generic, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
         done = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
                               timeout=120)  # fmt: skip
         assert done.returncode == 0, done.stderr

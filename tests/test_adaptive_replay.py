@@ -8,16 +8,11 @@ step-cost model's pooling of shapes, and the controller's choices against fixed 
 import json
 import math
 import random
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, run_bench
-
-from specdec.decoding.adaptive import AdaptiveSpeculation, StepCostModel
-
-sys.path.insert(0, str(Path(ROOT) / "bench"))
-from replay import (  # noqa: E402
+from helpers import run_bench
+from replay import (
     SwitchPenalty,
     Trace,
     fit_drift,
@@ -26,6 +21,8 @@ from replay import (  # noqa: E402
     replay_policy,
     sweep_groups,
 )
+
+from specdec.decoding.adaptive import AdaptiveSpeculation, StepCostModel
 
 TRACE = Path(__file__).parent / "data" / "adaptive_trace.json"  # recorded before ragged steps ran on the kernel
 CURRENT_TRACE = Path(__file__).resolve().parents[1] / "bench" / "traces" / "embedded_pair_cpu_dbf04f7.json"

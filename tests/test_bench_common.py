@@ -4,17 +4,15 @@ error and the step's byte floor."""
 
 import json
 import math
-import sys
 from pathlib import Path
 
+import bench_step
+import bench_tree_attention
+import common
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-import bench_step  # noqa: E402
-import bench_tree_attention  # noqa: E402
-import common  # noqa: E402
 
 
 def test_the_fit_recovers_a_fixed_cost_and_a_streaming_rate():

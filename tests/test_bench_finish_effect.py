@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
-from helpers import ROOT, run_bench, table_rows
-
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-from bench_finish_effect import tail_share, tokens_at_depth  # noqa: E402
-from forced_depths import StepRecord, full_batch_ms  # noqa: E402
+from bench_finish_effect import tail_share, tokens_at_depth
+from forced_depths import StepRecord, full_batch_ms
+from helpers import run_bench, table_rows
 
 
 def test_a_shallower_chain_emits_what_the_deeper_one_accepted_up_to_its_depth():

@@ -236,8 +236,7 @@ def test_several_threads_give_the_same_result():
 
 
 GENERIC_CHECK = """
-import math, sys, torch
-sys.path.insert(0, "tests")
+import math, torch
 from test_cpu_attention import causal_bias, operands, padded_reference
 from specdec.kernels import cpu_attention
 g = torch.Generator().manual_seed(0)
@@ -303,8 +302,8 @@ def test_opcheck():
 def test_embedded_pair_decodes_the_same_with_and_without_the_kernel(cpu_default, kernel_calls, monkeypatch):
     """On a CPU's default path, batched decoding (6 requests, 1 query each) and a K=4 chain's verification (5
     queries) run the kernel: their greedy tokens are those of SDPA."""
-    from specdec.cli.demo import heldout_token_ids, load_pair
     from specdec.decoding import DraftModelStrategy, SpeculativeDecoder
+    from specdec.testing import heldout_token_ids, load_pair
 
     target, draft, tokenizer = load_pair("cpu")
     prompts = heldout_token_ids(tokenizer)[:6]

@@ -240,7 +240,7 @@ def test_embedded_pair_decodes_the_same_with_and_without_the_skinny_kernel(monke
     """On a CPU's default path (the extension's ops; no Triton interpreter), batched decoding (6 rows) and chain
     verification (5 rows) run the skinny kernel: the tokens are those of the oneDNN / F.linear GEMMs, and the
     multi-row logits agree."""
-    from specdec.cli.demo import heldout_token_ids, load_pair
+    from specdec.testing import heldout_token_ids, load_pair
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # what a CPU user runs (the interpreted kernels take minutes)
 
@@ -263,7 +263,7 @@ def test_embedded_pair_decodes_the_same_with_and_without_packing(monkeypatch, to
     """The embedded target's gate/up and LM head are packed in its multi-row forwards: greedy chains and
     batched decoding give the tokens of the unpacked GEMMs (on the PyTorch path the CPU runs: the
     interpreted attention kernel would only add minutes)."""
-    from specdec.cli.demo import heldout_token_ids, load_pair
+    from specdec.testing import heldout_token_ids, load_pair
 
     target, draft, tokenizer = load_pair("cpu")
     prompts = heldout_token_ids(tokenizer)[:2]

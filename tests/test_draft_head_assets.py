@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from specdec import testing
 from specdec._backend import use_backend
-from specdec.cli import demo
 from specdec.decoding.autoregressive import generate
 from specdec.model import AttentionMetadata, EagleHead, LlamaModel, MedusaHeads, causal_positions
 
@@ -23,14 +23,14 @@ pytestmark = pytest.mark.usefixtures("torch_backend")
 
 @pytest.fixture(scope="module")
 def target():
-    return LlamaModel.from_pretrained(demo.pair_dirs()[0])
+    return LlamaModel.from_pretrained(testing.pair_dirs()[0])
 
 
 @pytest.fixture(scope="module")
 def greedy_text(target):
     """A held-out prompt and the target's greedy continuation, with the target's features for every token."""
-    tokenizer = demo.load_pair("cpu")[2]
-    prompt = demo.heldout_token_ids(tokenizer)[0]
+    tokenizer = testing.load_pair("cpu")[2]
+    prompt = testing.heldout_token_ids(tokenizer)[0]
     with use_backend("torch"):
         tokens = prompt + generate(target, [prompt], max_new_tokens=48, eos_token_id=None)[0]
         cache = target.new_cache(1, len(tokens))

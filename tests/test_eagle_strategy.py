@@ -16,13 +16,13 @@ from sampling_helpers import model_joint
 from sync_counter import events_per_step, run_under_sync_debug_error
 
 from specdec import use_backend
-from specdec.cli.demo import ASSETS, heldout_token_ids, load_pair
 from specdec.decoding import SpeculativeDecoder
 from specdec.decoding.autoregressive import generate as autoregressive_generate
 from specdec.decoding.eagle import EagleStrategy
 from specdec.decoding.eagle_trees import rerank
 from specdec.decoding.proposal import DeviceTrees, Proposal, check_proposal
 from specdec.model import EagleHead
+from specdec.testing import ASSETS, heldout_token_ids, load_pair
 
 pytestmark = pytest.mark.usefixtures("torch_backend")
 

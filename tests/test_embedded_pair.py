@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import assert_close
 
+from specdec import testing
 from specdec._backend import use_backend
 from specdec.cli import demo
 from specdec.model.attention_metadata import AttentionMetadata, causal_positions
@@ -27,13 +28,13 @@ pytestmark = pytest.mark.usefixtures("torch_backend")
 
 @pytest.fixture(scope="module")
 def pair():
-    return demo.load_pair("cpu")
+    return testing.load_pair("cpu")
 
 
 @pytest.fixture(scope="module")
 def prompt_ids(pair):
     tokenizer = pair[2]
-    return demo.heldout_token_ids(tokenizer)[:2]
+    return testing.heldout_token_ids(tokenizer)[:2]
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +45,14 @@ def greedy(pair, prompt_ids):
 
 
 def test_asset_files_and_sizes():
-    target_dir, draft_dir = demo.pair_dirs()
+    target_dir, draft_dir = testing.pair_dirs()
     total = sum(f.stat().st_size for d in (target_dir, draft_dir) for f in d.iterdir())
     assert total <= 40 * 2**20, f"the pair is {total / 2**20:.1f} MiB, over 40 MiB"
     assert (target_dir / "tokenizer.json").read_bytes() == (draft_dir / "tokenizer.json").read_bytes()
-    report = json.loads((demo.ASSETS / "eval" / "training_report.json").read_text())
+    report = json.loads((testing.ASSETS / "eval" / "training_report.json").read_text())
     assert report["python"].count(".") == 2  # the corpus is that Python version's standard library
     assert report["target"]["heldout_loss"] < report["draft"]["heldout_loss"]
-    assert len(demo.heldout_prompts()) >= 3
+    assert len(testing.heldout_prompts()) >= 3
 
 
 def test_sizes_and_draft_cost(pair):
@@ -71,7 +72,7 @@ def test_sizes_and_draft_cost(pair):
 @pytest.mark.parametrize("which", [0, 1], ids=["target", "draft"])
 def test_specdec_and_transformers_load_the_same_model(pair, prompt_ids, which):
     ours = pair[which]
-    directory = demo.pair_dirs()[which]
+    directory = testing.pair_dirs()[which]
     hf = transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     ids = torch.tensor(prompt_ids[0])
     with torch.no_grad():
@@ -84,7 +85,7 @@ def test_specdec_and_transformers_load_the_same_model(pair, prompt_ids, which):
 
 
 def test_target_greedy_matches_transformers_generate(prompt_ids, greedy):
-    hf = transformers.LlamaForCausalLM.from_pretrained(demo.pair_dirs()[0], dtype=torch.float32).eval()
+    hf = transformers.LlamaForCausalLM.from_pretrained(testing.pair_dirs()[0], dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None  # the demo does not stop at EOS either
     for ids, ours in zip(prompt_ids, greedy):
         x = torch.tensor([ids])
@@ -121,7 +122,7 @@ def test_first_difference():
 
 def test_missing_assets_are_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="target/config.json is missing"):
-        demo.pair_dirs(tmp_path)
+        testing.pair_dirs(tmp_path)
 
 
 def test_demo_refuses_cuda_without_cuda():
@@ -148,7 +149,7 @@ def test_greedy_tree_children_are_the_drafts_top_k(pair, prompt_ids):
     )  # fmt: skip
     with torch.inference_mode():
         proposal = strategy.propose(step)
-    hf = transformers.LlamaForCausalLM.from_pretrained(demo.pair_dirs()[1], dtype=torch.float32).eval()
+    hf = transformers.LlamaForCausalLM.from_pretrained(testing.pair_dirs()[1], dtype=torch.float32).eval()
     with torch.no_grad():
         expected = hf(input_ids=torch.tensor([ids])).logits[0, -1].topk(4).indices.tolist()
     assert proposal.parents[0][:5] == [-1, 0, 0, 0, 0]

@@ -1,8 +1,6 @@
 """The speculative decoding engine end to end, on small random checkpoints (PyTorch path)."""
 
 import math
-import os
-import sys
 
 import pytest
 import torch
@@ -289,10 +287,9 @@ def test_bad_requests_are_refused(pair):
 def test_a_sampled_step_of_roots_alone_is_sampling(pair, monkeypatch):
     """A sampled step that drafts nothing (plain decoding; the prefill) takes the ``sample`` op, whose draws are
     verify_tree's without drafts: the tokens equal those of the general path, greedy rows and filters included."""
-    from specdec.decoding import NoDraft, verification
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     from bench_sampled_paths import through_verify_tree  # the general path on the same roots
+
+    from specdec.decoding import NoDraft, verification
 
     target, _ = pair
     prompts = prompts_of(6)

@@ -1,15 +1,11 @@
 """Kernel launches per decoder layer, counted on the CPU with the Triton path interpreted (``launch_counter``)."""
 
-import sys
-from pathlib import Path
 
 import pytest
+from count_launches import TREE_16, forward_launches, per_layer
 from helpers import tiny_config
 
 from specdec._backend import interpreter_enabled
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from count_launches import TREE_16, forward_launches, per_layer  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not interpreter_enabled(), reason="counts the interpreted Triton path (CPU)")
 CONFIG = tiny_config(num_heads=4, num_kv_heads=2)

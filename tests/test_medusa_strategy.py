@@ -9,7 +9,7 @@ import torch
 from helpers import forward_prompts, random_heads, random_model, random_prompts, tiny_config
 from sampling_helpers import model_joint, tv_bound, tv_distance
 
-from specdec.cli import demo
+from specdec import testing
 from specdec.decoding import Prefill, SpeculativeDecoder, StepContext, StepResult
 from specdec.decoding.autoregressive import generate as autoregressive_generate
 from specdec.decoding.medusa import MedusaStrategy, presets
@@ -35,9 +35,9 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def embedded():
-    target, _, tokenizer = demo.load_pair("cpu")
-    prompts = demo.heldout_token_ids(tokenizer)[:8]
-    return target, MedusaStrategy.from_pretrained(demo.ASSETS.parent / "medusa", target), prompts
+    target, _, tokenizer = testing.load_pair("cpu")
+    prompts = testing.heldout_token_ids(tokenizer)[:8]
+    return target, MedusaStrategy.from_pretrained(testing.ASSETS.parent / "medusa", target), prompts
 
 
 @pytest.mark.parametrize("batch", [1, 8])

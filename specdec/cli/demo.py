@@ -1,7 +1,7 @@
 """``python -m specdec demo``: speculative decoding with the embedded model pair, end to end.
 
-The pair (``specdec/assets/pair``) is a small LLaMA target and a one-layer draft distilled
-from it, both trained on the Python standard library by ``scripts/train_embedded_pair.py``.
+The pair (``specdec/assets/pair``, loaded by ``specdec.testing``) is a small LLaMA target and a
+one-layer draft distilled from it, both trained on the Python standard library.
 The demo completes held-out code prompts with plain autoregressive decoding, a greedy draft
 chain, a draft token tree, n-gram (prompt lookup) drafts, the target's Medusa heads
 (``specdec/assets/medusa``, no draft model) and EAGLE-2 (the EAGLE head shipped in
@@ -12,7 +12,6 @@ and the draft acceptance rate.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import dataclass
@@ -20,46 +19,12 @@ from pathlib import Path
 
 import torch
 
-ASSETS = Path(__file__).resolve().parents[1] / "assets" / "pair"
+from specdec.testing import ASSETS, heldout_prompts, load_pair
+
 MEDUSA = ASSETS.parent / "medusa"  # 4 heads trained for the embedded target
 CHAIN = 5
 TREE = (3, 2, 1, 1, 1)  # depth 5 like the chain; 28 nodes keep the CPU verify forward cheap
 ADAPTIVE_CHAIN = 8  # the longest chain the adaptive row may draft (it picks each step's length)
-
-
-def pair_dirs(assets: str | Path = ASSETS) -> tuple[Path, Path]:
-    """(target directory, draft directory) of the embedded pair; FileNotFoundError naming what is missing."""
-    assets = Path(assets)
-    dirs = (assets / "target", assets / "draft")
-    for d in dirs:
-        for name in ("config.json", "model.safetensors", "tokenizer.json"):
-            if not (d / name).is_file():
-                raise FileNotFoundError(
-                    f"{d / name} is missing: the embedded pair is not installed "
-                    "(rebuild it with python scripts/train_embedded_pair.py)"
-                )
-    return dirs
-
-
-def load_pair(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, assets: str | Path = ASSETS):
-    """(target, draft, tokenizer): the embedded pair as specdec ``LlamaModel``s and its ``tokenizers.Tokenizer``."""
-    from specdec.cli.generate import load_tokenizer
-    from specdec.model.llama import LlamaModel
-
-    target_dir, draft_dir = pair_dirs(assets)
-    target = LlamaModel.from_pretrained(target_dir, dtype=dtype, device=device)
-    draft = LlamaModel.from_pretrained(draft_dir, dtype=dtype, device=device)
-    return target, draft, load_tokenizer(target_dir)
-
-
-def heldout_prompts(assets: str | Path = ASSETS) -> list[dict]:
-    """The held-out prompts saved by the training script: dicts with 'file', 'line' and 'text'."""
-    return json.loads((Path(assets) / "eval" / "prompts.json").read_text())
-
-
-def heldout_token_ids(tokenizer, assets: str | Path = ASSETS) -> list[list[int]]:
-    """The held-out prompts as ``tokenizer``'s token ids: the prompt pool of the benchmarks and tests."""
-    return [tokenizer.encode(p["text"]).ids for p in heldout_prompts(assets)]
 
 
 def strategies(draft, tree_rule: str = "deterministic") -> list[tuple[str, object]]:

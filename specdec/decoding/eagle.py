@@ -63,7 +63,7 @@ class EagleStrategy(BaseStrategy):
 
     Example
     -------
-    >>> from specdec.cli.demo import ASSETS
+    >>> from specdec.testing import ASSETS
     >>> from specdec.decoding import SpeculativeDecoder
     >>> from specdec.model import LlamaModel
     >>> target = LlamaModel.from_pretrained(ASSETS / "target")

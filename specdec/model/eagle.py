@@ -120,7 +120,7 @@ class EagleHead(nn.Module):
 
         Example
         -------
-        >>> from specdec.cli.demo import ASSETS                         # the embedded target and its head
+        >>> from specdec.testing import ASSETS                          # the embedded target and its head
         >>> from specdec.model import causal_positions
         >>> target = LlamaModel.from_pretrained(ASSETS / "target")
         >>> head = EagleHead.from_pretrained(ASSETS.parent / "eagle", target)
@@ -172,7 +172,7 @@ class EagleHead(nn.Module):
 
         Example
         -------
-        >>> from specdec.cli.demo import ASSETS                         # the embedded target and its head
+        >>> from specdec.testing import ASSETS                          # the embedded target and its head
         >>> target = LlamaModel.from_pretrained(ASSETS / "target")
         >>> head = EagleHead.from_pretrained(ASSETS.parent / "eagle", target)
         >>> head.config.num_layers, head.lm_head_weight is target.lm_head_weight

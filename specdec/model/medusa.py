@@ -127,7 +127,7 @@ class MedusaHeads(nn.Module):
 
         Example
         -------
-        >>> from specdec.cli.demo import ASSETS                          # the embedded target and its heads
+        >>> from specdec.testing import ASSETS                           # the embedded target and its heads
         >>> target = LlamaModel.from_pretrained(ASSETS / "target")
         >>> heads = MedusaHeads.from_pretrained(ASSETS.parent / "medusa", target)
         >>> heads.num_heads
