@@ -104,6 +104,14 @@ def kv_compact_kernel(
         src_off = base + src.to(tl.int64) * stride_pos
         dst_off = base + dst.to(tl.int64) * stride_pos
 
+    # ---- the request's last program to get here (all others have read seq_lens[b]) advances the length;
+    # the copies below use only offsets computed already, and nothing is kept alive across them
+    tl.debug_barrier()
+    ticket = tl.atomic_add(tickets_ptr + b, 1)
+    if ticket == programs_per_request - 1:
+        tl.store(seq_lens_ptr + b, start + n)
+        tl.store(tickets_ptr + b, 0)
+
     # ---- per slab: stage every source row in registers, then write the destinations
     e = chunk * ROW_BLOCK + tl.arange(0, ROW_BLOCK)
     mask = move[:, None] & (e < ROW)[None, :]
@@ -117,13 +125,6 @@ def kv_compact_kernel(
         tl.store(slab_ptr + dst_off[:, None] + e[None, :], rows, mask=mask)
         slab += step
 
-    # ---- the request's last program (all others have read seq_lens[b]) advances the length
-    tl.debug_barrier()
-    ticket = tl.atomic_add(tickets_ptr + b, 1)
-    if ticket == programs_per_request - 1:
-        tl.store(seq_lens_ptr + b, start + n)
-        tl.store(tickets_ptr + b, 0)
-
 
 # --------------------------------------------------------------------------------------------
 # Bodies: the Triton launcher and the PyTorch implementation
@@ -133,7 +134,10 @@ def kv_compact_kernel(
 # Only the warps are tuned (the row block is fixed by the layout). Never benchmarked by
 # triton.autotune: a trial moves rows again and advances the lengths, and restoring the whole
 # cache inside every timed trial would time the copy; pin a candidate with ``tuning.use_config``.
-KV_COMPACT_SPACE = TuningSpace(candidates(num_warps=(2, 4, 8)), key=("ROW", "PAGED"), autotune=False)
+# maxnreg: a program holds its rows of a slab in registers; without the allowance ptxas caps some of these
+# tiles near 80 registers for occupancy and spills a few bytes (seen on sm_80, Triton 3.6 and 3.9)
+KV_COMPACT_SPACE = TuningSpace(candidates(num_warps=(2, 4, 8), maxnreg=(255,)), key=("ROW", "PAGED"),
+                               autotune=False)  # fmt: skip
 
 # Programs a launch aims for: a few per SM of a large GPU. Below it every slab gets its own program;
 # above it each program copies several slabs, so its fixed cost is paid once for all of them.
@@ -167,7 +171,7 @@ def kv_compact_triton(data, seq_lens, accepted_path, block_tables, tickets) -> N
         PAGED=paged, PAGE=data.shape[3] if paged else 1, P_BLOCK=triton.next_power_of_2(max(width, 2)),
         ROW_BLOCK=row_block, ALIGN=lane_alignment(row, chunks * row_block),
     )  # fmt: skip
-    launch(kv_compact_kernel, (batch, groups, chunks), args, meta, dict(num_warps=4), KV_COMPACT_SPACE)
+    launch(kv_compact_kernel, (batch, groups, chunks), args, meta, dict(num_warps=4, maxnreg=255), KV_COMPACT_SPACE)
 
 
 def kv_compact_torch(data, seq_lens, accepted_path, block_tables, tickets) -> None:
