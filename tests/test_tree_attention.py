@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import assert_close
+from triton_bounds import check_bounds as watch_bounds
 
 from specdec import _backend
 from specdec.kernels import build_tree_metadata, plan_attention, run_attention, tree_attention, tuning
@@ -348,6 +349,25 @@ def test_a_row_that_sees_nothing_gets_zero_and_minus_infinity(backend, device):
         assert lse is None or (lse[0] == -math.inf).all()
         ref, _ = tree_attention_reference(q, k, k, one, zero, mask, None, 0.25, zero)
         assert_close(out[1], ref[1], 1e-5, 1e-5, "row 1")
+
+
+@pytest.mark.interpreter  # the bounds checker watches the interpreter's loads
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("block_size", [4, 16], ids=lambda b: f"block{b}")
+def test_unchecked_negative_starts_stay_inside_the_buffers(paged, block_size):
+    # values a GPU call does not check (check_bounds=False) may give wrong numbers but no lane may address
+    # outside a buffer: a negative tree_start or prefix once put the tail's first step (and the block ids
+    # read one step ahead) before position 0
+    q, k = torch.randn(3, 4, 32), torch.randn(8, block_size, 2, 32)
+    table = torch.randperm(8)[:4].to(torch.int32)[None] if paged else None
+    k = k if paged else k.reshape(1, -1, 2, 32)
+    offsets = torch.tensor([0, 3], dtype=torch.int32)
+    tree = dict(tree_mask=torch.full((3, 1), -1, dtype=torch.int64), tree_start=torch.tensor([-20], dtype=torch.int32))
+    for prefix, kwargs in ((5, tree), (-5, dict(causal=True)), (-2, dict(causal=True))):
+        for splits in (1, 2):
+            with _backend.use_backend("triton"), watch_bounds():
+                tree_attention(q, k, k, offsets, torch.tensor([prefix], dtype=torch.int32), block_table=table,
+                               check_bounds=False, num_splits=splits, **kwargs)  # fmt: skip
 
 
 # ---------------------------------------------------------------- incremental trees (tree_start)

@@ -174,7 +174,9 @@ def tree_attention_kernel(
         kv_len = prefix + tl.minimum(n_q, q_lo + BLOCK_Q)
     capacity = MAX_BLOCKS * SLOTS if PAGED else SLOTS
     kv_len = tl.where(q_lo < n_q, tl.minimum(kv_len, capacity), 0)
-    tstart = tl.minimum(tstart, kv_len)
+    # unchecked negative prefix_lens / tree_start: every position (block ids read ahead included) stays >= 0
+    kv_len = tl.maximum(kv_len, 0)
+    tstart = tl.minimum(tl.maximum(tstart, 0), kv_len)
     chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     kv_lo = split * chunk
     kv_hi = tl.minimum(kv_lo + chunk, kv_len)
