@@ -38,9 +38,6 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # this checkout's specdec
-
 import specdec.kernels  # noqa: E402, F401  (registers every kernel module)
 from specdec.kernels import tuning  # noqa: E402
 from specdec.kernels.compile_target import SHARED_LIMIT, compile_launch, toolchain  # noqa: E402
@@ -328,7 +325,7 @@ def collect_jobs(cases: dict, archs: list[int], defaults_only: bool) -> list[Job
 # 3.6 and 3.9) with a little headroom, so that a change that makes a kernel much hungrier fails here; tree
 # attention by tile rows (BLOCK_M). A kernel not listed is not checked for registers.
 REGISTER_BOUND = {
-    "tree_attention_kernel": {16: 184, 32: 224, 64: 224, 128: 255},
+    "tree_attention_kernel": {16: 200, 32: 224, 64: 255, 128: 255},
     "merge_splits_kernel": 40,
 }
 WIDE_HEAD_BOUND = 248  # tree attention with heads wider than 128 (BLOCK_D 256), whatever its rows

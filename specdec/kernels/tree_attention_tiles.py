@@ -49,8 +49,10 @@ _CHOICES_SM80_128 = {64: ((32, 8, 3), (32, 8, 2)), 128: ((16, 8, 3),)}
 # Hopper's 128-row tile (trees over 128 rows per request take two): 64-wide KV steps keep the tensor cores
 # busy between softmax updates, with three K/V buffers in 227 KB of shared memory
 _CHOICES_HOPPER_128 = ((64, 8, 3), (64, 8, 2), (32, 8, 3), (64, 8, 4))
-# head dims above 128 (at most 64 rows): 3 stages double-buffer K and V; (16, 8, 3) spilled on sm_90 with 3.9
-_CHOICES_WIDE_HEAD = ((32, 8, 3), (32, 8, 2))
+# head dims above 128 (at most 64 rows), 3 stages to double-buffer K and V: decode's 16 rows over 16 warps
+# ((32, 8, 3) spills on sm_90 with Triton 3.6), wider tiles in 16-wide KV steps ((32, 8, 2) spills on sm_80
+# with Triton 3.6, every 16-warp tile is capped at 128 registers and spills)
+_CHOICES_WIDE_HEAD = {16: ((32, 16, 3), (16, 8, 3), (32, 8, 2)), 64: ((16, 8, 3), (16, 8, 2))}
 # fp32 dots run on FMA units with twice the registers: 16 rows (one query token of a group of up to 16)
 # and one choice, spread over 16 warps (with 4 or 8 warps, or 16-wide steps, ptxas spills a few bytes on
 # sm_80 or sm_90 at some shape)
@@ -62,7 +64,7 @@ def tile_choices(block_m: int, block_d: int, fp32: bool, hopper: bool = True) ->
     if fp32:
         return _CHOICES_FP32.get(block_m, _CHOICES_FP32[16])  # (groups above 16 in fp32: not in the matrix)
     if block_d > 128:
-        return _CHOICES_WIDE_HEAD
+        return _CHOICES_WIDE_HEAD[16 if block_m <= 16 else 64]
     if block_m == 128:
         return _CHOICES_HOPPER_128 if hopper else _CHOICES_SM80_128[max(64, block_d)]
     return _CHOICES_16BIT.get(block_m, ((32, 8, 3),))
