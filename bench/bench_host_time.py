@@ -37,11 +37,8 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Table, bench_args, cpu_threads  # noqa: E402
 
 from specdec import use_backend  # noqa: E402

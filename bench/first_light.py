@@ -23,8 +23,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's specdec
-
 from specdec import _backend  # noqa: E402
 from specdec.kernels import (  # noqa: E402
     SamplingParams,

@@ -61,7 +61,6 @@ def test_every_kernel_compiles_for_sm90_and_sm80_within_its_limits(matrix):
 # through the matrix's own check and report.
 UNPIPELINED = """
 import json, sys
-sys.path.insert(0, "bench")
 import compile_matrix as cm, triton
 case = "attention llama3-8b decode-b8 bf16 paged"
 (job,) = cm.collect_jobs({case: cm.all_cases()[case]}, [90], defaults_only=True)

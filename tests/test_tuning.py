@@ -9,7 +9,6 @@ sm_80 instead).
 
 import inspect
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -261,7 +260,6 @@ def test_autotune_variable_is_read_once_and_again_after_set_autotune(monkeypatch
 @pytest.fixture(scope="module")
 def matrix_launches():
     """{kernel name: [Launch]} recorded from every case of the compile matrix (nothing runs)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
     import compile_matrix
 
     launches = {}
