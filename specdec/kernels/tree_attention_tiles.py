@@ -44,8 +44,8 @@ _CHOICES_16BIT = {
     32: ((64, 4, 3), (64, 4, 2), (32, 8, 3)),  # (32, 4, 3) spills on sm_80
     64: ((64, 8, 3), (64, 8, 2), (32, 8, 3)),  # (64, 4) spills on sm_80, (32, 4, 3) takes 246 registers
 }
-# sm_80's 128-row tile by head tile: wider KV steps spill with 128-wide heads, 16-wide ones with 64-wide heads
-_CHOICES_SM80_128 = {64: ((32, 8, 3), (32, 8, 2)), 128: ((16, 8, 3),)}
+# sm_80's 128-row tile: 16-wide KV steps (32-wide ones spill at some head width with Triton 3.6 or 3.9)
+_CHOICES_SM80_128 = ((16, 8, 3),)
 # Hopper's 128-row tile (trees over 128 rows per request take two): 64-wide KV steps keep the tensor cores
 # busy between softmax updates, with three K/V buffers in 227 KB of shared memory
 _CHOICES_HOPPER_128 = ((64, 8, 3), (64, 8, 2), (32, 8, 3), (64, 8, 4))
@@ -66,7 +66,7 @@ def tile_choices(block_m: int, block_d: int, fp32: bool, hopper: bool = True) ->
     if block_d > 128:
         return _CHOICES_WIDE_HEAD[16 if block_m <= 16 else 64]
     if block_m == 128:
-        return _CHOICES_HOPPER_128 if hopper else _CHOICES_SM80_128[max(64, block_d)]
+        return _CHOICES_HOPPER_128 if hopper else _CHOICES_SM80_128
     return _CHOICES_16BIT.get(block_m, ((32, 8, 3),))
 
 
