@@ -73,8 +73,9 @@ print(json.dumps(dict(result=r, failures=failures, version=triton.__version__)))
 
 @needs_toolchain
 def test_the_decode_buffer_check_fails_a_loop_that_is_not_double_buffered():
-    run = subprocess.run([sys.executable, "-c", UNPIPELINED], cwd=ROOT, env=COMPILE_ENV, capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
+    env = COMPILE_ENV | {"PYTHONPATH": str(ROOT / "bench")}  # the script imports the matrix as a module
+    run = subprocess.run([sys.executable, "-c", UNPIPELINED], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     found = json.loads(run.stdout.splitlines()[-1])
     result, (failure,) = found["result"], found["failures"]
