@@ -21,7 +21,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     "strategy,label",
     [
         (["--draft", str(PAIR / "draft")], "[draft chain (K=3)]"),
-        (["--draft", str(PAIR / "draft"), "--tree", "2,2"], "[draft tree (7 nodes, deterministic)]"),
+        (["--draft", str(PAIR / "draft"), "--tree", "2,2"], "[draft tree (7 nodes, coupled)]"),
         (["--ngram", "3"], "[n-gram (K=3, n<=3)]"),
         (["--medusa", str(PAIR.parent / "medusa")], "[medusa (12 nodes)]"),
         (["--medusa", str(PAIR.parent / "medusa"), "--medusa-choices", "[[0], [1], [0, 0]]"], "[medusa (4 nodes)]"),

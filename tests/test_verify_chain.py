@@ -18,6 +18,7 @@ from triton_bounds import bounds_checked
 from specdec import _backend
 from specdec.kernels import ChainVerifyResult, SamplingParams, counter_uniform, run_verify_chain, sample, verify_chain
 from specdec.kernels.top_k_top_p import vocab_block
+from specdec.kernels.uniforms import ROLE_TEST
 from specdec.kernels.verify_chain import verify_chain_reference
 from specdec.kernels.verify_tree import verify_tree_reference
 
@@ -336,14 +337,14 @@ def test_zero_target_probability_is_never_accepted(backend, device):
             assert (r.output_tokens[:, 0].cpu() != tokens).all()
 
 
-# seeds whose first acceptance uniform (counter 2, offset 0) is exactly 0 and the largest value, 1 - 2**-24
-SEED_U0, SEED_U1 = 3692362, 4570619
+# seeds whose first acceptance uniform (role ROLE_TEST at position 0) is exactly 0 and the largest value, 1 - 2**-24
+SEED_U0, SEED_U1 = 20787457, 1300165
 
 
 def test_extreme_uniforms(backend, device):
     """u = 0 accepts any p > 0 and none with p = 0; the largest u still accepts p >= q."""
     seeds, offsets = torch.tensor([SEED_U0, SEED_U1], device=device), torch.zeros(2, dtype=torch.int64, device=device)
-    u = counter_uniform(seeds, offsets, 2)
+    u = counter_uniform(seeds, offsets, ROLE_TEST)
     assert u.tolist() == [0.0, 1 - 2**-24]
     vocab = 16
     logits = torch.randn(6, vocab)
@@ -585,3 +586,34 @@ def test_device_mismatch():
     logits, tokens, offsets, q = random_batch([2], 10)
     with pytest.raises(ValueError, match="draft_tokens is on"):
         verify_chain(logits.cuda(), tokens, offsets.cuda(), params(1, device="cuda"), rule="deterministic")
+
+
+@pytest.mark.parametrize("temp, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 0.9)])
+def test_deterministic_rule_emits_plain_samplings_tokens(backend, device, temp, top_k, top_p):
+    # Row i of a request is position offset + i: each emitted token is `sample`'s draw on that row there,
+    # whatever was drafted; drafts copy that draw with probability 3/4, so chains get accepted deep.
+    ks, vocab = [4, 0, 6, 2, 5], 30
+    batch, rows = len(ks), sum(ks) + len(ks)
+    logits = torch.randn(rows, vocab) * 2
+    seeds, starts = torch.randint(0, 2**40, (batch,)), torch.randint(0, 1000, (batch,))
+    row_req = torch.repeat_interleave(torch.arange(batch), torch.tensor(ks) + 1)
+    first_row = torch.tensor([sum(k + 1 for k in ks[:b]) for b in range(batch)])  # request b's first row
+    index = torch.arange(rows) - first_row[row_req]
+    per_row = SamplingParams.make(rows, temperature=temp, top_k=top_k, top_p=top_p, seed=seeds[row_req],
+                                  offset=starts[row_req] + index, device=device)  # fmt: skip
+    drawn = sample(logits.to(device), per_row).tokens.cpu()
+    drafts = []
+    for b, k in enumerate(ks):
+        for i in range(k):
+            copy = torch.rand(()) < 0.75
+            drafts.append(int(drawn[first_row[b] + i]) if copy else int(torch.randint(0, vocab, ())))
+    draft_tokens = torch.tensor(drafts, dtype=torch.int32)
+    offsets = torch.tensor([0] + ks).cumsum(0).to(torch.int32)
+    p = SamplingParams.make(batch, temperature=temp, top_k=top_k, top_p=top_p, seed=seeds, offset=starts,
+                            device=device)  # fmt: skip
+    r = verify_chain(logits.to(device), draft_tokens.to(device), offsets.to(device), p, rule="deterministic")
+    check_structure(r, ks, draft_tokens, offsets, vocab)
+    out, accepted = r.output_tokens.cpu(), r.num_accepted.cpu()
+    for b in range(batch):
+        assert out[b, : int(accepted[b]) + 1].tolist() == drawn[first_row[b] : first_row[b] + accepted[b] + 1].tolist()
+    assert int(accepted.sum()) >= 4

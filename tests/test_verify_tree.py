@@ -308,3 +308,39 @@ def test_bad_inputs():
                                bad_out.invalid)  # fmt: skip
     with pytest.raises(ValueError, match="out.num_accepted must have 1 dimensions"):  # fields go in result order
         verify_tree(*ok.values(), rule="stochastic", draft_probs=q, max_depth=2, out=swapped)
+
+
+# ----------------------------------------------------------------------------- sample, then compare
+
+
+@pytest.mark.parametrize("temp, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 0.9), (0.0, 0, 1.0)])
+def test_deterministic_rule_emits_plain_samplings_tokens(backend, device, temp, top_k, top_p):
+    # Each emitted token is what `sample` draws at that node's row and position, whatever the tree;
+    # children copy their parent's draw half the time, so paths go deep.
+    sizes, vocab = [7, 1, 5, 9, 4, 6], 24
+    logits, tokens, parents, offsets, _ = random_trees(sizes, vocab, scale=2.0)
+    batch = len(sizes)
+    seeds, starts = torch.randint(0, 2**40, (batch,)), torch.randint(0, 1000, (batch,))
+    p = SamplingParams.make(batch, temperature=temp, top_k=top_k, top_p=top_p, seed=seeds, offset=starts,
+                            device=device)  # fmt: skip
+    depth = torch.zeros(len(parents), dtype=torch.long)
+    row_req = torch.repeat_interleave(torch.arange(batch), torch.tensor(sizes))
+    for i in range(len(parents)):
+        if parents[i] >= 0:
+            depth[i] = depth[i - (i - int(offsets[row_req[i]])) + int(parents[i])] + 1
+    per_row = SamplingParams.make(len(parents), temperature=temp, top_k=top_k, top_p=top_p, seed=seeds[row_req],
+                                  offset=starts[row_req] + depth, device=device)  # fmt: skip
+    drawn = sample(logits.to(device), per_row).tokens.cpu()  # (this backend's sampler)
+    copy = torch.rand(len(parents)) < 0.5
+    for i in range(len(parents)):
+        if parents[i] >= 0 and copy[i]:
+            tokens[i] = drawn[i - (i - int(offsets[row_req[i]])) + int(parents[i])]
+    r = verify_tree(*(t.to(device) for t in (logits, tokens, parents, offsets)), p, rule="deterministic")
+    check_structure(r, tokens, parents, offsets, vocab)
+    out, accepted, path = r.output_tokens.cpu(), r.num_accepted.cpu(), r.accepted_path.cpu()
+    for b in range(batch):
+        for i in range(int(accepted[b]) + 1):
+            row = int(offsets[b]) + int(path[b, i])
+            assert int(depth[row]) == i
+            assert int(out[b, i]) == int(drawn[row]), (b, i)
+    assert int(accepted.sum()) >= 3  # the copied children were accepted

@@ -77,8 +77,8 @@ def build_strategy(args: argparse.Namespace, target, dtype, tokenizer):
         draft_tokenizer = load_tokenizer(args.draft) if (Path(args.draft) / "tokenizer.json").is_file() else None
         check_same_vocabulary(target, draft, tokenizer, draft_tokenizer)
     if args.tree:
-        return DraftModelStrategy(draft, args.tree, max_nodes=args.max_nodes, rule=args.tree_rule)
-    return DraftModelStrategy(draft, (1,) * args.num_draft)
+        return DraftModelStrategy(draft, args.tree, max_nodes=args.max_nodes, rule=args.draft_rule)
+    return DraftModelStrategy(draft, (1,) * args.num_draft, rule=args.draft_rule)
 
 
 # EagleStrategy's parameter names -> the flags that set them (its top_k is not the sampling --top-k).

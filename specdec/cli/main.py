@@ -142,7 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--medusa-top-k", type=_checked(as_int, int, low=1), help="candidates per Medusa head (default: 10)"
     )
     gen.add_argument("--tree", type=_branching, help="draft tree branching per depth, e.g. 4,2,2,1 (default: a chain)")
-    gen.add_argument("--tree-rule", choices=("stochastic", "deterministic"), default="deterministic")
+    gen.add_argument(
+        "--draft-rule", choices=("coupled", "stochastic", "deterministic"), default="coupled",
+        help="how a draft model's chain or tree is drawn and verified (DraftModelStrategy's rule)",
+    )  # fmt: skip
     gen.add_argument("--max-nodes", type=_checked(as_int, int, low=2), default=64, help="tree nodes, root included")
     gen.add_argument("-k", "--num-draft", type=_checked(as_int, int, low=1), default=5, help="chain / n-gram length")
     gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")

@@ -11,19 +11,26 @@ with the next draft's first forward, ahead of the last committed token and the r
 longer gap -- the prompt, fed at the first step that drafts rather than at the prefill,
 or many plain steps -- is fed by ``prepare`` as a forward of its own.
 
-Chains decode K tokens one forward at a time, each sampled from the draft's own
-filtered distribution ``q`` (recorded for verification; one-hot for greedy
-requests; on the CPU a greedy chain runs as one C++ call and a sampled chain's forwards as one each,
-``specdec.model.draft_forward_cpu``, as do a tree's levels).
+Chains decode K tokens one forward at a time, each drawn from the draft's own filtered
+distribution ``q`` (one-hot for greedy requests) or, with ``rule="deterministic"``, its argmax.
+On the CPU an argmax chain (every greedy chain) runs as one C++ call and a sampled chain's forwards
+as one each, ``specdec.model.draft_forward_cpu``, as do a tree's levels.
 Trees grow level by level from a static template of branching factors: the
 first forward feeds the last committed token and the root; each later one feeds only the
 new level's nodes, as tree queries whose ancestors (the earlier levels) are already in the
 draft cache (``AttentionMetadata(tree_start=...)``); then every frontier node gets its
-children -- the top-k tokens of ``q`` (deterministic rule) or k i.i.d. samples from ``q``
-(stochastic rule). The levels are cut from the cache once the tree is drafted.
+children -- the top-k tokens of ``q`` (deterministic rule), k i.i.d. samples from ``q``
+(stochastic rule), or a coupled draw then the next most likely tokens (coupled rule). The
+levels are cut from the cache once the tree is drafted.
 
-The draft's random numbers come from the request's seed mixed with a salt, so they
-are independent of the verification's.
+Random numbers, keyed on the position a draft token would take (``specdec.kernels.uniforms``):
+the coupled rule draws the draft's token at a position with the target's own uniform there, by
+the same inverse CDF, so the draft agrees with the target's draw whenever q and p put that
+uniform on the same token; verification then accepts the draft equal to the target's draw
+(the deterministic rule), and a seeded request emits plain sampling's tokens whatever the depths.
+The stochastic rule (the optimal rejection rule, the highest acceptance) draws from the
+request's seed mixed with a salt, so its draws are independent of the verification's; its
+tokens depend on the depths chosen, so they are not reproducible under adaptive depths.
 """
 
 from __future__ import annotations
@@ -37,11 +44,13 @@ from specdec.decoding.proposal import Proposal, depths, tree_metadata_on
 from specdec.decoding.strategy import BaseStrategy, Prefill, StepContext, StepResult, check_same_vocabulary
 from specdec.kernels.filtered_probs import run_filtered_probs
 from specdec.kernels.sample_probs import run_sample_probs
-from specdec.kernels.sampling_params import RULES, SamplingParams
+from specdec.kernels.sampling_params import SamplingParams
+from specdec.kernels.uniforms import ROLE_TARGET
 from specdec.model.attention_metadata import AttentionMetadata, causal_positions
 from specdec.model.draft_forward_cpu import DraftForward
 
-DRAFT_SEED_SALT = 0x5DEECE66D  # keeps draft sampling independent of the verification uniforms
+DRAFT_SEED_SALT = 0x5DEECE66D  # keeps the stochastic rule's draws independent of the verification uniforms
+DRAFT_RULES = ("coupled", "stochastic", "deterministic")
 # Tokens the draft cache missed (a step that drafted nothing, a tree's accepted path) fed in the step's first draft
 # forward, up to this many per request; a longer catch-up is a forward of its own.
 FOLD_MISSING = 4
@@ -56,9 +65,13 @@ class DraftModelStrategy(BaseStrategy):
     branching : children per node at each depth, e.g. ``(1, 1, 1, 1, 1)`` for a chain of 5
         or ``(4, 2, 2, 1)`` for a 4-level tree.
     max_nodes : node budget per tree, root included (the template is cut in BFS order).
-    rule : "stochastic" (children sampled i.i.d. from q; SpecInfer's multi-step speculative
-        sampling) or "deterministic" (top-k children; zero-and-renormalise verification).
-        Chains always sample their one child from q ("stochastic" is the chain rule).
+    rule : "coupled" (the default: each node's first child drawn from q with the target's own
+        uniform at that position, further children the next most likely tokens of q; verified by
+        "sample, then compare", so a seed gives plain sampling's tokens whatever the depths),
+        "stochastic" (children sampled i.i.d. from q, verified by the optimal rejection rule:
+        Leviathan/Chen chains, SpecInfer's multi-step speculative sampling for trees; the highest
+        acceptance for sampled drafts, but reproducible only with fixed depths) or "deterministic"
+        (the top-k children of q; a chain drafts the draft's argmax, as one C++ call on the CPU).
     fused : a CPU draft's forwards run in C++ (``specdec.model.draft_forward_cpu``: the same logits up to float
         rounding, without the per-op and per-forward costs) when the extension has them -- a greedy chain step
         as one call, a sampled chain as one call per draft, a tree as one per level; False: every draft forward
@@ -71,7 +84,7 @@ class DraftModelStrategy(BaseStrategy):
         branching: Sequence[int],
         *,
         max_nodes: int = 64,
-        rule: str = "stochastic",
+        rule: str = "coupled",
         fused: bool = True,
     ):
         branching = tuple(branching)
@@ -79,14 +92,14 @@ class DraftModelStrategy(BaseStrategy):
             raise ValueError(f"branching must be a non-empty sequence of positive ints, got {branching!r}")
         if not isinstance(max_nodes, int) or max_nodes < 2:
             raise ValueError(f"max_nodes must be an int >= 2, got {max_nodes!r}")
-        if rule not in RULES:
-            raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+        if rule not in DRAFT_RULES:
+            raise ValueError(f"rule must be one of {DRAFT_RULES}, got {rule!r}")
         if not isinstance(fused, bool):
             raise TypeError(f"fused must be a bool, got {fused!r}")
         self.draft = draft
         self.fused = fused
         self.is_chain = all(k == 1 for k in branching)
-        self.rule = "stochastic" if self.is_chain else rule
+        self.rule = rule
         self.parents = _template(branching, max_nodes)
         self.depth = depths(self.parents)
         self.cache = None
@@ -96,7 +109,7 @@ class DraftModelStrategy(BaseStrategy):
     @property
     def name(self) -> str:
         if self.is_chain:
-            return f"draft chain (K={len(self.parents) - 1})"
+            return f"draft chain (K={len(self.parents) - 1}{'' if self.rule == 'coupled' else ', ' + self.rule})"
         return f"draft tree ({len(self.parents)} nodes, {self.rule})"
 
     @property
@@ -153,8 +166,8 @@ class DraftModelStrategy(BaseStrategy):
             tokens, probs = self._draft_chain(step, widest - 1)
         else:
             tokens, probs = self._draft_tree(step, widest)
-        # Greedy steps: every q is one-hot at the draft's choice, which is the deterministic rule's q.
-        rule = "deterministic" if probs is None else self.rule
+        # Coupled and greedy drafts are verified by sampling the target's token and comparing.
+        rule = "deterministic" if probs is None else "stochastic"
         if all(len(p) == widest for p in parents):  # every request drafted the whole template
             flat_probs = None if probs is None else probs.flatten(0, 1)
             return Proposal(tokens.flatten(), parents, rule=rule, draft_probs=flat_probs)
@@ -176,12 +189,14 @@ class DraftModelStrategy(BaseStrategy):
     # ---- drafting ------------------------------------------------------------------------------
 
     def _draft_chain(self, step, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[R, k+1] tokens (root first) and [R, k+1, V] child distributions (None for a greedy step: every q
-        is one-hot at the draft's argmax), one forward per token."""
+        """[R, k+1] tokens (root first) and [R, k+1, V] child distributions (the stochastic rule's; None when the
+        drafts are verified by sampling and comparing: coupled, argmax, or a greedy step), one forward per token.
+        Draft j (from 0) takes position ``offset + j``."""
         device, rows = self.draft.device, len(step.running)
         first = self._first_rows(step)
         self.forward.start(step.running)  # sampled, or not fused: one forward per draft
-        if step.greedy and self.forward.fused:
+        argmax = step.greedy or self.rule == "deterministic"
+        if argmax and self.forward.fused:
             return self._fused_chain(step, k, first), None
         feed = first.flatten()
         tokens, probs = [first[:, -1]], []
@@ -193,15 +208,17 @@ class DraftModelStrategy(BaseStrategy):
             self.cache.reserve(counts)
             logits = self.forward.causal(feed.view(rows, per_request), counts)
             self.cache.advance(added)
-            if step.greedy:
+            if argmax:
                 feed = logits.argmax(-1)  # (a NaN row drafts some token; verification decides)
+            elif self.rule == "coupled":
+                feed = _coupled_draw(run_filtered_probs(logits, step.params).probs, step.params, j)
             else:
-                q, feed = self._sample(logits, step, counter=j)
+                q, feed = self._sample(logits, step, position=j)
                 probs.append(q)
             tokens.append(feed)
         for b in step.running:
             self.lengths[b] += k + 1  # previous, root and the first k - 1 drafts
-        if step.greedy:
+        if not probs:
             return torch.stack(tokens, dim=1), None
         probs.append(torch.zeros_like(probs[0]))  # the last draft token has no children
         return torch.stack(tokens, dim=1), torch.stack(probs, dim=1)
@@ -226,7 +243,7 @@ class DraftModelStrategy(BaseStrategy):
         first = self._first_rows(step)
         tokens = torch.zeros(rows, n, dtype=torch.int64, device=device)
         tokens[:, 0] = first[:, -1]  # the roots
-        sampled = self.rule == "stochastic" and not step.greedy  # greedy: every q is one-hot, no probs kept
+        sampled = self.rule == "stochastic" and not step.greedy  # (greedy: every q is one-hot, no probs kept)
         probs = torch.zeros(rows, n, self.draft.config.vocab_size, device=device) if sampled else None
         self.forward.start(step.running)  # one forward per level
         # Level 0: up to the root, causal (``_first_rows``); they are committed text, so the cache keeps them.
@@ -303,7 +320,8 @@ class DraftModelStrategy(BaseStrategy):
             self.lengths[b] += len(m)
 
     def _expand(self, logits, step, frontier, parents, tokens, probs) -> None:
-        """Give every frontier node its children (in template order) from the draft's logits."""
+        """Give every frontier node its children (in template order) from the draft's logits; a node at depth d
+        gives its children position ``offset + d``."""
         rows, width = len(step.running), len(frontier)
         children = {node: [i for i, p in enumerate(parents) if p == node] for node in frontier}
         most = max(len(c) for c in children.values())
@@ -322,34 +340,51 @@ class DraftModelStrategy(BaseStrategy):
                     for j, c in enumerate(children[node]):
                         tokens[:, c] = top[:, f, j]
             return
-        q = run_filtered_probs(logits, _draft_params(step).repeat_rows(width, rows * width)).probs  # [R * width, V]
+        q = run_filtered_probs(logits, step.params.repeat_rows(width, rows * width)).probs  # [R * width, V]
         for f, node in enumerate(frontier):
-            if not children[node]:
+            kids = children[node]
+            if not kids:
                 continue
             q_node = q.view(rows, width, -1)[:, f]
+            position = self.depth[node]
             if self.rule == "stochastic":
                 probs[:, node] = q_node
-                for c in children[node]:
-                    tokens[:, c] = run_sample_probs(q_node, _draft_params(step), counter=c)
-            else:
-                # Children are the top-k of q (its support, in the order of the scaled logits); greedy rows
-                # (q one-hot) take the draft's top-k logits instead, since the target's argmax may be any of them.
-                greedy = (step.params.temperature <= 0)[:, None]
-                draft_logits = logits.view(rows, width, -1)[:, f].float()
-                scores = torch.where(greedy, draft_logits, torch.where(q_node > 0, q_node, -1.0))
-                top = scores.topk(len(children[node]), dim=-1).indices
-                for j, c in enumerate(children[node]):
+                params = _draft_params(step)._replace(offset=step.params.offset + position)
+                for rank, c in enumerate(kids):
+                    tokens[:, c] = run_sample_probs(q_node, params, counter=rank)
+                continue
+            # Children are the top-k of q (its support, in the order of the scaled logits); greedy rows
+            # (q one-hot) take the draft's top-k logits instead, since the target's argmax may be any of them.
+            # The coupled rule's first child is its coupled draw, the others the best of the rest.
+            greedy = (step.params.temperature <= 0)[:, None]
+            draft_logits = logits.view(rows, width, -1)[:, f].float()
+            scores = torch.where(greedy, draft_logits, torch.where(q_node > 0, q_node, -1.0))
+            if self.rule == "coupled":
+                drawn = _coupled_draw(q_node, step.params, position)
+                tokens[:, kids[0]] = drawn
+                scores = scores.scatter(1, drawn[:, None], float("-inf"))
+                kids = kids[1:]
+            if kids:
+                top = scores.topk(len(kids), dim=-1).indices
+                for j, c in enumerate(kids):
                     tokens[:, c] = top[:, j]
 
-    def _sample(self, logits, step, counter) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, logits, step, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stochastic rule's chain draft at ``offset + position``: (q, the token drawn from it)."""
         params = _draft_params(step)
         q = run_filtered_probs(logits, params).probs  # one-hot at the argmax for rows that cannot be sampled
-        return q, run_sample_probs(q, params, counter=counter).long()
+        return q, run_sample_probs(q, params._replace(offset=params.offset + position), counter=0).long()
 
 
 def _contexts(step: StepContext) -> list[int]:
     """Tokens each running request's target cache holds: all its committed text but the last token."""
     return [len(h) - 1 for h in step.histories]
+
+
+def _coupled_draw(q: torch.Tensor, params: SamplingParams, position: int) -> torch.Tensor:
+    """int64 ``[R]``: from each row of q, the token the target's own uniform at ``offset + position`` picks, by the
+    inverse CDF the target's draw uses -- so the draft equals the target's token wherever q and p agree there."""
+    return run_sample_probs(q, params._replace(offset=params.offset + position), counter=ROLE_TARGET).long()
 
 
 def _draft_params(step: StepContext) -> SamplingParams:

@@ -1,7 +1,7 @@
 """sample: one token per row of logits under temperature, top-k and top-p.
 
 It is verification with no drafts (``verify_chain`` with K = 0 for every request): the same
-filter, the same uniforms (counter 1, the draw at node 0) and the same edge cases, so a
+filter, the same uniform (the target's draw at position ``offset``) and the same edge cases, so a
 request's first token and its later tokens follow one rule. On the Triton path it runs the
 verification pipeline in chain mode without draft tokens.
 """
@@ -17,10 +17,8 @@ from specdec.kernels.sample_probs import inverse_cdf_reference
 from specdec.kernels.sampling_params import SamplingParams, check_params
 from specdec.kernels.target_stats import target_probs_reference
 from specdec.kernels.top_k_top_p import filter_thresholds_torch, scaled_logits
-from specdec.kernels.uniforms import counter_uniform_reference
+from specdec.kernels.uniforms import ROLE_TARGET, counter_uniform_reference
 from specdec.kernels.verification import check_logits, result_buffers, verify_triton, zero_offsets
-
-SAMPLE_COUNTER = 1  # the uniform of the draw at node 0 (see tree_walk)
 
 
 class SampleResult(NamedTuple):
@@ -71,7 +69,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, *, out: SampleResult | 
     ----------
     logits : fp32/fp16/bf16 ``[B, V]``.
     params : ``SamplingParams`` of ``[B]`` tensors; temperature <= 0 takes the argmax (no softmax,
-        no random number); row b draws with ``counter_uniform(seed[b], offset[b], 1)``.
+        no random number); row b draws the token at position ``offset[b]`` with
+        ``counter_uniform(seed[b], offset[b], ROLE_TARGET)``: the token every verification op
+        emits there for a deterministic draft, whatever it drafted.
     out : optional ``SampleResult`` to write into.
 
     Returns
@@ -112,6 +112,6 @@ def sample_reference(logits: torch.Tensor, params: SamplingParams) -> SampleResu
     temperature, top_k, top_p, seed, offset = params
     s = scaled_logits(logits, temperature)
     p, argmax, bad = target_probs_reference(s, filter_thresholds_torch(s, temperature, top_k, top_p))
-    u = counter_uniform_reference(seed, offset, SAMPLE_COUNTER)
+    u = counter_uniform_reference(seed, offset, ROLE_TARGET)
     tokens = torch.where(temperature <= 0, argmax, inverse_cdf_reference(p, u))
     return SampleResult(torch.where(bad, -1, tokens).to(torch.int32), bad)

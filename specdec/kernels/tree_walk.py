@@ -26,28 +26,31 @@ C_{j+1} = C_j + S_j, because max(0, max(0, p - C q) / S - q) = max(0, p - (C + S
 S costs one pass over the row, and only when another sibling follows a rejection (never in
 a chain). A residual with mass below RESIDUAL_EPS is p == q up to rounding: p is used.
 
-Deterministic rule (children chosen without sampling -- top-k of a draft head, n-gram
-continuations): the stochastic rule with q one-hot at each child. Child c_j is accepted
-with probability p_j(c_j); on rejection c_j is removed and the rest renormalised. With X_j
-the target mass of the distinct rejected siblings, p_j(x) = p(x) / (1 - X_j) off the
-rejected set: c_j is accepted with probability p(c_j) / (1 - X_j), a child equal to a
-rejected sibling has probability 0, and the final token is drawn from p without the
-rejected siblings (from p itself when their mass is rounding noise, 1 - X <= RESIDUAL_EPS).
+Deterministic rule (any children not drawn i.i.d. from a draft distribution the verifier is
+given: top-k of a draft head, n-gram continuations, or a draft sampled with the target's own
+uniforms, which couples it to the target): sample, then compare. At the current node draw the
+target's token t from p with that position's ``ROLE_TARGET`` uniform -- exactly the draw plain
+sampling (``sample``) makes there -- and accept the first child equal to t; when none is, t is
+the final token. The emitted tokens are therefore plain sampling's tokens, whatever the tree,
+and a child c is accepted with probability p(c) (the mass of the children, as with the
+sequential test-and-renormalise rule).
 
 Greedy (temperature <= 0): follow the first child equal to argmax p; at a node without
 such a child emit argmax p. No softmax, no random number.
 
-Uniforms and edge cases. The test of node j uses ``u = counter_uniform(seed, offset, 2j)``,
-the final draw at node j counter ``2j + 1``. u lies in [0, 1) and the tests are
-``u * q * S < max(0, p - C q)`` and ``u * (1 - X) < p``, so p = 0 is never accepted and
-p >= q always is. A child token outside [0, V) is rejected and never used as an index;
-q(x) = 0, NaN, inf or > 1 is never accepted; negative or non-finite q count as 0 in the
-residual. A request with any row that cannot be sampled is flagged invalid and walks
-nowhere.
+Uniforms and edge cases. A node at depth d decides the token at position ``offset + d`` of its
+request: the test of the k-th child tried there uses ``counter_uniform(seed, offset + d,
+ROLE_TEST + k)``, the draw there ``ROLE_TARGET`` (``uniforms``). Nothing depends on a node's
+index, so the same position gets the same uniforms in any tree. u lies in [0, 1) and the
+stochastic test is ``u * q * S < max(0, p - C q)``, so p = 0 is never accepted and p >= q always
+is. A child token outside [0, V) is rejected and never used as an index; q(x) = 0, NaN, inf or
+> 1 is never accepted; negative or non-finite q count as 0 in the residual. A request with any
+row that cannot be sampled is flagged invalid and walks nowhere.
 
-The walk reads scalars (a row only to sum S); greedy requests' last token, the argmax, is written
-by the walk itself, every other request's by ``final_sample.final_draw_tl`` in the same program
-(a mode ``FINAL_*``, the final node and (C, mass) say what it draws from).
+The walk reads scalars (a row only to sum S, or to draw); greedy requests' tokens are argmaxes
+from the tile statistics, every other draw is ``final_sample.final_draw_tl`` in the same program
+(the stochastic rule's final draw in the mode ``FINAL_*`` the walk derives; the deterministic
+rule's draw at every node it reaches).
 """
 
 from __future__ import annotations
@@ -55,14 +58,7 @@ from __future__ import annotations
 import functools
 
 from specdec.kernels._triton import jit, next_power_of_2, tl
-from specdec.kernels.final_sample import (
-    FINAL_EXCLUDED,
-    FINAL_RESIDUAL,
-    FINAL_TARGET,
-    RESIDUAL_EPS,
-    final_draw_tl,
-    residual_tile_tl,
-)
+from specdec.kernels.final_sample import FINAL_RESIDUAL, FINAL_TARGET, RESIDUAL_EPS, final_draw_tl, residual_tile_tl
 from specdec.kernels.target_stats import (
     any_row_bad_tl,
     row_argmax_tl,
@@ -72,7 +68,9 @@ from specdec.kernels.target_stats import (
 )
 from specdec.kernels.top_k_top_p import inverse_temperature_tl
 from specdec.kernels.tuning import TuningSpace, launch
-from specdec.kernels.uniforms import counter_uniform_tl
+from specdec.kernels.uniforms import ROLE_TARGET, ROLE_TEST, counter_uniform_tl
+
+_ROLE_TARGET, _ROLE_TEST = tl.constexpr(ROLE_TARGET), tl.constexpr(ROLE_TEST)
 
 
 @jit
@@ -110,19 +108,14 @@ def _stochastic_test(q_row, tok, valid, px, u, c, s):
 
 
 @jit
-def _deterministic_test(px, u, x_rej):
-    # Accept with probability p(tok) / (1 - X); px is already 0 for a rejected sibling's token.
-    return (px > 0) & (u * (1.0 - x_rej) < px)
-
-
-@jit
-def _is_rejected_sibling(tokens_ptr, parents_ptr, start, cur, j, tok):
-    # Deterministic trees: does an earlier child of cur carry tok? (Every earlier child of cur was
-    # rejected, or the walk would have moved on.)
-    seen = j < 0
-    for i in range(cur + 1, j):
-        seen = seen | ((tl.load(parents_ptr + start + i) == cur) & (tl.load(tokens_ptr + start + i) == tok))
-    return seen
+def _target_draw(logits_ptr, thr_ptr, row, stride_l, seed, position, inv_t, m, z, V, n_tiles, RULE: tl.constexpr,
+                 BLOCK: tl.constexpr, T_PAD: tl.constexpr, EPS: tl.constexpr, TILES: tl.constexpr):  # fmt: skip
+    # Deterministic rule: the token the target draws from p at node row `row`, at `position` (sample's draw).
+    row = row.to(tl.int64)
+    u = counter_uniform_tl(seed, position, _ROLE_TARGET)
+    token = final_draw_tl(logits_ptr + row * stride_l, logits_ptr, FINAL_TARGET, inv_t * 0.0, u, inv_t,
+                          tl.load(thr_ptr + row), m, z, V, n_tiles, RULE, BLOCK, T_PAD, EPS, TILES)  # fmt: skip
+    return token.to(tl.int32)
 
 
 @jit
@@ -173,6 +166,7 @@ def _tree_walk_kernel(
     seed = tl.load(seed_ptr + b)
     off = tl.load(offset_ptr + b)
     invalid = any_row_bad_tl(max_ptr, arg_ptr, bad_ptr, start, n, n_tiles, T_PAD)
+    draws = ~invalid & ~greedy  # greedy requests take argmaxes, invalid ones nothing
 
     # ---- walk (an invalid request stays at its root)
     lanes = tl.arange(0, W_PAD)
@@ -182,38 +176,40 @@ def _tree_walk_kernel(
     cur = n * 0
     m, am, _bad = row_argmax_tl(max_ptr, arg_ptr, bad_ptr, start, n_tiles, T_PAD)
     z = row_normaliser_tl(max_ptr, sum_ptr, start, m, n_tiles, T_PAD)
+    drawn = am.to(tl.int32)  # deterministic: the target's token at the current node (greedy: the argmax)
+    if RULE == "deterministic":
+        if draws:
+            drawn = _target_draw(logits_ptr, thr_ptr, start, stride_l, seed, off, inv_t, m, z, V, n_tiles, RULE,
+                                 BLOCK, T_PAD, EPS, TILES)  # fmt: skip
     c_res = zero  # stochastic: p_j = max(0, p - C q) / S
     s_res = zero + 1.0
     pending = n < 0  # S not yet summed for the current C (needed only if another sibling is tried)
-    x_rej = zero  # deterministic: target mass of the distinct rejected siblings
+    tried = n * 0  # stochastic: children of the current node tried so far (their tests' role)
     for j in range(1, tl.where(invalid, 1, n)):
         if CHAIN:
             par = j - 1
         else:
             par = tl.load(parents_ptr + start + j)
         if (par == cur) & (depth < W - 1):
-            row = (start + cur).to(tl.int64)
-            logits_row = logits_ptr + row * stride_l
-            thr = tl.load(thr_ptr + row)
             tok = tl.load(tokens_ptr + tok_base + j)
             valid = (tok >= 0) & (tok < V)
-            safe = tl.where(valid, tok, 0)  # never index with an out-of-range id
-            px = tl.where(valid, target_prob_tl(logits_row, safe, inv_t, thr, m, z), 0.0)
-            u = counter_uniform_tl(seed, off, 2 * j)
             if RULE == "stochastic":
+                row = (start + cur).to(tl.int64)
+                logits_row = logits_ptr + row * stride_l
+                safe = tl.where(valid, tok, 0)  # never index with an out-of-range id
+                px = tl.where(valid, target_prob_tl(logits_row, safe, inv_t, tl.load(thr_ptr + row), m, z), 0.0)
                 q_row = q_ptr + (row - b if CHAIN else row) * stride_q
                 if pending & ~greedy:
-                    s_res = _residual_mass(logits_row, q_row, V, inv_t, thr, m, z, c_res, BLOCK)
+                    s_res = _residual_mass(logits_row, q_row, V, inv_t, tl.load(thr_ptr + row), m, z, c_res, BLOCK)
                     reset = s_res <= EPS  # p == q up to rounding: back to p
                     c_res = tl.where(reset, 0.0, c_res)
                     s_res = tl.where(reset, 1.0, s_res)
                     pending = n < 0
+                u = counter_uniform_tl(seed, off + depth, _ROLE_TEST + tried)
                 accept = _stochastic_test(q_row, safe, valid, px, u, c_res, s_res)
+                accept = tl.where(greedy, _greedy_test(tok, valid, am), accept)
             else:
-                if not CHAIN:  # (a chain node has one child: no siblings)
-                    px = tl.where(_is_rejected_sibling(tokens_ptr, parents_ptr, start, cur, j, tok), 0.0, px)
-                accept = _deterministic_test(px, u, x_rej)
-            accept = tl.where(greedy, _greedy_test(tok, valid, am), accept)
+                accept = valid & (tok == drawn)  # sample, then compare
             if accept:
                 toks = tl.where(lanes == depth, tok, toks)
                 depth += 1
@@ -222,35 +218,35 @@ def _tree_walk_kernel(
                 c_res = zero
                 s_res = zero + 1.0
                 pending = n < 0
-                x_rej = zero
+                tried = n * 0
                 m, am, _bad = row_argmax_tl(max_ptr, arg_ptr, bad_ptr, start + j, n_tiles, T_PAD)
                 z = row_normaliser_tl(max_ptr, sum_ptr, start + j, m, n_tiles, T_PAD)
+                if RULE == "deterministic":
+                    drawn = am.to(tl.int32)
+                    if draws:
+                        drawn = _target_draw(logits_ptr, thr_ptr, start + j, stride_l, seed, off + depth, inv_t, m,
+                                             z, V, n_tiles, RULE, BLOCK, T_PAD, EPS, TILES)  # fmt: skip
             elif not greedy:
+                tried += 1
                 if RULE == "stochastic":
                     c_res = c_res + s_res  # p_next = max(0, p - C q) / S; S is summed when needed
                     pending = n >= 0
-                else:
-                    x_rej = x_rej + px
 
-    # ---- the final draw: greedy requests have theirs (the argmax), invalid ones none
-    if greedy & ~invalid:
-        toks = tl.where(lanes == depth, am, toks)
-    total = zero + 1.0
-    if RULE == "stochastic":
-        mode = tl.where(pending, FINAL_RESIDUAL, FINAL_TARGET)  # pending <=> a rejection at the final node
+    # ---- the last token: the draw where the walk stopped (deterministic: made already; greedy: the argmax)
+    if RULE == "deterministic":
+        if ~invalid:
+            toks = tl.where(lanes == depth, drawn, toks)
     else:
-        exclude = (x_rej > 0) & (1.0 - x_rej > EPS)  # else the rejected mass is rounding noise: draw from p
-        total = tl.where(exclude, 1.0 - x_rej, total)
-        mode = tl.where(exclude, FINAL_EXCLUDED, FINAL_TARGET)
-    if ~invalid & ~greedy:
-        row = (start + cur).to(tl.int64)
-        q_row = q_ptr + (row - b if CHAIN else row) * stride_q  # read only for a residual
-        token = final_draw_tl(
-            logits_ptr + row * stride_l, q_row, tokens_ptr, parents_ptr, mode, start, cur, n, tok_base + cur + 1,
-            c_res, total, inv_t, tl.load(thr_ptr + row), m, z, seed, off, V, n_tiles, RULE, CHAIN, BLOCK, T_PAD, EPS,
-            TILES,
-        )  # fmt: skip
-        toks = tl.where(lanes == depth, token, toks)
+        if greedy & ~invalid:
+            toks = tl.where(lanes == depth, am, toks)
+        if draws:
+            row = (start + cur).to(tl.int64)
+            q_row = q_ptr + (row - b if CHAIN else row) * stride_q  # read only for a residual
+            mode = tl.where(pending, FINAL_RESIDUAL, FINAL_TARGET)  # pending <=> a rejection at the final node
+            u = counter_uniform_tl(seed, off + depth, _ROLE_TARGET)
+            token = final_draw_tl(logits_ptr + row * stride_l, q_row, mode, c_res, u, inv_t, tl.load(thr_ptr + row),
+                                  m, z, V, n_tiles, RULE, BLOCK, T_PAD, EPS, TILES)  # fmt: skip
+            toks = tl.where(lanes == depth, token, toks)
 
     # ---- write back
     at = tl.minimum(lanes, W - 1)  # clamped: lanes past the width stay inside the row

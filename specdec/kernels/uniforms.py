@@ -8,9 +8,13 @@ below 2**63 (a 32-bit value times a multiplier below 2**31), so PyTorch and Trit
 or interpreted) compute the same bits: the kernels and the references see identical uniforms
 and can be compared token for token.
 
-Counters used by the ops: verification tests node j with counter ``2j`` and draws its final
-token at node j with ``2j + 1`` (``sample`` is the final draw at node 0: counter 1);
-``sample_probs`` takes the counter from its caller.
+Keys and roles. Every uniform that decides a token is keyed on the request's seed and the
+absolute position of that token (``offset`` here), and the counter names its role there:
+``ROLE_TARGET`` is the target's own draw at that position -- what ``sample`` draws, what a
+verification emits there, and what a coupled draft draws with -- and ``ROLE_TEST + k`` the
+stochastic rule's test of the k-th child tried at a node. Nothing is keyed on the step or on a
+node's index, so neither the drafter, the draft depth nor the batch changes a seeded request's
+tokens (``tree_walk`` derives the rules). ``sample_probs`` takes the counter from its caller.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ _U24 = 1.0 / 16777216.0  # 2**-24
 # The same constants for the kernels (jit code reads only constexpr globals).
 _HASH_START_TL, _MUL1_TL, _MUL2_TL, _MASK32_TL, _U24_TL = map(tl.constexpr, (_HASH_START, _MUL1, _MUL2, _MASK32, _U24))
 _BLOCK = 256
+
+ROLE_TARGET = 0  # the target's draw at a position (plain sampling's token there)
+ROLE_TEST = 1  # + k: the stochastic rule's test of the k-th child tried at a node
 
 
 # ----------------------------------------------------------------------------- Triton

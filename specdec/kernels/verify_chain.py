@@ -6,9 +6,11 @@ request b is draft ``draft_offsets[b] + j - 1``) from the draft offsets themselv
 extra tensors and no host synchronisation. The rules are derived in ``tree_walk``. The
 PyTorch reference below is written from the chain math itself (Leviathan et al. 2022; Chen
 et al. 2023), independently of the tree engine, so the two paths check each other token for
-token: accept x_i when ``u_i * q_i(x_i) < p_i(x_i)`` (``u_i * 1 < p_i(x_i)`` for the
-deterministic rule, q one-hot); at the first rejection draw from norm(max(0, p_i - q_i)) (p_i
-without x_i) and stop; after K acceptances draw the bonus token from p_{K+1}.
+token. Row i of a request decides the token at position ``offset + i``. Stochastic rule: accept
+x_i when ``u * q_i(x_i) < p_i(x_i)``; at the first rejection draw from norm(max(0, p_i - q_i))
+and stop; after K acceptances draw the bonus token from p_{K+1}. Deterministic rule: draw the
+target's token at each position exactly as ``sample`` would, accept x_i when it is that token,
+and emit the draw where they first differ.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from specdec.kernels.sampling_params import SamplingParams, check_params, check_
 from specdec.kernels.target_stats import target_probs_reference
 from specdec.kernels.top_k_top_p import filter_thresholds_torch, scaled_logits
 from specdec.kernels.tree_walk import RESIDUAL_EPS
-from specdec.kernels.uniforms import request_key, uniform_from_key
+from specdec.kernels.uniforms import ROLE_TARGET, ROLE_TEST, counter_uniform_reference
 from specdec.kernels.verification import (
     check_draft_probs,
     check_logits,
@@ -133,11 +135,14 @@ def verify_chain(
     draft_offsets : int32 ``[B+1]``; request b drafted ``draft_tokens[draft_offsets[b]:draft_offsets[b+1]]``
         (K_b = 0 allowed, for any or every request: that request draws one token).
     params : ``SamplingParams`` of ``[B]`` tensors (temperature <= 0 = greedy, no softmax; top-k /
-        top-p filter the target). Uniforms are ``counter_uniform(seed, offset, counter)`` (counter
-        2i for the test of draft i = 1..K, 2i + 1 for the draw from target row i = 0..K); advance
-        ``offset`` every step. Same seed, same tokens, alone or in any batch and row order.
-    rule : "stochastic" (drafts sampled from ``draft_probs``) or "deterministic" (drafts chosen
-        without sampling: n-gram, top-1 heads; q is one-hot, no ``draft_probs``).
+        top-p filter the target). ``offset`` is the position of the request's first token here:
+        the token at output index i is decided by ``counter_uniform(seed, offset + i, role)``
+        (``uniforms``), so the same seed gives the same tokens alone or in any batch and row order,
+        and with the deterministic rule the tokens ``sample`` draws at those positions.
+    rule : "stochastic" (drafts sampled from ``draft_probs``: the optimal rejection rule) or
+        "deterministic" (any other drafts: n-gram, top-1 heads, or drafts sampled with the target's
+        own uniforms (coupled); no ``draft_probs``: each draft is accepted when it equals the
+        target's draw there).
     draft_probs : float ``[T, V]``, stochastic rule only: row t is exactly the distribution draft
         token t was drawn from (after the draft's own filtering, e.g. ``filtered_probs``).
     max_draft_len : host int, the output width minus one; passing it avoids one host
@@ -226,13 +231,13 @@ def verify_chain_reference(
     row_req = torch.repeat_interleave(every, drafted + 1)
     temp_rows = temperature[row_req]
     s = scaled_logits(target_logits, temp_rows)
-    p, argmax, bad = target_probs_reference(
-        s, filter_thresholds_torch(s, temp_rows, top_k[row_req], top_p[row_req])
-    )
+    p, argmax, bad = target_probs_reference(s, filter_thresholds_torch(s, temp_rows, top_k[row_req], top_p[row_req]))
     invalid = torch.zeros(batch, dtype=torch.long, device=device).scatter_reduce(0, row_req, bad.long(), "amax") > 0
     greedy = temperature <= 0
     stochastic = rule == "stochastic"
-    key = request_key(seed, offset)
+    # Row i of a request decides the token at position offset + i; its target draw there (plain sampling's).
+    row_pos = offset[row_req] + torch.arange(target_logits.shape[0], device=device) - row_start[row_req]
+    drawn = inverse_cdf_reference(p, counter_uniform_reference(seed[row_req], row_pos, ROLE_TARGET))
     tokens = torch.full((batch, max_draft_len + 1), -1, dtype=torch.long, device=device)
     accepted = torch.zeros(batch, dtype=torch.long, device=device)
     rejected = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -244,14 +249,14 @@ def verify_chain_reference(
         tok = draft_tokens[draft].long()
         row = row_start + k.clamp_max(i)
         valid = (tok >= 0) & (tok < vocab)
-        safe = torch.where(valid, tok, 0)
-        px = torch.where(valid, p[row, safe], 0.0)
-        u = uniform_from_key(key, 2 * (i + 1))
         if stochastic:
+            safe = torch.where(valid, tok, 0)
+            px = torch.where(valid, p[row, safe], 0.0)
             qx = draft_probs[draft, safe].float()
+            u = counter_uniform_reference(seed, offset + i, ROLE_TEST)
             accept = valid & (qx > 0) & (qx <= 1) & (u * qx < px)
         else:
-            accept = valid & (u < px)  # q one-hot: min(1, p/q) = p(x)
+            accept = valid & (tok == drawn[row])  # sample, then compare
         accept = torch.where(greedy, valid & (tok == argmax[row]), accept)
         took, now_rejected = live & accept, live & ~accept
         tokens[took, i] = tok[took]
@@ -260,24 +265,16 @@ def verify_chain_reference(
         rejected_draft = torch.where(now_rejected, draft, rejected_draft)
         rejected |= now_rejected
     row = row_start + stop
-    p_row = p[row]
-    residual, mass_total = p_row, torch.ones(batch, device=device)
-    if bool(rejected.any()):  # (the residual needs the rejected draft's row)
-        if stochastic:
-            residual = (p_row - sanitize_probs(draft_probs[rejected_draft])).clamp_min(0.0)
-            mass_total = residual.sum(-1)
-        else:
-            tok = draft_tokens[rejected_draft].long()
-            valid = (tok >= 0) & (tok < vocab)
-            drop = torch.zeros_like(p_row, dtype=torch.bool)
-            drop[every[valid], tok[valid]] = True
-            residual = torch.where(drop, 0.0, p_row)
-            mass_total = 1.0 - (p_row * drop).sum(-1)
-    use_residual = rejected & (mass_total > RESIDUAL_EPS)  # else: draw from p
-    mass = torch.where(use_residual[:, None], residual, p_row)
-    total_mass = torch.where(use_residual, mass_total, 1.0)
-    u = uniform_from_key(key, 2 * stop + 1)
-    final = torch.where(greedy, argmax[row], inverse_cdf_reference(mass, u * total_mass))
+    final = drawn[row]  # the target's draw where the walk stopped (a rejected deterministic draft is not it)
+    if stochastic and bool(rejected.any()):  # after a rejection: the residual, drawn with the same uniform
+        p_row = p[row]
+        residual = (p_row - sanitize_probs(draft_probs[rejected_draft])).clamp_min(0.0)
+        mass_total = residual.sum(-1)
+        use_residual = rejected & (mass_total > RESIDUAL_EPS)  # else: draw from p
+        mass = torch.where(use_residual[:, None], residual, p_row)
+        u = counter_uniform_reference(seed, offset + stop, ROLE_TARGET)
+        final = inverse_cdf_reference(mass, u * torch.where(use_residual, mass_total, 1.0))
+    final = torch.where(greedy, argmax[row], final)
     tokens[every, accepted] = final
     tokens[invalid] = -1
     num_accepted = torch.where(invalid, 0, accepted)

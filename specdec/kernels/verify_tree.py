@@ -17,7 +17,7 @@ from specdec.kernels.sampling_params import SamplingParams, check_params, check_
 from specdec.kernels.target_stats import target_probs_reference
 from specdec.kernels.top_k_top_p import filter_thresholds_torch, scaled_logits
 from specdec.kernels.tree_walk import RESIDUAL_EPS
-from specdec.kernels.uniforms import request_key, uniform_from_key
+from specdec.kernels.uniforms import ROLE_TARGET, ROLE_TEST, counter_uniform_reference
 from specdec.kernels.verification import (
     check_draft_probs,
     check_logits,
@@ -127,12 +127,15 @@ def verify_tree(
         children (as in ``build_tree_metadata``). Children are tried in index order.
     node_offsets : int32 ``[B+1]``; tree b owns nodes ``node_offsets[b] .. node_offsets[b+1]-1``.
     params : ``SamplingParams`` of ``[B]`` tensors. Temperature <= 0 is greedy (follow the child equal
-        to the argmax, no softmax); top-k / top-p filter the target only. Uniforms are
-        ``counter_uniform(seed, offset, counter)`` with counter 2j for the test of node j and 2j+1
-        for the draw at node j: advance ``offset`` every step, and a request gets the same tokens
-        alone, in any batch and in any row order.
-    rule : "stochastic" (children drawn i.i.d. from ``draft_probs``; SpecInfer) or "deterministic"
-        (children chosen without sampling, e.g. top-k of a draft head; no ``draft_probs``).
+        to the argmax, no softmax); top-k / top-p filter the target only. ``offset`` is the
+        position of the token the root's row decides: row i decides position ``offset + depth(i)``
+        with ``counter_uniform(seed, offset + depth(i), role)`` (``uniforms``), so a request gets the
+        same tokens alone, in any batch and in any row order, and with the deterministic rule the
+        tokens ``sample`` draws at those positions, whatever the tree.
+    rule : "stochastic" (children drawn i.i.d. from ``draft_probs``; SpecInfer's optimal rule) or
+        "deterministic" (any other children: top-k of a draft head, n-gram, or drafts sampled with
+        the target's own uniforms (coupled); no ``draft_probs``: the child equal to the target's draw
+        at its node is accepted).
     draft_probs : float ``[N, V]``, stochastic rule only: row i is the distribution node i's
         children were drawn from.
     max_depth : host int, the output width minus one. Passing it avoids reading the trees back to
@@ -231,24 +234,26 @@ def verify_tree_reference(
     row_req = torch.repeat_interleave(torch.arange(batch, device=device), sizes)
     temp_rows = temperature[row_req]
     s = scaled_logits(target_logits, temp_rows)
-    p, argmax, bad = target_probs_reference(
-        s, filter_thresholds_torch(s, temp_rows, top_k[row_req], top_p[row_req])
-    )
+    p, argmax, bad = target_probs_reference(s, filter_thresholds_torch(s, temp_rows, top_k[row_req], top_p[row_req]))
     invalid = torch.zeros(batch, dtype=torch.long, device=device).scatter_reduce(0, row_req, bad.long(), "amax") > 0
     greedy = temperature <= 0
-    key = request_key(seed, offset)
     stochastic = rule == "stochastic"
     if stochastic:
         q_clean = sanitize_probs(draft_probs)
         q_rows = torch.arange(rows, device=device) if q_rows is None else q_rows.long()
-    else:
-        excluded = torch.zeros(batch, vocab, dtype=torch.bool, device=device)  # rejected siblings' tokens
+    else:  # the target's draw at every node: row i decides the token at position offset + depth(i)
+        node_depth = torch.zeros(rows, dtype=torch.long, device=device)
+        for j in range(1, max(sizes.tolist(), default=1)):  # (parents come first)
+            node = starts[j < sizes] + j
+            node_depth[node] = node_depth[node - j + parents[node].long()] + 1
+        u = counter_uniform_reference(seed[row_req], offset[row_req] + node_depth, ROLE_TARGET)
+        drawn = inverse_cdf_reference(p, u)
     every = torch.arange(batch, device=device)
     cur = torch.zeros(batch, dtype=torch.long, device=device)
     depth = torch.zeros_like(cur)
+    tried = torch.zeros_like(cur)  # children of cur tried so far (the stochastic tests' role)
     c_res = torch.zeros(batch, device=device)  # p_j = max(0, p - C q) / S  (stochastic rule)
     s_res = torch.ones(batch, device=device)
-    x_rej = torch.zeros(batch, device=device)  # mass of the rejected siblings (deterministic rule)
     tokens = torch.full((batch, width), -1, dtype=torch.long, device=device)
     path = torch.full((batch, width), -1, dtype=torch.long, device=device)
     path[:, 0] = 0
@@ -262,45 +267,38 @@ def verify_tree_reference(
         row = starts + cur
         tok = node_tokens[node].long()
         valid = (tok >= 0) & (tok < vocab)
-        safe = torch.where(valid, tok, 0)
-        px = torch.where(valid, p[row, safe], 0.0)
-        u = uniform_from_key(key, 2 * j)
         if stochastic:
+            safe = torch.where(valid, tok, 0)
+            px = torch.where(valid, p[row, safe], 0.0)
+            u = counter_uniform_reference(seed, offset + depth, ROLE_TEST + tried)
             qx = draft_probs[q_rows[row], safe].float()
             res = (px - c_res * q_clean[q_rows[row], safe]).clamp_min(0.0)
             accept = valid & (qx > 0) & (qx <= 1) & (res > 0) & (u * qx * s_res < res)
         else:
-            px = torch.where(excluded[every, safe] & valid, 0.0, px)
-            accept = (px > 0) & (u * (1.0 - x_rej) < px)
+            accept = valid & (tok == drawn[row])  # sample, then compare
         accept = torch.where(greedy, valid & (tok == argmax[row]), accept)
         took, rejected = is_child & accept, is_child & ~accept & ~greedy
         tokens[took, depth[took]] = tok[took]
         depth = depth + took.long()
         path[took, depth[took]] = j
         cur = torch.where(took, j, cur)
-        c_res, s_res, x_rej = (torch.where(took, fresh, v) for fresh, v in ((0.0, c_res), (1.0, s_res), (0.0, x_rej)))
+        tried = torch.where(took, 0, tried + rejected.long())
         if stochastic:
+            c_res, s_res = torch.where(took, 0.0, c_res), torch.where(took, 1.0, s_res)
             c_next = c_res + s_res
             s_next = (p[row] - c_next[:, None] * q_clean[q_rows[row]]).clamp_min(0.0).sum(-1)
             reset = s_next <= RESIDUAL_EPS
             c_res = torch.where(rejected, torch.where(reset, 0.0, c_next), c_res)
             s_res = torch.where(rejected, torch.where(reset, 1.0, s_next), s_res)
-        else:
-            excluded[took] = False
-            x_rej = torch.where(rejected, x_rej + px, x_rej)
-            excluded[every[rejected & valid], safe[rejected & valid]] = True
-    # the final token where each walk stopped
+    # the final token where each walk stopped: the target's draw there (stochastic: from the residual)
     row = starts + cur
-    u = uniform_from_key(key, 2 * cur + 1)
     if stochastic:
         mass = (p[row] - c_res[:, None] * q_clean[q_rows[row]]).clamp_min(0.0)
-        total = s_res
+        u = counter_uniform_reference(seed, offset + depth, ROLE_TARGET)
+        final = inverse_cdf_reference(mass, u * s_res)
     else:
-        total = 1.0 - x_rej
-        exclude = (x_rej > 0) & (total > RESIDUAL_EPS)
-        mass = torch.where(excluded & exclude[:, None], 0.0, p[row])
-        total = torch.where(exclude, total, 1.0)
-    final = torch.where(greedy, argmax[row], inverse_cdf_reference(mass, u * total))
+        final = drawn[row]
+    final = torch.where(greedy, argmax[row], final)
     tokens[every, depth] = final
     tokens[invalid] = -1
     path[invalid, 1:] = -1
