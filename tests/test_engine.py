@@ -213,6 +213,8 @@ def test_seeded_sampling_is_reproducible_alone_and_in_any_batch(pair, strategy):
     "strategy,temperature,top_k,top_p",
     [
         ("chain", 0.7, 0, 1.0),
+        ("chain-stochastic", 0.7, 0, 1.0),
+        ("tree", 1.0, 0, 1.0),
         ("tree-stochastic", 1.3, 0, 0.8),
         ("tree-deterministic", 0.8, 3, 1.0),
     ],
@@ -223,7 +225,9 @@ def test_first_tokens_follow_the_exact_target_joint(strategy, temperature, top_k
     target = random_model(config, seed=5, scale=1.5)
     draft = random_model(config, seed=6, scale=1.5)  # independent: far from the target
     make = {
-        "chain": lambda: DraftModelStrategy(draft, (1, 1)),
+        "chain": lambda: DraftModelStrategy(draft, (1, 1)),  # the coupled rule
+        "chain-stochastic": lambda: DraftModelStrategy(draft, (1, 1), rule="stochastic"),
+        "tree": lambda: DraftModelStrategy(draft, (2, 2)),
         "tree-stochastic": lambda: DraftModelStrategy(draft, (2, 2), rule="stochastic"),
         "tree-deterministic": lambda: DraftModelStrategy(draft, (2, 2), rule="deterministic"),
     }[strategy]
