@@ -46,12 +46,19 @@ def greedy_expected(logits, drafts, counts, width):
 
 
 def v1(logits, drafts, cu, draft_probs=None, *, temperature=None, top_k=None, top_p=None, generators=None,
-       all_greedy=False, max_spec_len=None):  # fmt: skip
+       all_greedy=False, max_spec_len=None, positions=None):  # fmt: skip
+    """verify_v1_batch on the engine's own row layout; logits row r's input token sits at ``positions[r]``
+    (default r). Returns (tokens, num_accepted). The other layouts are tests/test_vllm_rows.py's."""
     counts = torch.diff(cu, prepend=torch.zeros(1, dtype=cu.dtype)).tolist()
+    rows = logits.shape[0]
+    bonus = cu.long() + torch.arange(len(counts))
+    target = torch.tensor([r for r in range(rows) if r not in bonus.tolist()], dtype=torch.long)
     return plugin.verify_v1_batch(
         logits, drafts, cu, max(counts) if max_spec_len is None else max_spec_len, draft_probs,
+        target_logits_indices=target, bonus_logits_indices=bonus, logits_indices=torch.arange(rows),
+        token_positions=torch.arange(rows) if positions is None else positions,
         temperature=temperature, top_k=top_k, top_p=top_p, generators=generators or {}, all_greedy=all_greedy,
-    )  # fmt: skip
+    )[:2]  # fmt: skip
 
 
 def test_v1_greedy_rows_follow_the_argmax_and_the_output_is_vllms_layout():
@@ -130,20 +137,22 @@ def test_v1_top_k_filters_the_target():
     assert torch.equal(tokens, greedy_expected(logits, drafts, [3, 3], 4))  # top-1 sampling is the argmax
 
 
-def test_v1_seeded_request_is_batch_invariant_and_draws_once_per_step():
+def test_v1_seeded_request_is_batch_invariant_and_draws_nothing_from_its_generator():
+    """A seeded request's uniforms are keyed on (its own seed, the positions of its tokens): the same alone as in a
+    batch, whatever the global RNG and its generator's state; the generator is read, never drawn from."""
     logits, drafts, cu = make_batch([4, 2, 3])
     temperature = torch.tensor([1.0, 0.8, 1.2])
-    torch.manual_seed(11)
-    batched, _ = v1(logits, drafts, cu, temperature=temperature, generators={1: torch.Generator().manual_seed(5)})
-    alone_logits = logits[5:8]  # request 1: rows 5..7 (4 + 1 rows of request 0 come first)
+    positions = torch.tensor([7, 8, 9, 10, 11, 40, 41, 42, 3, 4, 5, 6])  # request 1 (rows 5..7) decides 41, 42, 43
     generator = torch.Generator().manual_seed(5)
+    state = generator.get_state()
+    torch.manual_seed(11)
+    batched, _ = v1(logits, drafts, cu, temperature=temperature, generators={1: generator}, positions=positions)
+    assert torch.equal(generator.get_state(), state), "the plugin draws nothing from a seeded request's generator"
+    torch.randint(5, (3,), generator=generator)  # a generator in another state, the same seed
     torch.manual_seed(12)  # a different global RNG state: the seeded request must not depend on it
-    alone, _ = v1(alone_logits, drafts[4:6], torch.tensor([2], dtype=torch.int32), temperature=temperature[1:2],
-                  generators={0: generator})  # fmt: skip
+    alone, _ = v1(logits[5:8], drafts[4:6], torch.tensor([2], dtype=torch.int32), temperature=temperature[1:2],
+                  generators={0: generator}, positions=torch.tensor([40, 41, 42]))  # fmt: skip
     assert torch.equal(batched[1, :3], alone[0])
-    probe = torch.Generator().manual_seed(5)
-    torch.randint(2**62, (1,), generator=probe)
-    assert torch.equal(generator.get_state(), probe.get_state()), "one draw per request per step"
 
 
 def test_v1_draft_probs_select_the_stochastic_rule():
@@ -171,10 +180,10 @@ def test_invalid_request_still_gets_one_token():
     assert plugin.stats()["invalid_requests"] == 1
 
 
-def test_v1_bad_rows_named():
+def test_v1_bad_index_shapes_named():
     logits, drafts, cu = make_batch([2, 2])
-    with pytest.raises(ValueError, match="logits must have T \\+ B"):
-        v1(logits[:-1], drafts, cu)
+    with pytest.raises(ValueError, match="target_logits_indices must hold one row per draft"):
+        v1(logits, drafts[:-1], cu)
 
 
 def v2_layout(logits, drafts, counts, last_tokens, positions):

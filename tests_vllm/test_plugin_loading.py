@@ -44,13 +44,16 @@ def test_untested_vllm_version_is_left_alone(monkeypatch, caplog):
 
 
 def test_register_and_unregister_swap_the_class():
+    stock_init = gpu_model_runner.GPUModelRunner.__init__
     try:
         assert plugin.register() is True
         assert plugin.register() is True  # idempotent: the original is still what unregister restores
         assert gpu_model_runner.RejectionSampler is SpecdecRejectionSampler
+        assert gpu_model_runner.GPUModelRunner.__init__ is not stock_init  # binds the sampler to the positions
     finally:
         plugin.unregister()
     assert gpu_model_runner.RejectionSampler is RejectionSampler
+    assert gpu_model_runner.GPUModelRunner.__init__ is stock_init
 
 
 def test_the_extension_is_built_beside_vllm():

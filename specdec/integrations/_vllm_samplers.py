@@ -7,6 +7,8 @@ reproduces everything the batch asks for, and either verifies through
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
 import sys
 
@@ -19,6 +21,7 @@ from vllm.v1.sample.logits_processor.builtin import (
     MinPLogitsProcessor,
     MinTokensLogitsProcessor,
 )
+from vllm.v1.sample.sampler import Sampler
 from vllm.v1.worker import gpu_model_runner as v1_model_runner
 
 from specdec.integrations import _vllm_verify
@@ -34,6 +37,8 @@ _BUILTIN_ACTIVE = {
 def _v1_unsupported(sampler, sampling_metadata) -> str | None:
     """Why this V1 batch goes to vLLM's own sampler (None: specdec reproduces all of it)."""
     m = sampling_metadata
+    if type(sampler.sampler) is not Sampler:  # the bonus token is the handed sampler's to draw
+        return f"sampler {type(sampler.sampler).__name__}"
     if sampler.synthetic_mode:
         return "synthetic acceptance rates"
     if sampler.is_processed_logprobs_mode:
@@ -56,19 +61,30 @@ def _v1_unsupported(sampler, sampling_metadata) -> str | None:
 
 
 class SpecdecRejectionSampler(v1_rejection_sampler.RejectionSampler):
-    """V1 model runner's rejection sampler, verifying with specdec's ``verify_chain``."""
+    """V1 model runner's rejection sampler, verifying with specdec's ``verify_chain``.
+
+    ``token_positions`` is the runner's ``positions`` buffer (the position of each input token
+    of the step, which ``SpecDecodeMetadata.logits_indices`` index), set when the runner is built
+    (``_bind_token_positions``): sampled batches key their random numbers on it.
+    """
+
+    token_positions: torch.Tensor | None = None
 
     def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
         reason = _v1_unsupported(self, sampling_metadata)
         if reason is not None:
             _vllm_verify.note_fallback(reason)
             return super().forward(metadata, draft_probs, logits, sampling_metadata)
-        tokens, _ = _vllm_verify.verify_v1_batch(
+        step = _vllm_verify.verify_v1_batch(
             logits,
             metadata.draft_token_ids,
             metadata.cu_num_draft_tokens,
             metadata.max_spec_len,
             draft_probs,
+            target_logits_indices=metadata.target_logits_indices,
+            bonus_logits_indices=metadata.bonus_logits_indices,
+            logits_indices=metadata.logits_indices,
+            token_positions=self.token_positions,
             temperature=sampling_metadata.temperature,
             top_k=sampling_metadata.top_k,
             top_p=sampling_metadata.top_p,
@@ -76,16 +92,37 @@ class SpecdecRejectionSampler(v1_rejection_sampler.RejectionSampler):
             all_greedy=sampling_metadata.all_greedy,
         )
         logprobs = None
-        if sampling_metadata.max_num_logprobs is not None:  # vLLM's own code, on the raw logits it would use
+        if sampling_metadata.max_num_logprobs is not None:
+            # vLLM's own code on the raw logits it would use, handed in verify_chain's order: vLLM's reads
+            # request b's j-th row at cu_num_sampled_tokens[b - 1] + j, which is that order
+            rows, layout = step.logits, step.layout
+            chain = dataclasses.replace(metadata, target_logits_indices=layout.target_rows,
+                                        bonus_logits_indices=layout.bonus_rows)  # fmt: skip
             logprobs = self._get_logprobs_tensors(
                 sampling_metadata.max_num_logprobs,
-                metadata,
-                logits,
-                logits[metadata.target_logits_indices].to(torch.float32),
-                logits[metadata.bonus_logits_indices].to(torch.float32),
-                tokens,
+                chain,
+                rows,
+                rows.index_select(0, layout.target_rows).to(torch.float32),
+                rows.index_select(0, layout.bonus_rows).to(torch.float32),
+                step.output_token_ids,
             )
-        return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=logprobs)
+        return SamplerOutput(sampled_token_ids=step.output_token_ids, logprobs_tensors=logprobs)
+
+
+_stock_runner_init = v1_model_runner.GPUModelRunner.__init__
+
+
+@functools.wraps(_stock_runner_init)
+def _bind_token_positions(runner, *args, **kwargs) -> None:
+    """vLLM's V1 model runner constructor, then its specdec sampler (if it built one) bound to its positions.
+
+    The runner allocates ``positions`` once and refills it every step before the forward, so the
+    sampler reads the current step's positions without any per-step hand-over.
+    """
+    _stock_runner_init(runner, *args, **kwargs)
+    sampler = getattr(runner, "rejection_sampler", None)
+    if isinstance(sampler, SpecdecRejectionSampler):
+        sampler.token_positions = runner.positions
 
 
 def _v2_classes():
@@ -140,8 +177,11 @@ def _v2_classes():
 
 
 def patch_targets() -> dict:
-    """{(module, attribute): replacement class} for every model runner this vLLM can build."""
-    targets = {(v1_model_runner, "RejectionSampler"): SpecdecRejectionSampler}
+    """{(module or class, attribute): replacement} for every model runner this vLLM can build."""
+    targets = {
+        (v1_model_runner, "RejectionSampler"): SpecdecRejectionSampler,
+        (v1_model_runner.GPUModelRunner, "__init__"): _bind_token_positions,
+    }
     v2 = _v2_classes()
     if v2 is not None:
         targets[(v2[0], "RejectionSampler")] = v2[1]

@@ -10,10 +10,12 @@ What it changes. vLLM's V1 model runner builds ``RejectionSampler`` and calls it
 ``(spec_decode_metadata, draft_probs, logits, sampling_metadata)``; Model Runner V2 calls
 its own ``RejectionSampler._verify`` per chunk of requests. ``register()`` swaps both
 classes for subclasses that verify through ``verify_chain`` (n-gram, draft model, EAGLE,
-Medusa, MTP: every method vLLM verifies as a chain), and hand a batch back to vLLM's own
-sampler, counted in ``stats()`` and logged once per reason, whenever it uses something the
-plugin does not reproduce (penalties, bad words, allowed token ids, min_tokens, logit
-bias, min_p, thinking budgets, logprobs of chosen token ids, processed-logprobs modes,
+Medusa, MTP: every method vLLM verifies as a chain), and wraps the V1 runner's constructor
+so that its sampler gets the runner's token positions (seeded sampling is keyed on them).
+The subclasses hand a batch back to vLLM's own sampler, counted in ``stats()`` and logged
+once per reason, whenever it uses something the plugin does not reproduce (penalties, bad
+words, allowed token ids, min_tokens, logit bias, min_p, thinking budgets, logprobs of
+chosen token ids, processed-logprobs modes, a sampler other than vLLM's ``Sampler``,
 synthetic acceptance, block verification, watermarking). Outside the tested vLLM range
 (``TESTED_VLLM``) it refuses to patch, logs why and leaves vLLM as it was.
 
@@ -27,10 +29,12 @@ that does.
 from __future__ import annotations
 
 from specdec.integrations._vllm_verify import (
+    chain_layout,
+    first_positions,
     logger,
     note_fallback,
+    request_seeds,
     reset_stats,
-    seeds_from_generators,
     stats,
     verify_v1_batch,
     verify_v2_batch,
@@ -38,11 +42,13 @@ from specdec.integrations._vllm_verify import (
 
 __all__ = [
     "TESTED_VLLM",
+    "chain_layout",
+    "first_positions",
     "logger",
     "note_fallback",
     "register",
+    "request_seeds",
     "reset_stats",
-    "seeds_from_generators",
     "stats",
     "unregister",
     "verify_v1_batch",
@@ -69,7 +75,7 @@ def version_refusal(version: str) -> str | None:
     return None
 
 
-_originals: dict[tuple[str, str], object] = {}
+_originals: dict[tuple[object, str], object] = {}  # (module or class, attribute) -> what register() replaced
 
 
 def register() -> bool:
@@ -83,20 +89,18 @@ def register() -> bool:
     from specdec.integrations import _vllm_samplers
 
     targets = _vllm_samplers.patch_targets()
-    for (module, name), replacement in targets.items():
-        current = getattr(module, name)
+    for (owner, name), replacement in targets.items():
+        current = getattr(owner, name)
         if current is not replacement:
-            _originals[(module.__name__, name)] = current
-            setattr(module, name, replacement)
+            _originals[(owner, name)] = current
+            setattr(owner, name, replacement)
     logger.info("specdec plugin enabled: vLLM speculative tokens verified by specdec.kernels.verify_chain (%s)",
-                ", ".join(f"{m.__name__}.{n}" for m, n in targets))  # fmt: skip
+                ", ".join(f"{owner.__name__}.{name}" for owner, name in targets))  # fmt: skip
     return True
 
 
 def unregister() -> None:
-    """Put back the classes ``register()`` replaced (runners built before keep theirs)."""
-    import importlib
-
-    for (module_name, name), original in _originals.items():
-        setattr(importlib.import_module(module_name), name, original)
+    """Put back what ``register()`` replaced (runners built before keep their samplers)."""
+    for (owner, name), original in _originals.items():
+        setattr(owner, name, original)
     _originals.clear()
