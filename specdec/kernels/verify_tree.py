@@ -242,10 +242,11 @@ def verify_tree_reference(
         q_clean = sanitize_probs(draft_probs)
         q_rows = torch.arange(rows, device=device) if q_rows is None else q_rows.long()
     else:  # the target's draw at every node: row i decides the token at position offset + depth(i)
+        is_root = parents < 0
+        parent_row = torch.where(is_root, 0, starts[row_req] + parents.long())
         node_depth = torch.zeros(rows, dtype=torch.long, device=device)
-        for j in range(1, max(sizes.tolist(), default=1)):  # (parents come first)
-            node = starts[j < sizes] + j
-            node_depth[node] = node_depth[node - j + parents[node].long()] + 1
+        for _ in range(max_depth):  # one more level settles per pass (deeper nodes are never reached)
+            node_depth = torch.where(is_root, 0, node_depth[parent_row] + 1)
         u = counter_uniform_reference(seed[row_req], offset[row_req] + node_depth, ROLE_TARGET)
         drawn = inverse_cdf_reference(p, u)
     every = torch.arange(batch, device=device)
