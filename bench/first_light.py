@@ -246,7 +246,7 @@ CHECKS = {
                                 lambda s, dev: verification(s, dev, "chain")),  # fmt: skip
     "verify-tree-deterministic": ("threshold, row_stats, tree_walk (walk and final draw)",
                                   lambda s, dev: verification(s, dev, "tree")),  # fmt: skip
-    "verify-chain-greedy": ("row_stats (argmax), greedy_walk", lambda s, dev: verification(s, dev, "greedy chain")),
+    "verify-chain-greedy": ("row_stats (argmax), tree_walk", lambda s, dev: verification(s, dev, "greedy chain")),
     "sampling": (
         "sample, filtered_probs, sample_probs, counter_uniform", sampling),
     "model-ops": ("rms_norm, add_rms_norm, rotary, silu_mul", model_ops),

@@ -113,10 +113,42 @@ def test_the_triton_fast_path_launches_argmax_statistics_and_the_walk_only(monke
     logits, tokens, offsets, ks = greedy_chains()
     with _backend.use_backend("triton"):
         verify_chain_greedy(logits, tokens, offsets, params(len(ks), 0.0))
-        assert launched == ["_row_stats_kernel", "_greedy_walk_kernel"]  # no filter, uniforms or tile sampling
+        assert launched == ["_row_stats_kernel", "_tree_walk_kernel"]  # no filter, uniforms or tile sampling
         launched.clear()
         verify_chain(logits, tokens, offsets, params(len(ks), 0.0), rule="deterministic")
     assert launched == ["_threshold_kernel", "_row_stats_kernel", "_tree_walk_kernel"]  # the general op's pipeline
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="checks the interpreter's accesses")
+@pytest.mark.parametrize("chain", [True, False])
+def test_the_greedy_walk_reads_no_logits_softmax_statistics_or_parameters(chain):
+    """The walk's greedy rule reads the argmax statistics, the drafts and the offsets only: the statistics' sum,
+    which stands in for every other input, is an empty tensor here, and any access to it (masked lanes
+    included) fails the launch."""
+    from triton_bounds import check_bounds
+
+    from specdec.kernels.target_stats import row_stats_triton
+    from specdec.kernels.top_k_top_p import vocab_block
+    from specdec.kernels.tree_walk import greedy_walk_triton
+
+    if chain:
+        logits, tokens, offsets, ks = greedy_chains()
+        parents, reference = tokens, verify_chain_greedy_reference(logits, tokens, offsets, max_draft_len=max(ks))
+    else:
+        logits, tokens, parents, offsets = greedy_trees()
+        reference = verify_tree_greedy_reference(logits, tokens, parents, offsets, max_depth=3)
+    vocab, block = logits.shape[1], vocab_block(logits.shape[1])
+    width, batch = reference.output_tokens.shape[1], offsets.numel() - 1
+    stats = row_stats_triton(logits, None, None, block, argmax_only=True)._replace(sum=torch.empty(0))
+    out = (torch.full((batch, width), -7, dtype=torch.int32), torch.full((batch,), -7, dtype=torch.int32),
+           torch.full((batch, width), -7, dtype=torch.int32), torch.ones(batch, dtype=torch.bool))  # fmt: skip
+    with check_bounds():
+        greedy_walk_triton(tokens, parents, offsets, stats, out, chain=chain, vocab=vocab, block=block,
+                           n_tiles=stats.max.shape[1], width=width)  # fmt: skip
+    assert torch.equal(out[0], reference.output_tokens) and torch.equal(out[1], reference.num_accepted)
+    assert torch.equal(out[3], reference.invalid)
+    if not chain:
+        assert torch.equal(out[2], reference.accepted_path)
 
 
 def test_a_sampled_request_is_refused_not_answered_greedily():

@@ -36,7 +36,11 @@ and a child c is accepted with probability p(c) (the mass of the children, as wi
 sequential test-and-renormalise rule).
 
 Greedy (temperature <= 0): follow the first child equal to argmax p; at a node without
-such a child emit argmax p. No softmax, no random number.
+such a child emit argmax p. No softmax, no random number. Under the other rules a greedy request
+takes this path at run time; the walk's greedy rule (``RULE="greedy"``, ``greedy_walk_triton``: a
+batch greedy throughout, ``verify_greedy``) compiles only it: the deterministic rule's walk with the
+argmax as the target's token, reading no logits, softmax statistics, temperature, seed or offset,
+and drawing nothing.
 
 Uniforms and edge cases. A node at depth d decides the token at position ``offset + d`` of its
 request: the test of the k-th child tried there uses ``counter_uniform(seed, offset + d,
@@ -48,9 +52,9 @@ is. A child token outside [0, V) is rejected and never used as an index; q(x) = 
 row that cannot be sampled is flagged invalid and walks nowhere.
 
 The walk reads scalars (a row only to sum S, or to draw); greedy requests' tokens are argmaxes
-from the tile statistics, every other draw is ``final_sample.final_draw_tl`` in the same program
-(the stochastic rule's final draw in the mode ``FINAL_*`` the walk derives; the deterministic
-rule's draw at every node it reaches).
+from the tile statistics (the greedy rule reads only their max, arg and bad), every other draw is
+``final_sample.final_draw_tl`` in the same program (the stochastic rule's final draw in the mode
+``FINAL_*`` the walk derives; the deterministic rule's draw at every node it reaches).
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ from specdec.kernels.target_stats import (
     target_tile_tl,
 )
 from specdec.kernels.top_k_top_p import inverse_temperature_tl
-from specdec.kernels.tuning import TuningSpace, launch
+from specdec.kernels.tuning import TuningSpace, candidates, launch
 from specdec.kernels.uniforms import ROLE_TARGET, ROLE_TEST, counter_uniform_tl
 
 _ROLE_TARGET, _ROLE_TEST = tl.constexpr(ROLE_TARGET), tl.constexpr(ROLE_TEST)
@@ -125,19 +129,19 @@ def _greedy_test(tok, valid, argmax):
 
 @jit(do_not_specialize=["W"])  # W = 1 (sample's one-token rows) as a constant breaks Triton 3.6's compiler
 def _tree_walk_kernel(
-    logits_ptr,  # [R, V] target logits, one row per node (unit column stride)
+    logits_ptr,  # [R, V] target logits, one row per node (unit column stride); unread by the greedy rule
     tokens_ptr,  # [R] int32 node tokens (roots' ignored); CHAIN: [T] draft tokens
     parents_ptr,  # [R] int32 local parents, -1 at each root; unread with CHAIN (parent of j is j - 1)
     offsets_ptr,  # [B+1] int32 node offsets; CHAIN: draft offsets (see request_nodes_tl)
     q_ptr,  # stochastic: draft rows, row of node i's children = i (CHAIN: draft index); else unread
-    thr_ptr,  # [R] fp32 filter thresholds
-    max_ptr,  # [R, n_tiles] tile statistics (target_stats)
+    thr_ptr,  # [R] fp32 filter thresholds; unread by the greedy rule
+    max_ptr,  # [R, n_tiles] tile statistics (target_stats; the greedy rule reads no sum)
     sum_ptr,
     arg_ptr,
     bad_ptr,
-    temp_ptr,  # [B] fp32
-    seed_ptr,  # [B] int64
-    offset_ptr,  # [B] int64
+    temp_ptr,  # [B] fp32; seed, offset: [B] int64 (unread by the greedy rule)
+    seed_ptr,
+    offset_ptr,
     out_tok_ptr,  # [B, W] int32 out: accepted tokens, then the final one; -1 padded
     out_path_ptr,  # [B, W] int32 out: local nodes root(0), accepted..., -1 padded
     num_acc_ptr,  # [B] int32 out
@@ -149,24 +153,26 @@ def _tree_walk_kernel(
     stride_q,
     stride_tok,
     stride_path,
-    RULE: tl.constexpr,  # "stochastic" or "deterministic"
+    RULE: tl.constexpr,  # "stochastic", "deterministic" or "greedy" (every request greedy)
     CHAIN: tl.constexpr,
     BLOCK: tl.constexpr,
     T_PAD: tl.constexpr,
     W_PAD: tl.constexpr,
     EPS: tl.constexpr,
-    TILES: tl.constexpr,  # vocabulary tiles the final draw sums a step
+    TILES: tl.constexpr,  # vocabulary tiles the final draw sums a step (unread by the greedy rule: no draw)
 ):
     b = tl.program_id(0)
     start, n, tok_base = request_nodes_tl(offsets_ptr, b, CHAIN)
-    t = tl.load(temp_ptr + b)
-    greedy = t <= 0
-    inv_t = tl.where(greedy, 1.0, inverse_temperature_tl(t))
-    zero = inv_t * 0.0  # an fp32 zero for the loop-carried scalars
-    seed = tl.load(seed_ptr + b)
-    off = tl.load(offset_ptr + b)
+    if RULE != "greedy":  # (the greedy rule reads no temperature, seed or offset)
+        t = tl.load(temp_ptr + b)
+        greedy = t <= 0
+        inv_t = tl.where(greedy, 1.0, inverse_temperature_tl(t))
+        zero = inv_t * 0.0  # an fp32 zero for the loop-carried scalars
+        seed = tl.load(seed_ptr + b)
+        off = tl.load(offset_ptr + b)
     invalid = any_row_bad_tl(max_ptr, arg_ptr, bad_ptr, start, n, n_tiles, T_PAD)
-    draws = ~invalid & ~greedy  # greedy requests take argmaxes, invalid ones nothing
+    if RULE != "greedy":
+        draws = ~invalid & ~greedy  # greedy requests take argmaxes, invalid ones nothing
 
     # ---- walk (an invalid request stays at its root)
     lanes = tl.arange(0, W_PAD)
@@ -175,16 +181,17 @@ def _tree_walk_kernel(
     depth = n * 0
     cur = n * 0
     m, am, _bad = row_argmax_tl(max_ptr, arg_ptr, bad_ptr, start, n_tiles, T_PAD)
-    z = row_normaliser_tl(max_ptr, sum_ptr, start, m, n_tiles, T_PAD)
-    drawn = am.to(tl.int32)  # deterministic: the target's token at the current node (greedy: the argmax)
-    if RULE == "deterministic":
-        if draws:
-            drawn = _target_draw(logits_ptr, thr_ptr, start, stride_l, seed, off, inv_t, m, z, V, n_tiles, RULE,
-                                 BLOCK, T_PAD, EPS, TILES)  # fmt: skip
-    c_res = zero  # stochastic: p_j = max(0, p - C q) / S
-    s_res = zero + 1.0
-    pending = n < 0  # S not yet summed for the current C (needed only if another sibling is tried)
-    tried = n * 0  # stochastic: children of the current node tried so far (their tests' role)
+    drawn = am.to(tl.int32)  # the target's token at the current node (deterministic: its draw; greedy: the argmax)
+    if RULE != "greedy":
+        z = row_normaliser_tl(max_ptr, sum_ptr, start, m, n_tiles, T_PAD)
+        if RULE == "deterministic":
+            if draws:
+                drawn = _target_draw(logits_ptr, thr_ptr, start, stride_l, seed, off, inv_t, m, z, V, n_tiles, RULE,
+                                     BLOCK, T_PAD, EPS, TILES)  # fmt: skip
+        c_res = zero  # stochastic: p_j = max(0, p - C q) / S
+        s_res = zero + 1.0
+        pending = n < 0  # S not yet summed for the current C (needed only if another sibling is tried)
+        tried = n * 0  # stochastic: children of the current node tried so far (their tests' role)
     for j in range(1, tl.where(invalid, 1, n)):
         if CHAIN:
             par = j - 1
@@ -215,25 +222,28 @@ def _tree_walk_kernel(
                 depth += 1
                 path = tl.where(lanes == depth, j, path)
                 cur = j + n * 0
-                c_res = zero
-                s_res = zero + 1.0
-                pending = n < 0
-                tried = n * 0
                 m, am, _bad = row_argmax_tl(max_ptr, arg_ptr, bad_ptr, start + j, n_tiles, T_PAD)
-                z = row_normaliser_tl(max_ptr, sum_ptr, start + j, m, n_tiles, T_PAD)
-                if RULE == "deterministic":
+                if RULE != "stochastic":
                     drawn = am.to(tl.int32)
-                    if draws:
-                        drawn = _target_draw(logits_ptr, thr_ptr, start + j, stride_l, seed, off + depth, inv_t, m,
-                                             z, V, n_tiles, RULE, BLOCK, T_PAD, EPS, TILES)  # fmt: skip
-            elif not greedy:
-                tried += 1
-                if RULE == "stochastic":
-                    c_res = c_res + s_res  # p_next = max(0, p - C q) / S; S is summed when needed
-                    pending = n >= 0
+                if RULE != "greedy":
+                    c_res = zero
+                    s_res = zero + 1.0
+                    pending = n < 0
+                    tried = n * 0
+                    z = row_normaliser_tl(max_ptr, sum_ptr, start + j, m, n_tiles, T_PAD)
+                    if RULE == "deterministic":
+                        if draws:
+                            drawn = _target_draw(logits_ptr, thr_ptr, start + j, stride_l, seed, off + depth, inv_t,
+                                                 m, z, V, n_tiles, RULE, BLOCK, T_PAD, EPS, TILES)  # fmt: skip
+            elif RULE != "greedy":
+                if not greedy:
+                    tried += 1
+                    if RULE == "stochastic":
+                        c_res = c_res + s_res  # p_next = max(0, p - C q) / S; S is summed when needed
+                        pending = n >= 0
 
     # ---- the last token: the draw where the walk stopped (deterministic: made already; greedy: the argmax)
-    if RULE == "deterministic":
+    if RULE != "stochastic":
         if ~invalid:
             toks = tl.where(lanes == depth, drawn, toks)
     else:
@@ -265,6 +275,9 @@ TREE_WALK_SPACE = TuningSpace(
      dict(TILES=1, num_warps=2, maxnreg=160)),
     key=("V", "RULE", "CHAIN"),
 )  # fmt: skip
+# The greedy rule reads a few tile statistics per node and draws nothing (TILES unread): warps only, the first
+# the default.
+GREEDY_WALK_SPACE = TuningSpace(candidates(TILES=(1,), num_warps=(4, 2, 8)), key=("n_tiles", "CHAIN"))
 
 
 def tree_walk_triton(logits, tokens, parents, offsets, q, thr, stats, params, out, *, rule: str, chain: bool,
@@ -281,6 +294,19 @@ def tree_walk_triton(logits, tokens, parents, offsets, q, thr, stats, params, ou
     )  # fmt: skip
     launch(_tree_walk_kernel, (offsets.shape[0] - 1,), args, walk_meta(rule, chain, block, n_tiles, width),
            TREE_WALK_SPACE.configs[0], TREE_WALK_SPACE)  # fmt: skip
+
+
+def greedy_walk_triton(tokens, parents, offsets, stats, out, *, chain: bool, vocab: int, block: int, n_tiles: int,
+                       width: int) -> None:  # fmt: skip
+    """Launch the walk under its greedy rule (every request greedy), one program per request: writes ``out``
+    as ``tree_walk_triton`` does from argmax-only ``stats``. Their unwritten ``sum`` stands in for every
+    tensor the rule never reads (logits, draft rows, thresholds, parameters). Triton launcher, no checks."""
+    out_tok, num_acc, out_path, invalid = out
+    unread = stats.sum
+    args = (unread, tokens, parents, offsets, unread, unread, *stats, unread, unread, unread, out_tok, out_path,
+            num_acc, invalid, vocab, n_tiles, width, 0, 0, out_tok.stride(0), out_path.stride(0))  # fmt: skip
+    launch(_tree_walk_kernel, (offsets.shape[0] - 1,), args, walk_meta("greedy", chain, block, n_tiles, width),
+           GREEDY_WALK_SPACE.configs[0], GREEDY_WALK_SPACE)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)

@@ -4,8 +4,8 @@ knows (on the host) to be greedy throughout -- every temperature <= 0.
 Greedy verification needs only each row's argmax: follow the child equal to argmax p, then emit
 argmax p (``tree_walk``). So this path reads the logits once for their argmax and invalid flags
 -- no temperature, filter, exponentials, uniforms or tile sampling -- and walks: two launches
-(``target_stats`` in argmax-only mode, then ``_greedy_walk_kernel``) instead of the general
-pipeline's three. Results equal ``verify_chain`` / ``verify_tree`` at temperature 0 exactly,
+(``target_stats`` in argmax-only mode, then ``tree_walk`` under its greedy rule) instead of the
+general pipeline's three. Results equal ``verify_chain`` / ``verify_tree`` at temperature 0 exactly,
 invalid rows included (tested).
 
 Misuse is refused, never answered wrongly: a request with temperature above 0 (or NaN) raises a
@@ -22,12 +22,11 @@ import torch
 from specdec import _backend
 from specdec.kernels._checks import check_offsets
 from specdec.kernels._op import register_op
-from specdec.kernels._triton import cdiv, jit, next_power_of_2, tl
+from specdec.kernels._triton import cdiv
 from specdec.kernels.sampling_params import SamplingParams
-from specdec.kernels.target_stats import TileStats, any_row_bad_tl, row_argmax_tl, row_stats_triton
+from specdec.kernels.target_stats import TileStats, row_stats_triton
 from specdec.kernels.top_k_top_p import bad_rows, vocab_block
-from specdec.kernels.tree_walk import request_nodes_tl
-from specdec.kernels.tuning import TuningSpace, candidates, launch
+from specdec.kernels.tree_walk import greedy_walk_triton
 from specdec.kernels.verification import Layout, result_buffers, scratch
 from specdec.kernels.verify_chain import ChainVerifyResult, check_chain
 from specdec.kernels.verify_tree import TreeVerifyResult, check_tree
@@ -35,63 +34,9 @@ from specdec.kernels.verify_tree import TreeVerifyResult, check_tree
 # ----------------------------------------------------------------------------- Triton
 
 
-@jit(do_not_specialize=["W"])  # as the tree walk: W = 1 as a constant breaks Triton 3.6's compiler
-def _greedy_walk_kernel(
-    tokens_ptr,  # [R] int32 node tokens; CHAIN: [T] draft tokens
-    parents_ptr,  # [R] int32 local parents; unread with CHAIN
-    offsets_ptr,  # [B+1] int32 node offsets; CHAIN: draft offsets (see tree_walk.request_nodes_tl)
-    max_ptr,  # [R, n_tiles] argmax-only tile statistics (target_stats)
-    arg_ptr,
-    bad_ptr,
-    out_tok_ptr,  # [B, W] int32 out
-    num_acc_ptr,  # [B] int32 out
-    out_path_ptr,  # [B, W] int32 out
-    invalid_ptr,  # [B] bool out
-    n_tiles,
-    W,
-    stride_tok,
-    stride_path,
-    CHAIN: tl.constexpr,
-    T_PAD: tl.constexpr,
-    W_PAD: tl.constexpr,
-):
-    b = tl.program_id(0)
-    start, n, tok_base = request_nodes_tl(offsets_ptr, b, CHAIN)
-    invalid = any_row_bad_tl(max_ptr, arg_ptr, bad_ptr, start, n, n_tiles, T_PAD)
-    lanes = tl.arange(0, W_PAD)
-    toks = tl.full([W_PAD], -1, tl.int32)
-    path = tl.where(lanes == 0, 0, toks)
-    depth = n * 0
-    cur = n * 0
-    _m, argmax, _bad = row_argmax_tl(max_ptr, arg_ptr, bad_ptr, start, n_tiles, T_PAD)
-    for j in range(1, tl.where(invalid, 1, n)):
-        if CHAIN:
-            par = j - 1
-        else:
-            par = tl.load(parents_ptr + start + j)
-        if (par == cur) & (depth < W - 1):
-            tok = tl.load(tokens_ptr + tok_base + j)
-            if tok == argmax:  # (a valid row's argmax lies in [0, V), so ids outside never match)
-                toks = tl.where(lanes == depth, tok, toks)
-                depth += 1
-                path = tl.where(lanes == depth, j, path)
-                cur = j + n * 0
-                _m, argmax, _bad = row_argmax_tl(max_ptr, arg_ptr, bad_ptr, start + j, n_tiles, T_PAD)
-    if not invalid:
-        toks = tl.where(lanes == depth, argmax, toks)
-    at = tl.minimum(lanes, W - 1)  # clamped: lanes past the width stay inside the row
-    tl.store(out_tok_ptr + b.to(tl.int64) * stride_tok + at, toks, mask=lanes < W)
-    tl.store(out_path_ptr + b.to(tl.int64) * stride_path + at, path, mask=lanes < W)
-    tl.store(num_acc_ptr + b, depth)
-    tl.store(invalid_ptr + b, invalid)
-
-
-GREEDY_WALK_SPACE = TuningSpace(candidates(num_warps=(2, 4, 8)), key=("n_tiles", "CHAIN"))
-
-
 def _greedy_triton(logits, tokens, parents, offsets, out, chain: bool) -> None:
-    """Argmax statistics, then the walk; ``out`` in ``TreeVerifyResult`` order (a None path goes to scratch).
-    Triton launcher, no checks."""
+    """Argmax statistics, then the walk under its greedy rule; ``out`` in ``TreeVerifyResult`` order (a None
+    path goes to scratch). Triton launcher, no checks."""
     batch = offsets.numel() - 1
     if batch == 0:
         return
@@ -104,15 +49,14 @@ def _greedy_triton(logits, tokens, parents, offsets, out, chain: bool) -> None:
     if out[2] is None:  # a chain's path is 0..num_accepted: the walk writes it to scratch
         out = (out[0], out[1], path, out[3])
     stats = row_stats_triton(logits, None, None, block, argmax_only=True, out=TileStats(*tiles))
-    args = (tokens, parents, offsets, stats.max, stats.arg, stats.bad, *out, n_tiles, width, out[0].stride(0),
-            out[2].stride(0))  # fmt: skip
-    meta = dict(CHAIN=chain, T_PAD=next_power_of_2(n_tiles), W_PAD=next_power_of_2(width))
-    launch(_greedy_walk_kernel, (batch,), args, meta, dict(num_warps=4), GREEDY_WALK_SPACE)
+    greedy_walk_triton(tokens, parents, offsets, stats, out, chain=chain, vocab=vocab, block=block, n_tiles=n_tiles,
+                       width=width)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)
 def _greedy_layout(rows: int, batch: int, n_tiles: int, width: int) -> tuple:
-    """Scratch of the greedy path: tile max, sum (unwritten), arg, bad ``[R, T]``; a path ``[B, W]``."""
+    """Scratch of the greedy path: tile max, sum (unwritten: the walk's stand-in), arg, bad ``[R, T]``; a path
+    ``[B, W]``."""
     tiles = (rows, n_tiles)
     return Layout(((tiles, torch.float32), (tiles, torch.float32), (tiles, torch.int32), (tiles, torch.int32),
                    ((batch, width), torch.int32)))  # fmt: skip
@@ -159,15 +103,10 @@ def _has_cpp_greedy() -> bool:
     return all(_backend.extension_has_op(op) for op in ("verify_chain_greedy_cpu", "verify_tree_greedy_cpu"))
 
 
-def _register_cpp_fakes() -> None:
-    """The C++ bodies only write their output buffers: their fake implementations return nothing, which is
-    what torch.compile and ``torch.library.opcheck`` need to trace them."""
-    for name in ("verify_chain_greedy_cpu", "verify_tree_greedy_cpu"):
-        torch.library.register_fake(f"specdec::{name}")(lambda *args: None)
-
-
+# The C++ bodies only write their outputs: fakes that return nothing let torch.compile and opcheck trace them.
 if _has_cpp_greedy():
-    _register_cpp_fakes()
+    for _name in ("verify_chain_greedy_cpu", "verify_tree_greedy_cpu"):
+        torch.library.register_fake(f"specdec::{_name}")(lambda *args: None)
 
 
 def _use_cpp(logits: torch.Tensor) -> bool:
@@ -218,12 +157,12 @@ def _tree_greedy_torch(logits, tokens, parents, offsets, output_tokens, num_acce
     parent = torch.where(root, node, start + parents.long())
     matches = ~root & (tokens.long() == argmax[parent])
     first = torch.full_like(node, n).scatter_reduce_(0, parent, torch.where(matches, node, n), "amin")
-    good = matches & (first[parent] == node) & ~_any_per_request(bad, req, batch)[req]
+    wrong = _any_per_request(bad, req, batch)
+    good = matches & (first[parent] == node) & ~wrong[req]
     on_path, depth = root, torch.zeros_like(node)
     for _ in range(width - 1):
         on_path = root | (good & on_path[parent])
         depth = torch.where(root, 0, depth[parent] + 1)
-    wrong = _any_per_request(bad, req, batch)
     spare = batch * width  # one slot past the results takes every node off the path
     slot = torch.where(on_path, req * width + depth, spare)
     token_slot = torch.where(wrong[req], spare, slot)
