@@ -197,9 +197,9 @@ def kv_compact_torch(data, seq_lens, accepted_path, block_tables, tickets) -> No
 def compact_rows(data, seq_lens, accepted_path, block_tables) -> None:
     """The hot path's PyTorch compaction: no value read back, for paths the caller admitted.
 
-    Every path entry moves (gather all, then scatter all); entries past the accepted ones copy the
-    request's first new position onto itself, which no accepted move touches (its root stays at
-    ``seq_lens[b]``). Paths must be valid and inside the capacity -- e.g. from a verification op over
+    Every path entry moves (gather all, then scatter all); entries past the accepted ones repeat the
+    batch's first accepted move (identical writes; with none, a self-copy of request 0's root
+    position). Paths must be valid and inside the capacity -- e.g. from a verification op over
     trees whose K/V this step wrote -- which is what lets this skip the selection ``kv_compact`` makes.
     """
     node = accepted_path.long()
@@ -210,6 +210,10 @@ def compact_rows(data, seq_lens, accepted_path, block_tables) -> None:
     src = torch.where(accepted, start + node, home)
     dst = torch.where(accepted, start + j, home)
     b = torch.arange(node.shape[0], device=node.device)[:, None].expand_as(node)
+    # Unused entries then repeat the batch's first accepted move: a slot holding no blocks (paused, finished) still
+    # names its old ones, which another request may own now, and its self-copy could undo that request's move.
+    first = accepted.flatten().int().argmax().view(1)  # (a device index: nothing is read back)
+    src, dst, b = (torch.where(accepted, t, t.flatten().index_select(0, first)) for t in (src, dst, b))
     src_at, dst_at = slots(data, block_tables, b, src), slots(data, block_tables, b, dst)
     data[:, :, dst_at[0], dst_at[1]] = data[:, :, src_at[0], src_at[1]]
     seq_lens += accepted.sum(1, dtype=torch.int32)
