@@ -12,13 +12,14 @@ import copy
 
 import pytest
 import torch
-from helpers import noisy_copy, random_heads, random_model, tiny_config
+from helpers import noisy_copy, random_eagle_head, random_heads, random_model, tiny_config
 from sync_counter import SyncCounter, events_per_step, run_under_sync_debug_error
 
 from specdec import use_backend
 from specdec.decoding import (
     AdaptiveSpeculation,
     DraftModelStrategy,
+    EagleStrategy,
     MedusaStrategy,
     NgramStrategy,
     NoDraft,
@@ -101,6 +102,61 @@ def test_adaptive_choices_add_no_sync(pair, strategy):
     assert 0 in chosen and max(chosen) > 0, chosen
 
 
+# (step at which it joins, prompt, max_new_tokens): more requests than the engine's 3 slots, joining while others run
+ARRIVALS = [(0, [3, 9, 4, 3, 9, 4, 3], 12), (0, [7, 1], 5), (1, [5, 5, 2, 8], 9), (2, [1, 2, 3, 4, 5], 7),
+            (2, [6, 1, 6, 1], 1), (4, [2, 4, 2, 4], 10), (7, [9] * 6, 6)]  # fmt: skip
+
+
+def events_per_engine_step(engine, **sampling) -> tuple[list[list[tuple[str, str]]], int]:
+    """The would-be synchronisations of each ``Engine.step`` while ``ARRIVALS`` join, and how many steps admitted
+    requests while others ran."""
+    per_step, joined_running = [], 0
+    for step in range(100):
+        for at, prompt, limit in ARRIVALS:
+            if at == step:
+                engine.add_request(prompt, max_new_tokens=limit, eos_token_id=None, **sampling)
+        if step > ARRIVALS[-1][0] and not engine.has_unfinished():
+            return per_step, joined_running
+        waiting, running = engine.num_waiting, bool(engine._run.running)
+        with SyncCounter() as counter:
+            engine.step()
+        joined_running += running and engine.num_waiting < waiting
+        per_step.append(counter.events)
+    raise AssertionError("the requests did not end")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged", "bounded"])
+@pytest.mark.parametrize("strategy", [*STRATEGIES, "eagle"])
+def test_engine_steps_with_requests_joining_sync_once(pair, strategy, layout):
+    """Continuous batching: steps that prefill joining requests beside the running ones' trees (and, in a bounded
+    pool, pause and resume) make one would-be synchronisation each, the read-back of both."""
+    target, draft = pair
+    made = random_eagle_strategy(target) if strategy == "eagle" else STRATEGIES[strategy](draft)
+    pool = dict(cache_layout="paged", block_size=4) if layout != "contiguous" else {}
+    if layout == "bounded":
+        pool["num_blocks"] = 9
+    engine = SpeculativeDecoder(target, made, **pool).engine(max_batch=3, max_len=32)
+    with use_backend("torch"):
+        per_step, joined_running = events_per_engine_step(engine)
+    assert joined_running >= 2, "requests should have joined steps with others running"
+    assert_one_read_back_per_step(per_step, min_steps=8)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("strategy", ["chain", "tree-stochastic", "medusa"])
+def test_sampled_engine_steps_with_requests_joining_sync_once_on_the_triton_path(pair, strategy):
+    target, draft = pair
+    engine = SpeculativeDecoder(target, STRATEGIES[strategy](draft)).engine(max_batch=3, max_len=32)
+    with use_backend("triton"):
+        per_step, joined_running = events_per_engine_step(engine, temperature=0.8, top_k=5, seed=1)
+    assert joined_running >= 3
+    assert_one_read_back_per_step(per_step, min_steps=8)
+
+
+def random_eagle_strategy(target):
+    return EagleStrategy(random_eagle_head(target, 6), tree_budget=8, depth=3, top_k=2)
+
+
 def test_the_counter_sees_the_reads_a_gpu_would_wait_for():
     x = torch.arange(6.0)
     with SyncCounter() as counter:
@@ -118,3 +174,33 @@ def test_generation_runs_under_sync_debug_mode_error(pair, strategy):
     """On a GPU: any synchronising CUDA call but the read-back raises."""
     target, draft = (copy.deepcopy(m).to("cuda") for m in pair)  # the module's CPU pair stays on the CPU
     run_under_sync_debug_error(SpeculativeDecoder(target, STRATEGIES[strategy](draft)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["autoregressive", "chain", "medusa"])
+def test_engine_steps_with_requests_joining_run_under_sync_debug_mode_error(pair, strategy):
+    """On a GPU: steps with requests joining (their prefill beside the running trees) make no synchronising CUDA
+    call but the read-back."""
+    import warnings
+
+    target, draft = (copy.deepcopy(m).to("cuda") for m in pair)
+    engine = SpeculativeDecoder(target, STRATEGIES[strategy](draft)).engine(max_batch=3, max_len=32)
+    engine.add_request([3, 9, 4, 3, 9], max_new_tokens=12, eos_token_id=None, seed=0)
+    engine.step()  # the first prefill (one-off allocations and uploads)
+    torch.cuda.synchronize()
+    steps = 0
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for step in range(60):
+                for at, prompt, limit in ARRIVALS:
+                    if at == step:
+                        engine.add_request(prompt, max_new_tokens=limit, eos_token_id=None, temperature=0.7, seed=step)
+                if step > ARRIVALS[-1][0] and not engine.has_unfinished():
+                    break
+                engine.step()
+                steps += 1
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert steps >= 8 and not engine.has_unfinished()

@@ -7,6 +7,8 @@ model's chain or token tree), ``MedusaStrategy`` (Medusa heads on the target, a 
 ``EagleStrategy`` (an EAGLE head's static or dynamic tree) or ``NgramStrategy`` (prompt lookup).
 ``StaticTree`` turns top-k index paths into a tree. By default the decoder adapts each request's
 draft depth every step (``AdaptiveSpeculation``, ``specdec.decoding.adaptive``).
+``SpeculativeDecoder.engine`` gives the step API a serving loop drives (``Engine``, ``specdec.decoding.serving``:
+requests join and leave a running batch between steps).
 """
 
 from specdec.decoding.adaptive import AdaptiveSpeculation
@@ -18,6 +20,7 @@ from specdec.decoding.ngram import NgramStrategy, propose_ngram
 from specdec.decoding.proposal import DeviceTrees, Proposal
 from specdec.decoding.requests import FINISH_REASONS
 from specdec.decoding.results import GenerationResult, RequestStats, StepOutput
+from specdec.decoding.serving import Engine
 from specdec.decoding.static_tree import StaticTree
 from specdec.decoding.strategy import (
     BaseStrategy,
@@ -36,6 +39,7 @@ __all__ = [
     "DeviceTrees",
     "DraftModelStrategy",
     "EagleStrategy",
+    "Engine",
     "GenerationResult",
     "MedusaStrategy",
     "NgramStrategy",

@@ -39,8 +39,13 @@ class AcceptanceModel:
         self.requests: dict[int, list[list[float]]] = {}
 
     def start(self) -> None:
-        """A new stream: forget the requests (batch slots are reused), keep the pooled estimate."""
+        """A new engine: forget the requests (batch slots are reused), keep the pooled estimate."""
         self.requests = {}
+
+    def forget(self, slots: Sequence[int]) -> None:
+        """New requests took ``slots``: their estimates start again from the pooled one."""
+        for b in slots:
+            self.requests.pop(b, None)
 
     def pooled_rates(self, depth: int) -> list[float]:
         rates, previous = [], self.prior

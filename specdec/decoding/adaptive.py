@@ -134,10 +134,14 @@ class AdaptiveSpeculation:
         self._rows = []
 
     def start(self) -> None:
-        """A new ``stream`` call (its batch slots are new requests)."""
+        """A new engine (a ``stream`` call makes one): its batch slots hold new requests."""
         self.acceptance.start()
         self._started = None
         self._step = 0
+
+    def forget(self, slots: Sequence[int]) -> None:
+        """New requests joined ``slots`` of a running engine: what was learnt of the slots' earlier requests goes."""
+        self.acceptance.forget(slots)
 
     # ---- per step ---------------------------------------------------------------------------------
 

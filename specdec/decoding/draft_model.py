@@ -137,6 +137,19 @@ class DraftModelStrategy(BaseStrategy):
         self.forward = DraftForward(self.draft, self.cache, fused=self.fused)
         self.lengths = [0] * len(prefill.prompts)  # host copy of the draft cache's committed lengths
 
+    def join(self, prefill: Prefill) -> None:
+        """Requests join empty slots of the draft cache: nothing to feed now (their prompts go in at their first
+        step that drafts, as in ``prefill``)."""
+        for b, prompt in enumerate(prefill.prompts):
+            if prompt:
+                self.lengths[b] = 0
+
+    def leave(self, slots: Sequence[int]) -> None:
+        """Free the slots' draft-cache rows (blocks, for a paged draft cache)."""
+        self.cache.release(list(slots))
+        for b in slots:
+            self.lengths[b] = 0
+
     def prepare(self, step: StepContext) -> None:
         """Before a step that drafts, outside its timing (the contract's optional hook): feed what the draft cache
         missed beyond ``FOLD_MISSING`` per request -- the deferred prompt, or a long run of plain steps -- as one

@@ -137,15 +137,24 @@ class EagleStrategy(BaseStrategy):
             )
 
     def prefill(self, prefill: Prefill) -> None:
-        """Allocate the head cache and feed each prompt's rows 0 .. P-2 (the last one waits for its next token)."""
-        prompts, device = prefill.prompts, self.head.device
+        """Allocate the head cache for every slot, then ``join`` the requests of the non-empty prompts."""
         if self.static is not None:
             tree_rows = sum(len(level) for level in self._levels[1])
         else:
             tree_rows = self.top_k * (self.depth - 1)
-        self.cache = self.head.new_cache(len(prompts), prefill.max_len + tree_rows, **prefill.cache_options)
+        batch = len(prefill.prompts)
+        self.cache = self.head.new_cache(batch, prefill.max_len + tree_rows, **prefill.cache_options)
+        self.lengths, self.pending = [0] * batch, None
+        self.join(prefill)
+
+    def join(self, prefill: Prefill) -> None:
+        """Feed each joining prompt's rows 0 .. P-2 into its (empty) slot of the head cache (the last row waits for
+        its next token); the other slots keep their rows."""
+        prompts, device = prefill.prompts, self.head.device
         counts = [max(len(p) - 1, 0) for p in prompts]
-        self.lengths, self.pending = list(counts), None
+        for b, p in enumerate(prompts):
+            if p:
+                self.lengths[b] = counts[b]
         if sum(counts) == 0:
             return
         starts = itertools.accumulate((len(p) for p in prompts), initial=0)
@@ -193,9 +202,20 @@ class EagleStrategy(BaseStrategy):
                 counts += [old_counts[i] for i in carried]
         self.pending = (slots, features, counts)
         if result.finished:
-            self.cache.release(result.finished)
-            for b in result.finished:
-                self.lengths[b] = 0
+            self.leave(result.finished)
+
+    def leave(self, slots) -> None:
+        """Free the slots' head-cache rows and the features they were owed."""
+        self.cache.release(list(slots))
+        for b in slots:
+            self.lengths[b] = 0
+        if self.pending is not None:
+            gone = set(slots)
+            old_slots, features, counts = self.pending
+            kept = [i for i, b in enumerate(old_slots) if b not in gone]
+            if len(kept) < len(old_slots):
+                rows = to_device(kept, torch.int64, features.device)
+                self.pending = ([old_slots[i] for i in kept], features.index_select(0, rows), [counts[i] for i in kept])
 
     # ---- drafting ------------------------------------------------------------------------------
 

@@ -1,7 +1,9 @@
 """The speculative decoding loop: propose -> one target forward -> verify -> compact -> emit.
 
-``SpeculativeDecoder`` (here) checks the arguments and drives the loop; the state of one ``stream``
-call and its steps are ``specdec.decoding.run.DecodeRun``.
+``SpeculativeDecoder`` (here) checks the arguments; ``SpeculativeDecoder.engine`` gives the step API a serving
+loop drives (``specdec.decoding.serving.Engine``: requests join free batch slots and leave between steps), and
+``generate`` / ``stream`` are loops over such an engine; the state of an engine and its steps are
+``specdec.decoding.run.DecodeRun``.
 
 One loop serves every strategy (``specdec.decoding.strategy``): each proposes one token
 tree per running request; ``NoDraft`` proposes one-node trees, which makes the loop plain
@@ -31,8 +33,10 @@ synchronise on a GPU), and the same code runs on both.
 A bounded paged target cache (``num_blocks``) is shared on demand, each step planned first:
 ``specdec.decoding.schedule`` (trees shrink, requests pause and resume, nothing generated is lost).
 
-The prefill is the same with the whole prompts as causal rows, and each request's last prompt
-token as a one-node tree whose verification samples the first token.
+Requests that join a step first get their prefill: one forward with their whole prompts as causal rows, and
+each last prompt token as a one-node tree whose verification samples the first token; it is read back with
+the step's trees (one read-back still), and the strategy attaches its per-request state to their slots
+(``Strategy.prefill`` for an engine's first requests, its ``join`` hook later; ``leave`` when they end).
 
 Random numbers: verification uses ``(seed, offset = tokens generated so far)``; a
 request's tokens therefore depend on its own seed only, not on the batch -- with fixed sizes
@@ -49,8 +53,9 @@ import torch
 from specdec.decoding.adaptive import AdaptiveSpeculation
 from specdec.decoding.requests import DEFAULT_EOS, Requests, encode_prompts, make_requests
 from specdec.decoding.results import GenerationResult, RequestStats, StepOutput
-from specdec.decoding.run import CacheSpec, DecodeRun
+from specdec.decoding.run import CacheSpec
 from specdec.decoding.schedule import check_pool
+from specdec.decoding.serving import Engine
 from specdec.decoding.strategy import NoDraft, Strategy, StrategyHooks
 from specdec.model.cpu_linear import pack_ahead
 from specdec.validation import InsufficientMemoryError, as_int
@@ -140,6 +145,14 @@ class SpeculativeDecoder:
                 raise ValueError(f"num_blocks bounds a paged cache; pass cache_layout='paged' (got {cache_layout!r})")
         self.cache_spec = CacheSpec(cache_layout, block_size, num_blocks)
         self.stats: list[RequestStats] = []
+        self._engine: Engine | None = None  # the engine that owns the strategy's state now
+
+    def engine(self, *, max_batch: int, max_len: int) -> Engine:
+        """A step-level engine (``Engine``: ``add_request``, ``step``, ``abort``, ``has_unfinished``) of ``max_batch``
+        slots whose caches hold ``max_len`` tokens each; the target's cache is allocated now (refused with
+        ``InsufficientMemoryError`` naming max_len and max_batch when it would not fit), a drafter's at the first
+        step. It takes this decoder's strategy over from any earlier engine or stream."""
+        return Engine(self, max_batch=max_batch, max_len=max_len)
 
     def generate(self, prompts, *, tokenizer=None, **sampling) -> GenerationResult:
         """Run to completion; prompts are token-id sequences, or strings with ``tokenizer``."""
@@ -203,24 +216,23 @@ class SpeculativeDecoder:
             prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
             eos_token_id=eos_token_id, allow_beyond_max_positions=allow_beyond_max_positions,
         )  # fmt: skip
-        self.stats = [RequestStats(len(p)) for p in req.prompts]
-        running = [b for b in range(req.batch_size) if req.max_new_tokens[b] > 0]
-        done = {b: "length" for b in range(req.batch_size) if req.max_new_tokens[b] == 0}
-        for b in done:
-            self.stats[b].finish_reason = "length"
-        if not running:
-            yield StepOutput((), (), done)
+        if not any(req.max_new_tokens):  # nothing to run: no caches
+            self.stats = [RequestStats(len(p), finish_reason="length") for p in req.prompts]
+            yield StepOutput((), (), dict.fromkeys(range(req.batch_size), "length"))
             return
+        # The last step starts with prompt + max_new - 2 tokens cached and writes one tree after them.
+        widest = self.strategy.max_nodes
+        max_len = max(len(p) + max(m - 2, 0) + widest for p, m in zip(req.prompts, req.max_new_tokens))
+        longest, batch = max(req.max_new_tokens), req.batch_size
+        drivers = f"max_new_tokens ({longest}; caches hold prompt + max_new_tokens) or the batch ({batch})"
+        if self.cache_spec.num_blocks is not None:
+            drivers += f", or num_blocks ({self.cache_spec.num_blocks})"
         try:
-            run = DecodeRun(self.target, self.strategy, self.hooks, req, running, cache_spec=self.cache_spec,
-                            stats=self.stats, adaptive=self.adaptive)  # fmt: skip
-            first = run.prefill()
+            engine = self.engine(max_batch=batch, max_len=max_len)
+            self.stats = [engine.enqueue(req.one(b), b) for b in range(batch)]  # request b runs in slot b
+            first = engine.step()  # every request's prefill (and a drafter's caches)
         except InsufficientMemoryError as exc:
-            longest, batch = max(req.max_new_tokens), req.batch_size
-            drivers = f"max_new_tokens ({longest}; caches hold prompt + max_new_tokens) or the batch ({batch})"
-            if self.cache_spec.num_blocks is not None:
-                drivers += f", or num_blocks ({self.cache_spec.num_blocks})"
             raise exc.blame(drivers) from None
-        yield StepOutput(first.requests, first.tokens, {**done, **first.finished})  # 0-token requests end here
-        while run.running or (run.pool is not None and run.pool.paused):
-            yield run.step()
+        yield first
+        while engine.has_unfinished():
+            yield engine.step()

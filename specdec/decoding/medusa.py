@@ -141,6 +141,9 @@ class MedusaStrategy(BaseStrategy):
         batch, device = len(prefill.prompts), prefill.hidden.device
         self.candidates = torch.zeros(batch, self.max_depth, self.k, dtype=torch.int64, device=device)
 
+    def join(self, prefill: Prefill) -> None:
+        """Nothing to set up: the joining requests' ``commit`` (after their first token) writes their slots' rows."""
+
     def commit(self, result: StepResult) -> None:
         """Run the heads on the hidden state of each running request's last accepted node; keep their top-k."""
         finished = set(result.finished)

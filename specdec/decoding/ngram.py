@@ -84,7 +84,7 @@ class NgramStrategy(BaseStrategy):
     """Prompt-lookup drafting for the engine: a chain of ``num_draft`` tokens per request.
 
     Deterministic drafts (q is one-hot), verified with the deterministic rule. No model,
-    no cache: ``attach``, ``prefill`` and ``commit`` have nothing to do.
+    no cache: ``attach``, ``prefill``, ``join`` and ``commit`` have nothing to do.
     """
 
     def __init__(self, num_draft: int = 5, max_ngram: int = 3, min_ngram: int = 1):
@@ -110,6 +110,9 @@ class NgramStrategy(BaseStrategy):
         pass
 
     def prefill(self, prefill: Prefill) -> None:
+        pass
+
+    def join(self, prefill: Prefill) -> None:
         pass
 
     def commit(self, result: StepResult) -> None:

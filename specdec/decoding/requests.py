@@ -30,7 +30,21 @@ FINISH_REASONS = {
     "length": "it generated max_new_tokens tokens",
     "invalid": "the target's logits held no valid token (NaN or all -inf; check the weights and inputs)",
     "cache": "the paged KV cache's pool (num_blocks) could not hold it even with every other request paused",
+    "abort": "the caller aborted it (``Engine.abort``); the tokens streamed before stay valid",
 }
+
+
+@dataclass(frozen=True)
+class Request:
+    """One validated request (``Requests.one``): what an engine slot runs."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    eos: frozenset[int]
 
 
 @dataclass(frozen=True)
@@ -48,6 +62,11 @@ class Requests:
     @property
     def batch_size(self) -> int:
         return len(self.prompts)
+
+    def one(self, b: int) -> Request:
+        """Request ``b`` on its own."""
+        return Request(self.prompts[b], self.max_new_tokens[b], self.temperature[b], self.top_k[b], self.top_p[b],
+                       self.seed[b], self.eos)  # fmt: skip
 
     def sampling_params(self, device: torch.device) -> SamplingParams:
         """The requests' sampling parameters as the kernels take them: ``[B]`` tensors on ``device``, offset 0."""

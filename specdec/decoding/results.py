@@ -52,10 +52,12 @@ class RequestStats:
 class StepOutput:
     """Tokens emitted in one step: request ``requests[i]`` produced ``tokens[i]`` (a tuple).
 
+    Requests are named by their ids (``Engine.add_request``'s; ``stream``'s are the prompts' indices).
     ``finished`` maps each request that ended this step to why: 'eos' (its EOS token is the
     last of its tokens), 'length' (reached max_new_tokens), 'invalid' (its target logits had
-    no valid token: NaN / all -inf; nothing emitted for it this step) or 'cache' (a bounded
-    paged KV cache could not hold it even alone; nothing emitted for it this step).
+    no valid token: NaN / all -inf; nothing emitted for it this step), 'cache' (a bounded
+    paged KV cache could not hold it even alone; nothing emitted for it this step) or 'abort'
+    (``Engine.abort`` ended it since the last step).
     """
 
     requests: tuple[int, ...]

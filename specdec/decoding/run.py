@@ -1,6 +1,6 @@
-"""One ``SpeculativeDecoder.stream`` call's state and its steps (the loop itself is described in
-``specdec.decoding.engine``): the caches, the texts, who is still running; the prefill, then per step
-propose -> one target forward -> verify -> commit -> the one read-back -> emit.
+"""One engine's state and its steps (the loop itself is described in ``specdec.decoding.engine``): the caches, the
+batch slots and the texts of the requests in them; per step, the joining requests' prefill forward, then for the
+running ones propose -> one target forward -> verify -> commit, then the step's one read-back -> emit.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from specdec._transfer import offsets_to_device, read_back, to_device
 from specdec.decoding.adaptive import AdaptiveSpeculation
 from specdec.decoding.proposal import Proposal, check_proposal, device_tree_metadata, tree_metadata_on
-from specdec.decoding.requests import Requests
+from specdec.decoding.requests import Request
 from specdec.decoding.results import RequestStats, StepOutput
 from specdec.decoding.schedule import SharedPool
 from specdec.decoding.strategy import Prefill, StepContext, StepResult, Strategy, StrategyHooks
@@ -26,8 +26,8 @@ from specdec.model.attention_metadata import AttentionMetadata, causal_positions
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """The target KV cache a ``stream`` call allocates: its layout ("contiguous" or "paged"), page size, and for a
-    paged cache the pool in blocks (None: the worst case)."""
+    """The target KV cache an engine allocates: its layout ("contiguous" or "paged"), page size, and for a paged
+    cache the pool in blocks (None: the worst case)."""
 
     layout: str = "contiguous"
     block_size: int = 16
@@ -42,65 +42,182 @@ class CacheSpec:
 class CommitMode(enum.Enum):
     """How a verified step's accepted nodes become the prefix in the target's cache."""
 
-    PREFILL = "prefill"  # nothing to do: the prefill's ``advance`` already committed its prompts
     CHAINS = "chains"  # every tree a chain (a host fact): the accepted rows are in place, the lengths advance
     TREES = "trees"  # the accepted nodes' K/V move next to the prefix
 
 
-class DecodeRun:
-    """State of one ``stream`` call: the caches, the texts, who is still running.
+@dataclass(frozen=True)
+class Verified:
+    """One verified batch of trees in a step, read back with the step's other one (the joining requests' first
+    tokens, and the running requests' trees). Per-tree lists follow ``slots``.
 
-    ``stats``: one ``RequestStats`` per request, updated as the run goes; ``adaptive``: the controller choosing
-    draft depths, or None.
+    slots          the slots whose trees were verified
+    result         verification's output, ``[R, ...]`` device tensors
+    counts, depths each tree's nodes (root included) and depth (a bound for trees shaped on the device)
+    hidden         [N, H] device: the target's final-norm hidden states of the verified nodes
+    node_offsets   [R+1] int32 device: tree r's rows of ``hidden``
     """
 
-    def __init__(self, target, strategy: Strategy, hooks: StrategyHooks, req: Requests, running: list[int], *,
-                 cache_spec: CacheSpec, stats: list[RequestStats], adaptive: AdaptiveSpeculation | None):  # fmt: skip
-        self.req, self.running = req, running
-        self.target, self.strategy, self.hooks, self.stats = target, strategy, hooks, stats
-        self.cache_spec = cache_spec
+    slots: list[int]
+    result: TreeVerifyResult
+    counts: list[int]
+    depths: list[int]
+    hidden: torch.Tensor
+    node_offsets: torch.Tensor
+
+    def packed(self) -> torch.Tensor:
+        """``[R * (W + 2)]`` int32: per tree its emitted tokens (``W`` columns, -1 padded), accepted count and
+        invalid flag, flattened so one read-back carries every part of the step."""
+        r = self.result
+        return torch.cat((r.output_tokens, r.num_accepted[:, None], r.invalid[:, None].int()), dim=1).flatten()
+
+    @property
+    def width(self) -> int:
+        """Read-back values per tree: its emitted-token columns, accepted count and invalid flag."""
+        return self.result.output_tokens.shape[1] + 2
+
+    def rows(self, flat: list[int], start: int) -> list[list[int]]:
+        """This part's per-tree rows of the step's read-back ``flat``, where they begin at ``start``."""
+        width = self.width
+        return [flat[start + i * width : start + (i + 1) * width] for i in range(len(self.slots))]
+
+
+class DecodeRun:
+    """The state of one engine: ``batch_size`` slots of up to ``max_len`` cached tokens each, and its steps.
+
+    It speaks slots (0 .. batch_size - 1); ``specdec.decoding.engine.Engine`` maps request ids to them and decides
+    who joins. A slot holds a running request, a paused one (bounded paged pool) or nothing. ``stats[b]``: the
+    ``RequestStats`` of slot b's request, updated as the run goes; ``adaptive``: the controller choosing draft
+    depths, or None.
+    """
+
+    def __init__(self, target, strategy: Strategy, hooks: StrategyHooks, *, batch_size: int, max_len: int,
+                 cache_spec: CacheSpec, adaptive: AdaptiveSpeculation | None):  # fmt: skip
+        self.target, self.strategy, self.hooks = target, strategy, hooks
+        self.batch_size, self.max_len, self.cache_spec = batch_size, max_len, cache_spec
         self.device = self.target.device
-        # The last step starts with prompt + max_new - 2 tokens cached and writes one tree after them.
-        widest = self.strategy.max_nodes
-        self.max_len = max(len(p) + max(m - 2, 0) + widest for p, m in zip(req.prompts, req.max_new_tokens))
         pool = {} if cache_spec.num_blocks is None else {"num_blocks": cache_spec.num_blocks}
-        self.cache = self.target.new_cache(req.batch_size, self.max_len, **cache_spec.options, **pool)
+        self.cache = self.target.new_cache(batch_size, max_len, **cache_spec.options, **pool)
         self.pool = None if self.cache.pages is None else SharedPool(self.target, self.cache, self.strategy.max_nodes)
+        self.slots: list[Request | None] = [None] * batch_size
+        self.stats: list[RequestStats | None] = [None] * batch_size
+        self.texts: list[list[int]] = [[] for _ in range(batch_size)]  # prompt + generated, per slot
+        self.generated = [0] * batch_size
+        self.running: list[int] = []  # slots that run the next step, ascending
         self.budgets: list[int] = []  # nodes each running request's next tree may have (``_schedule``)
-        self.params = req.sampling_params(self.device)  # [B]; each step selects the running rows
+        self.started = False  # the strategy's ``prefill`` ran: its per-slot state exists
+        self._params: SamplingParams | None = None  # [B] per slot; sent again when requests join
         self._rows: tuple[list[int], torch.Tensor, SamplingParams] | None = None  # see _running
-        self.texts = [list(p) for p in req.prompts]
-        self.generated = [0] * req.batch_size
         self.adaptive = adaptive
         self._contexts: list[int] = []  # the adaptive controller's: cached tokens per running request this step
         if self.adaptive is not None:
             self.adaptive.start()
 
-    def prefill(self) -> StepOutput:
-        """One ragged causal forward over the prompts; verify each last prompt token as a one-node tree."""
-        req, running = self.req, self.running
-        active = set(running)
-        prompts = [p if b in active else [] for b, p in enumerate(req.prompts)]
+    # ---- who may join ---------------------------------------------------------------------------
+
+    def occupied(self) -> bool:
+        """Some slot holds a request (running or paused)."""
+        return any(s is not None for s in self.slots)
+
+    def free_slots(self) -> list[int]:
+        return [b for b, s in enumerate(self.slots) if s is None]
+
+    def admits(self, prompts: list[list[int]]) -> bool:
+        """The target's cache can take these prompts now, beside the running requests' next roots: always, but
+        for a bounded paged pool (whose paused requests resume first)."""
+        if self.cache_spec.num_blocks is None:
+            return True
+        pages = self.cache.pages
+        if self.pool.paused:
+            return False
+        roots = sum(pages.short(b, len(self.texts[b])) for b in self.running)  # blocks the running roots need
+        wanted = sum(pages.needed(len(p) + 1) for p in prompts)
+        return roots + wanted <= pages.num_free
+
+    # ---- a step --------------------------------------------------------------------------------------
+
+    def step(self, joining: list[tuple[int, Request, RequestStats]] = ()) -> StepOutput:
+        """One step: the joining requests' (slot, request, stats) prefill and first token, the running requests'
+        trees; one read-back for both. Returns slots in ``StepOutput`` (the engine maps them to request ids)."""
+        joined = self._join(joining) if joining else None
+        ended = self._schedule()
+        decoded = self._decode() if self.running else None
+        parts = [part for part in (decoded, joined) if part is not None]
+        if not parts:  # every request left ended with 'cache'
+            self._leave(list(ended))
+            return StepOutput((), (), ended)
+        packed = [part.packed() for part in parts]
+        flat = read_back(packed[0] if len(packed) == 1 else torch.cat(packed))  # HOST SYNC: the step's one read-back
+        rows, start = [], 0
+        for part in parts:
+            rows.append(part.rows(flat, start))
+            start += part.width * len(part.slots)
+        output = self._emit(parts, rows, ended)
+        lengths = [len(t) - 1 if t else 0 for t in self.texts]
+        for part, part_rows in zip(parts, rows):
+            self.strategy.commit(
+                StepResult(
+                    running=part.slots,
+                    lengths=lengths,
+                    finished=list(output.finished),
+                    accepted=[row[-2] for row in part_rows],
+                    accepted_path=part.result.accepted_path,
+                    hidden=part.hidden,
+                    node_offsets=part.node_offsets,
+                )
+            )
+        self._leave(list(output.finished))
+        if decoded is not None and self.adaptive is not None:
+            accepted = [None if row[-1] else row[-2] for row in rows[0]]
+            self.adaptive.observe(decoded.slots, decoded.counts, decoded.depths, accepted, self._contexts)
+        return output
+
+    def abort(self, slot: int) -> None:
+        """End slot ``slot``'s request between steps: its blocks and the strategy's state for it are freed."""
+        self.running = [b for b in self.running if b != slot]
+        if self.pool is not None and slot in self.pool.paused:
+            self.pool.paused.remove(slot)
+        self.cache.release([slot])
+        self._leave([slot])
+
+    def _join(self, joining: list[tuple[int, Request, RequestStats]]) -> Verified:
+        """One ragged causal forward over the joining requests' prompts; verify each last prompt token as a one-node
+        tree (which samples the first token). The strategy sets their state up from the prompts' features."""
+        for b, request, stats in joining:
+            self.slots[b], self.stats[b] = request, stats
+            self.texts[b], self.generated[b] = list(request.prompt), 0
+        self._params = None  # the new slots' sampling parameters go up with the next selection
+        slots = [b for b, _, _ in joining]
+        joined = set(slots)
+        prompts = [self.texts[b] if b in joined else [] for b in range(self.batch_size)]
         counts = [len(p) for p in prompts]
         tokens = to_device([t for p in prompts for t in p], torch.int64, self.device)
         q_offsets = offsets_to_device(counts, self.device)
         self.cache.reserve(counts)
         positions = causal_positions(q_offsets, self.cache.seq_lens, tokens.numel())
         ends = list(itertools.accumulate(counts))
-        last_rows = to_device([ends[b] - 1 for b in running], torch.int64, self.device)
+        last_rows = to_device([ends[b] - 1 for b in slots], torch.int64, self.device)
         logits, hidden = self.target(tokens, positions, AttentionMetadata(q_offsets), self.cache, logits_rows=last_rows)
         self.cache.advance(counts)
-        self.strategy.prefill(Prefill(prompts, self.max_len, self.cache_spec.options, hidden, q_offsets))
-        roots = Proposal(tokens.index_select(0, last_rows), [[-1]] * len(running), rule="deterministic")
-        last_hidden = hidden.index_select(0, last_rows)
-        node_offsets = offsets_to_device([1] * len(running), self.device)
-        params = self._running_params()
-        return self._verify_and_emit(logits, last_hidden, roots, node_offsets, params, commit=CommitMode.PREFILL)
+        prefill = Prefill(prompts, self.max_len, self.cache_spec.options, hidden, q_offsets)
+        if self.started and self.hooks.join is not None:
+            self.hooks.join(prefill)
+        else:  # the first requests (or, for a strategy served whole batches, a new batch): state for every slot
+            self.strategy.prefill(prefill)
+            self.started = True
+        if self.adaptive is not None:
+            self.adaptive.forget(slots)
+        roots = Proposal(tokens.index_select(0, last_rows), [[-1]] * len(slots), rule="deterministic")
+        node_offsets = offsets_to_device([1] * len(slots), self.device)
+        rows = to_device(slots, torch.int64, self.device)
+        params = self._slot_params().select(rows)  # offset 0: nothing generated yet
+        greedy = all(self.slots[b].temperature <= 0 for b in slots)
+        result = verify(logits, roots, node_offsets, params, greedy=greedy)
+        return Verified(slots, result, [1] * len(slots), [0] * len(slots), hidden.index_select(0, last_rows),
+                        node_offsets)  # fmt: skip
 
-    def step(self) -> StepOutput:
-        ended = self._schedule()
-        if not self.running:  # every request left ended with 'cache'
-            return StepOutput((), (), ended)
+    def _decode(self) -> Verified:
+        """The running requests' trees: propose, one target forward over every node, verify, commit in the cache."""
         context = self._context()
         self.hooks.prepare(context)  # work owed from earlier steps: not this step's cost
         if self.adaptive is not None:
@@ -114,7 +231,7 @@ class DecodeRun:
         num_nodes = sum(counts)
         # Chains (plain decoding, draft chains, n-gram) need no mask: causal attention is the same thing.
         chains = proposal.on_host and all(tree == list(range(-1, len(tree) - 1)) for tree in proposal.parents)
-        all_running = len(self.running) == self.req.batch_size  # then the trees' offsets are the forward's
+        all_running = len(self.running) == self.batch_size  # then the trees' offsets are the forward's
         node_offsets = q_offsets if all_running else offsets_to_device(proposal.counts, self.device)
         if chains:
             positions = causal_positions(q_offsets, self.cache.seq_lens, num_nodes, per_request=_uniform(counts))
@@ -127,8 +244,10 @@ class DecodeRun:
             positions = tree_positions(q_offsets, self.cache.seq_lens, depth)
             metadata = AttentionMetadata(q_offsets, mask)
         logits, hidden = self.target(proposal.tokens, positions, metadata, self.cache)
-        commit = CommitMode.CHAINS if chains else CommitMode.TREES
-        return self._verify_and_emit(logits, hidden, proposal, node_offsets, context.params, commit=commit, ended=ended)
+        greedy = all(self.slots[b].temperature <= 0 for b in self.running)
+        result = verify(logits, proposal, node_offsets, context.params, greedy=greedy, chains=chains)
+        self._commit_accepted(result, CommitMode.CHAINS if chains else CommitMode.TREES)
+        return Verified(list(self.running), result, proposal.counts, proposal.depths, hidden, node_offsets)
 
     def _schedule(self) -> dict[int, str]:
         """Fit the step in the target's cache (pausing, resuming, tree budgets); the requests ended 'cache'."""
@@ -141,97 +260,73 @@ class DecodeRun:
 
     # ---- verification and bookkeeping --------------------------------------------------------------
 
-    def _verify_and_emit(self, logits, hidden, proposal: Proposal, node_offsets, params, *, commit, ended=None):
-        """Verify the running requests' trees, commit the accepted K/V, read back, emit, tell the strategy.
-
-        ``commit``: how the accepted nodes become the prefix (``CommitMode``). ``ended``: requests that
-        finished before the step ran (out of cache), reported with this step's finished ones.
-        """
-        greedy = all(self.req.temperature[b] <= 0 for b in self.running)
-        chains = commit is CommitMode.CHAINS
-        result = verify(logits, proposal, node_offsets, params, greedy=greedy, chains=chains)
-        if commit is not CommitMode.PREFILL:
-            self._commit_accepted(result, chains=chains)
-        packed = torch.cat((result.output_tokens, result.num_accepted[:, None], result.invalid[:, None].int()), dim=1)
-        rows = read_back(packed)  # HOST SYNC: the step's one read-back, to stream and decide termination
-        running = self.running
-        output = self._emit(rows, proposal.counts, proposal.depths, ended or {})
-        self.strategy.commit(
-            StepResult(
-                running=running,
-                lengths=[len(t) - 1 for t in self.texts],
-                finished=list(output.finished),
-                accepted=[row[-2] for row in rows],
-                accepted_path=result.accepted_path,
-                hidden=hidden,
-                node_offsets=node_offsets,
-            )
-        )
-        if commit is not CommitMode.PREFILL and self.adaptive is not None:
-            accepted = [None if row[-1] else row[-2] for row in rows]
-            self.adaptive.observe(running, proposal.counts, proposal.depths, accepted, self._contexts)
-        return output
-
-    def _commit_accepted(self, result: TreeVerifyResult, *, chains: bool) -> None:
-        """Commit each running request's accepted nodes in the target's cache (finished slots stay as they are)."""
-        every = len(self.running) == self.req.batch_size
-        if chains:  # the accepted nodes are the first num_accepted + 1 rows already: advance
+    def _commit_accepted(self, result: TreeVerifyResult, commit: CommitMode) -> None:
+        """Commit each running request's accepted nodes in the target's cache (other slots stay as they are)."""
+        every = len(self.running) == self.batch_size
+        if commit is CommitMode.CHAINS:  # the accepted nodes are the first num_accepted + 1 rows already: advance
             counts = result.num_accepted + 1
             if not every:
-                counts = torch.zeros(self.req.batch_size, dtype=torch.int32, device=self.device).index_copy_(
+                counts = torch.zeros(self.batch_size, dtype=torch.int32, device=self.device).index_copy_(
                     0, self._running()[0], counts
                 )
             self.cache.advance(counts)
             return
         path = result.accepted_path
         if not every:
-            path = torch.full((self.req.batch_size, path.shape[1]), -1, dtype=torch.int32, device=self.device)
+            path = torch.full((self.batch_size, path.shape[1]), -1, dtype=torch.int32, device=self.device)
             path.index_copy_(0, self._running()[0], result.accepted_path)
         self.cache.compact(path, check=False)
 
-    def _emit(
-        self, rows: list[list[int]], counts: list[int], tree_depths: list[int], ended: dict[int, str]
-    ) -> StepOutput:
-        """Append each running request's tokens, update its stats, retire finished requests.
+    def _emit(self, parts: list[Verified], rows: list[list[list[int]]], ended: dict[int, str]) -> StepOutput:
+        """Append each verified request's tokens, update its stats, retire finished requests.
 
-        ``counts``, ``tree_depths``: each tree's nodes and depth (a bound for trees shaped on the device,
-        whose deepest drafted level then counts as drafted in ``drafted_at``); ``ended``: requests the
-        step's schedule already ended ('cache')."""
+        ``rows``: per part, per tree, the read-back row; ``ended``: requests the step's schedule already ended
+        ('cache'). Trees shaped on the device count their depth bound as drafted in ``drafted_at``."""
         requests, tokens, finished = [], [], dict(ended)
-        for b, row, nodes, depth in zip(self.running, rows, counts, tree_depths):
-            accepted, bad = row[-2], bool(row[-1])
-            stats = self.stats[b]
-            stats.target_forwards += 1
-            if bad:
-                finished[b] = "invalid"
-                continue
-            stats.count_tree(nodes - 1, depth, accepted)
-            out = []
-            for t in row[: accepted + 1]:
-                out.append(t)
-                self.texts[b].append(t)
-                self.generated[b] += 1
-                if t in self.req.eos:
-                    finished[b] = "eos"
-                    break
-                if self.generated[b] >= self.req.max_new_tokens[b]:
-                    finished[b] = "length"
-                    break
-            stats.generated = self.generated[b]
-            requests.append(b)
-            tokens.append(tuple(out))
+        for part, part_rows in zip(parts, rows):
+            for b, row, nodes, depth in zip(part.slots, part_rows, part.counts, part.depths):
+                accepted, bad = row[-2], bool(row[-1])
+                stats, limit, eos = self.stats[b], self.slots[b].max_new_tokens, self.slots[b].eos
+                stats.target_forwards += 1
+                if bad:
+                    finished[b] = "invalid"
+                    continue
+                stats.count_tree(nodes - 1, depth, accepted)
+                out = []
+                for t in row[: accepted + 1]:
+                    out.append(t)
+                    self.texts[b].append(t)
+                    self.generated[b] += 1
+                    if t in eos:
+                        finished[b] = "eos"
+                        break
+                    if self.generated[b] >= limit:
+                        finished[b] = "length"
+                        break
+                stats.generated = self.generated[b]
+                requests.append(b)
+                tokens.append(tuple(out))
         for b, why in finished.items():
             self.stats[b].finish_reason = why
-        self.running = [b for b in self.running if b not in finished]
+        self.running = sorted(b for part in parts for b in part.slots if b not in finished)
         if finished:
             self.cache.release(list(finished))
         # The host knows every committed length exactly: bounds tighten, pages free, no device read.
-        self.cache.known_lengths([len(t) - 1 if b in self.running else 0 for b, t in enumerate(self.texts)])
+        running = set(self.running)
+        self.cache.known_lengths([len(t) - 1 if b in running else 0 for b, t in enumerate(self.texts)])
         return StepOutput(tuple(requests), tuple(tokens), finished)
+
+    def _leave(self, slots: list[int]) -> None:
+        """The requests in ``slots`` ended: the strategy frees their state, the slots become free."""
+        if not slots:
+            return
+        self.hooks.leave(slots)
+        for b in slots:
+            self.slots[b], self.stats[b], self.texts[b], self.generated[b] = None, None, [], 0
 
     def _context(self) -> StepContext:
         running, strategy = self.running, self.strategy
-        left = [self.req.max_new_tokens[b] - self.generated[b] - 1 for b in running]  # tokens a tree may draft
+        left = [self.slots[b].max_new_tokens - self.generated[b] - 1 for b in running]  # tokens a tree may draft
         if self.adaptive is None:
             max_depth, max_nodes = left, [strategy.max_nodes] * len(running)
             chosen = [max(0, min(d, strategy.max_depth)) for d in left]
@@ -243,23 +338,40 @@ class DecodeRun:
             self.stats[b].chosen_depths.append(d)
         return StepContext(
             running=running,
-            batch_size=self.req.batch_size,
+            batch_size=self.batch_size,
             roots=[self.texts[b][-1] for b in running],
             previous=[self.texts[b][-2] for b in running],
             histories=[self.texts[b] for b in running],
             max_depth=max_depth,
             max_nodes=[min(n, budget) for n, budget in zip(max_nodes, self.budgets)],  # within the pool
             params=self._running_params(),
-            greedy=all(self.req.temperature[b] <= 0 for b in running),
+            greedy=all(self.slots[b].temperature <= 0 for b in running),
             device=self.device,
         )
 
+    def _slot_params(self) -> SamplingParams:
+        """Every slot's sampling parameters, ``[B]`` device tensors (free slots: greedy), offset 0; sent again
+        after requests joined."""
+        if self._params is None:
+            idle = Request([], 0, 0.0, 0, 1.0, 0, frozenset())
+            requests = [idle if s is None else s for s in self.slots]
+            self._params = SamplingParams(
+                to_device([r.temperature for r in requests], torch.float32, self.device),
+                to_device([r.top_k for r in requests], torch.int32, self.device),
+                to_device([r.top_p for r in requests], torch.float32, self.device),
+                to_device([r.seed for r in requests], torch.int64, self.device),
+                to_device([0] * self.batch_size, torch.int64, self.device),
+            )
+            self._rows = None
+        return self._params
+
     def _running(self) -> tuple[torch.Tensor, SamplingParams]:
         """int64 ``[R]`` device indices of the running requests and their sampling parameters' rows,
-        sent again only when the running set changes (a request finished)."""
+        sent again only when the running set changes (a request finished or joined)."""
+        params = self._slot_params()
         if self._rows is None or self._rows[0] != self.running:
             rows = to_device(self.running, torch.int64, self.device)
-            self._rows = (list(self.running), rows, self.params.select(rows))
+            self._rows = (list(self.running), rows, params.select(rows))
         return self._rows[1], self._rows[2]
 
     def _running_params(self) -> SamplingParams:

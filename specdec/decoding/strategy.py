@@ -1,10 +1,14 @@
 """The drafting-strategy contract: what the engine asks of a drafter, and what it hands it.
 
-The engine (``specdec.decoding.engine``) runs one loop for every strategy. Per ``stream`` call:
+The engine (``specdec.decoding.engine``) runs one loop for every strategy. It has a fixed number of
+batch slots; requests join free slots between steps and leave when they finish or are aborted:
 
     attach(target)          once, when the decoder is built: refuse a target the drafter cannot serve
-    prefill(Prefill)        after the target's prefill forward: set up per-request state (caches, features)
-    commit(StepResult)      after the prefill's first token, and after every step: roll back, release
+    prefill(Prefill)        the engine's first requests, after the target's prefill forward over their
+                            prompts: allocate per-slot state for every slot, set up the joining ones
+    join(Prefill)           an optional hook (item 8 below): later requests, into free slots of a running batch
+    commit(StepResult)      after the joining requests' first token, and after every step: roll back, release
+    leave(slots)            an optional hook (item 8): requests ended (finished or aborted): free their state
     prepare(StepContext)    an optional hook (item 7 below): at the start of every step, work owed from earlier steps
     propose(StepContext)    at the start of every step: one token tree per running request
 
@@ -56,6 +60,13 @@ defaults of the hooks it lacks (``StrategyHooks.of``).
    - ``draft_nodes(depth)`` [None: the controller learns the sizes from the proposals it sees]: a
      method giving the nodes (root included) a tree holds when ``depth`` levels are allowed, for
      strategies whose trees are not chains.
+8. Joining and leaving (continuous batching, ``specdec.decoding.Engine``):
+   - ``join(prefill)`` [None]: requests join free slots while others run. ``prefill.prompts[b]`` is
+     the prompt of each joining slot b and ``[]`` for every other slot, whose state must stay as it
+     is (``prefill`` itself may reallocate everything). A strategy without ``join`` is served whole
+     batches: the engine admits new requests only when no request holds a slot, through ``prefill``;
+   - ``leave(slots)`` [nothing]: the requests in ``slots`` ended (finished, after their last ``commit``,
+     or aborted between steps): free their state; a slot is reused by a later ``join``.
 """
 
 from __future__ import annotations
@@ -73,9 +84,10 @@ from specdec.kernels.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class Prefill:
-    """What a strategy gets once per ``stream`` call, right after the target's prefill forward.
+    """What a strategy gets when requests join (``prefill``, ``join``), right after the target's forward over their
+    prompts.
 
-    prompts        list of B token lists; ``[]`` for a request that generates nothing (it never runs)
+    prompts        list of B token lists (one per slot): the joining requests' prompts, ``[]`` for every other slot
     max_len        tokens per request the target's KV cache holds (a drafter's cache needs no more)
     cache_options  the target cache's ``layout=`` / ``block_size=`` (a drafter's cache may match them)
     hidden         [T, H] device: the target's final-norm hidden states of every prompt token
@@ -137,6 +149,7 @@ class StepResult:
     lengths        B host ints: tokens the target has committed per slot (prompt + generated - 1:
                    the last emitted token is the next root, not cached yet)
     finished       slots that ended this step (EOS, length, invalid logits, out of cache): release their state
+                   (here or in ``leave``, which the engine calls right after)
     accepted       host ints: draft nodes accepted per running request (emitted = accepted + 1)
     accepted_path  [R, P] int32 device: local node indices of the accepted path, root first, -1 padded
     hidden         [N, H] device: the target's final-norm hidden states of every node verified
@@ -175,7 +188,7 @@ class Strategy(Protocol):
         """Check that the strategy can serve ``target`` (e.g. the same vocabulary); ValueError if not."""
 
     def prefill(self, prefill: Prefill) -> None:
-        """Start a ``stream`` call: allocate per-request state for ``len(prefill.prompts)`` slots."""
+        """Start a batch: allocate per-slot state for ``len(prefill.prompts)`` slots; set up the non-empty ones."""
 
     def propose(self, step: StepContext) -> Proposal:
         """One tree per running request, within ``step.max_nodes`` and ``step.max_depth``."""
@@ -191,6 +204,9 @@ class BaseStrategy:
     # None: the strategy cannot say a tree's size before proposing it; a subclass may define the method
     # ``draft_nodes(depth) -> int`` instead.
     draft_nodes: Callable[[int], int] | None = None
+    # None: requests cannot join a running batch (the engine admits whole batches); a subclass may define the
+    # method ``join(prefill: Prefill) -> None`` instead (module docstring, item 8).
+    join: Callable[[Prefill], None] | None = None
 
     def prepare(self, step: StepContext) -> None:
         """Work owed from earlier steps, before ``propose`` and outside the step's timing (default: none)."""
@@ -198,6 +214,9 @@ class BaseStrategy:
     def owed_tokens(self, running: Sequence[int], contexts: Sequence[int]) -> int:
         """Tokens ``prepare`` would feed the drafter if this step drafted (default: 0)."""
         return 0
+
+    def leave(self, slots: Sequence[int]) -> None:
+        """The requests in ``slots`` ended: free their state (default: nothing)."""
 
 
 @dataclass(frozen=True)
@@ -211,12 +230,14 @@ class StrategyHooks:
     prepare: Callable[[StepContext], None]
     owed_tokens: Callable[[Sequence[int], Sequence[int]], int]
     draft_nodes: Callable[[int], int] | None
+    join: Callable[[Prefill], None] | None
+    leave: Callable[[Sequence[int]], None]
 
     @classmethod
     def of(cls, strategy: Strategy) -> StrategyHooks:
         defaults = BaseStrategy()
         hooks = {}
-        for name in ("prepare", "owed_tokens", "draft_nodes"):
+        for name in ("prepare", "owed_tokens", "draft_nodes", "join", "leave"):
             own = getattr(strategy, name, None)
             hooks[name] = getattr(defaults, name) if own is None else own
         return cls(**hooks)
@@ -237,6 +258,9 @@ class NoDraft(BaseStrategy):
         pass
 
     def prefill(self, prefill: Prefill) -> None:
+        pass
+
+    def join(self, prefill: Prefill) -> None:
         pass
 
     def propose(self, step: StepContext) -> Proposal:
