@@ -65,7 +65,8 @@ def _write_png(path: Path, img: np.ndarray) -> None:
     path.write_bytes(png)
 
 
-def line_chart(path: Path, title: str, x_labels: list[str], series: dict[str, list[float]], y_label: str) -> None:
+def line_chart(path: Path, title: str, x_labels: list[str], series: dict[str, list[float]], y_label: str,
+               x_label: str = "BATCH SIZE") -> None:  # fmt: skip
     """Write the chart to ``path``: one line per entry of ``series`` (a value per x label)."""
     width, height = 900, 520
     left, right, top, bottom = 70, 250, 50, 60
@@ -105,6 +106,6 @@ def line_chart(path: Path, title: str, x_labels: list[str], series: dict[str, li
         img[ly : ly + 10, plot_right + 15 : plot_right + 35] = color
         _text(img, plot_right + 42, ly, name)
     _text(img, left, 15, title)
-    _text(img, left + (plot_right - left) // 2 - 40, height - 25, "BATCH SIZE")
+    _text(img, left + (plot_right - left) // 2 - 4 * len(x_label), height - 25, x_label)
     _text(img, 8, top - 25, y_label)
     _write_png(path, img)
