@@ -38,10 +38,11 @@ each last prompt token as a one-node tree whose verification samples the first t
 the step's trees (one read-back still), and the strategy attaches its per-request state to their slots
 (``Strategy.prefill`` for an engine's first requests, its ``join`` hook later; ``leave`` when they end).
 
-Random numbers: verification uses ``(seed, offset = tokens generated so far)``; a
-request's tokens therefore depend on its own seed only, not on the batch -- with fixed sizes
-(``adaptive=False``). The adaptive controller's depths depend on measured times, and sampled
-tokens on the depths: still exactly distributed, no longer reproducible token for token.
+Random numbers: the uniform that decides a token is keyed on the request's seed and that token's
+position (``offset`` = tokens generated so far, plus the node's depth), never on the step; drafts
+verified by "sample, then compare" (every strategy's but ``DraftModelStrategy(rule="stochastic")``)
+then emit plain seeded sampling's tokens whatever the depths and the batch, as far as the forward
+gives a position the same logits in any batch (``specdec.kernels.uniforms``, ``tree_walk``).
 """
 
 from __future__ import annotations

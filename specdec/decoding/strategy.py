@@ -37,8 +37,11 @@ defaults of the hooks it lacks (``StrategyHooks.of``).
    were drawn from, i.i.d.), ``rule="deterministic"`` when they were picked without sampling
    (top-k, n-gram, top-1 heads). Either way the emitted tokens are distributed exactly as the
    target's own sampling; greedy requests get the target's greedy tokens.
-3. Random numbers: draw from ``counter_uniform(seed ^ salt, params.offset, counter)`` with a
-   salt of your own, so a request's tokens depend on its own seed only, never on the batch.
+3. Random numbers: key every draw on the position of the token it drafts, never on the step:
+   ``counter_uniform(seed, params.offset + depth - 1, ROLE_TARGET)`` to draw the target's own
+   uniform there (a coupled draft: verify it with ``rule="deterministic"``), or ``seed ^ salt``
+   with a salt of your own for draws independent of verification (``rule="stochastic"``), so a
+   request's tokens depend on its own seed only, never on the batch or the depths.
 4. Features: ``Prefill.hidden`` and ``StepResult.hidden`` are the target's final-norm hidden
    states of the rows it just ran (what Medusa heads and EAGLE read); they stay on the device.
 5. No host synchronisation: build tensors on the host from the host lists the engine gives
