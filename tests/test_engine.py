@@ -15,7 +15,7 @@ from specdec.decoding import (
     check_same_vocabulary,
 )
 from specdec.decoding.autoregressive import generate as autoregressive_generate
-from specdec.decoding.draft_model import FOLD_MISSING
+from specdec.decoding.draft_cache import FOLD_MISSING
 
 pytestmark = pytest.mark.usefixtures("torch_backend")
 

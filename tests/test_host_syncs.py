@@ -23,8 +23,10 @@ from specdec.decoding import (
     MedusaStrategy,
     NgramStrategy,
     NoDraft,
+    ParallelDraftStrategy,
     SpeculativeDecoder,
 )
+from specdec.model import ParallelDraft
 
 STRATEGIES = {
     "autoregressive": lambda draft: NoDraft(),
@@ -32,6 +34,8 @@ STRATEGIES = {
     "tree-deterministic": lambda draft: DraftModelStrategy(draft, (2, 2, 1), rule="deterministic"),
     "tree-stochastic": lambda draft: DraftModelStrategy(draft, (2, 1, 1), rule="stochastic"),
     "ngram": lambda draft: NgramStrategy(num_draft=3, max_ngram=2),
+    "parallel-chain": lambda draft: ParallelDraftStrategy(ParallelDraft(draft, 47, block_size=4, vocab_size=48)),
+    "parallel-tree": lambda draft: ParallelDraftStrategy(ParallelDraft(draft, 47, 4, 48), max_nodes=6),
     # Heads on the draft's weights: random guesses of the right shapes, for the target the draft copies.
     "medusa": lambda draft: MedusaStrategy(random_heads(draft, seed=2), [[0], [1], [0, 0], [1, 0], [0, 0, 0]]),
 }

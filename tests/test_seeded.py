@@ -12,7 +12,8 @@ import pytest
 
 from specdec import use_backend
 from specdec.cli.demo import eagle_row, medusa_row
-from specdec.decoding import DraftModelStrategy, NgramStrategy, NoDraft, SpeculativeDecoder
+from specdec.decoding import DraftModelStrategy, NgramStrategy, NoDraft, ParallelDraftStrategy, SpeculativeDecoder
+from specdec.model import ParallelDraft
 from specdec.testing import heldout_token_ids, load_pair
 
 pytestmark = pytest.mark.usefixtures("torch_backend")
@@ -30,12 +31,15 @@ def pair():
 
 def strategies(target, draft) -> dict:
     """Every strategy whose emitted tokens must equal plain sampling's (fresh instances per call)."""
+    parallel = ParallelDraft(draft, mask_token=5, block_size=6, vocab_size=target.config.vocab_size)  # a stand-in
     return {
         "chain coupled": lambda: DraftModelStrategy(draft, (1,) * 4),
         "chain argmax": lambda: DraftModelStrategy(draft, (1,) * 4, rule="deterministic"),
         "tree coupled": lambda: DraftModelStrategy(draft, (2, 2, 1)),
         "tree top-k": lambda: DraftModelStrategy(draft, (2, 2, 1), rule="deterministic"),
         "n-gram": lambda: NgramStrategy(num_draft=4, max_ngram=3),
+        "parallel chain coupled": lambda: ParallelDraftStrategy(parallel, depth=4),
+        "parallel tree": lambda: ParallelDraftStrategy(parallel, depth=4, max_nodes=12),
         "Medusa": lambda: medusa_row(target)[1],
         "EAGLE-2": lambda: eagle_row(target)[1],
         "EAGLE-1": lambda: eagle_row(target, static_tree="default")[1],

@@ -1,16 +1,6 @@
 """Drafts from a smaller LLaMA-style model: chains (Leviathan; Chen) and token trees (SpecInfer).
 
-The draft keeps its own KV cache. When a step drafts, it holds the committed text
-except the last committed token (length ``L - 1`` where the target holds ``L``) once
-it has caught up; its first forward re-feeds that token together with the new root, so
-each step has the same shape whatever was accepted last time (re-writing a cached
-token's K/V rewrites the same values). After verification the engine calls ``commit``
-and the draft cache is cut back to at most ``L' - 1`` -- its rollback mirrors the target's.
-Tokens the cache missed (a tree's accepted nodes; a step that drafted nothing) are fed
-with the next draft's first forward, ahead of the last committed token and the root; a
-longer gap -- the prompt, fed at the first step that drafts rather than at the prefill,
-or many plain steps -- is fed by ``prepare`` as a forward of its own.
-
+The draft keeps its own KV cache, following the committed text (``specdec.decoding.draft_cache``).
 Chains decode K tokens one forward at a time, each drawn from the draft's own filtered
 distribution ``q`` (one-hot for greedy requests) or, with ``rule="deterministic"``, its argmax.
 On the CPU an argmax chain (every greedy chain) runs as one C++ call and a sampled chain's forwards
@@ -39,24 +29,20 @@ from collections.abc import Sequence
 
 import torch
 
-from specdec._transfer import offsets_to_device, to_device
+from specdec._transfer import to_device
+from specdec.decoding.draft_cache import DraftCacheStrategy
 from specdec.decoding.proposal import Proposal, depths, tree_metadata_on
-from specdec.decoding.strategy import BaseStrategy, Prefill, StepContext, StepResult, check_same_vocabulary
+from specdec.decoding.strategy import StepContext, check_same_vocabulary
 from specdec.kernels.filtered_probs import run_filtered_probs
 from specdec.kernels.sample_probs import run_sample_probs
 from specdec.kernels.sampling_params import SamplingParams
 from specdec.kernels.uniforms import ROLE_TARGET
-from specdec.model.attention_metadata import AttentionMetadata, causal_positions
-from specdec.model.draft_forward_cpu import DraftForward
 
 DRAFT_SEED_SALT = 0x5DEECE66D  # keeps the stochastic rule's draws independent of the verification uniforms
 DRAFT_RULES = ("coupled", "stochastic", "deterministic")
-# Tokens the draft cache missed (a step that drafted nothing, a tree's accepted path) fed in the step's first draft
-# forward, up to this many per request; a longer catch-up is a forward of its own.
-FOLD_MISSING = 4
 
 
-class DraftModelStrategy(BaseStrategy):
+class DraftModelStrategy(DraftCacheStrategy):
     """Proposes a chain (``branching=(1,)*K``) or a tree from a draft model.
 
     Parameters
@@ -94,17 +80,11 @@ class DraftModelStrategy(BaseStrategy):
             raise ValueError(f"max_nodes must be an int >= 2, got {max_nodes!r}")
         if rule not in DRAFT_RULES:
             raise ValueError(f"rule must be one of {DRAFT_RULES}, got {rule!r}")
-        if not isinstance(fused, bool):
-            raise TypeError(f"fused must be a bool, got {fused!r}")
-        self.draft = draft
-        self.fused = fused
+        super().__init__(draft, fused=fused)
         self.is_chain = all(k == 1 for k in branching)
         self.rule = rule
         self.parents = _template(branching, max_nodes)
         self.depth = depths(self.parents)
-        self.cache = None
-        self.forward: DraftForward | None = None  # the draft's forwards over ``cache``, C++ or PyTorch (``prefill``)
-        self.lengths: list[int] = []
 
     @property
     def name(self) -> str:
@@ -130,42 +110,6 @@ class DraftModelStrategy(BaseStrategy):
     def attach(self, target) -> None:
         check_same_vocabulary(target, self.draft)
 
-    def prefill(self, prefill: Prefill) -> None:
-        """Allocate the draft cache, empty: the prompts are fed at the first step that drafts (``prepare``), so a
-        stream the adaptive controller decodes plainly never runs the draft."""
-        self.cache = self.draft.new_cache(len(prefill.prompts), prefill.max_len, **prefill.cache_options)
-        self.forward = DraftForward(self.draft, self.cache, fused=self.fused)
-        self.lengths = [0] * len(prefill.prompts)  # host copy of the draft cache's committed lengths
-
-    def join(self, prefill: Prefill) -> None:
-        """Requests join empty slots of the draft cache: nothing to feed now (their prompts go in at their first
-        step that drafts, as in ``prefill``)."""
-        for b, prompt in enumerate(prefill.prompts):
-            if prompt:
-                self.lengths[b] = 0
-
-    def leave(self, slots: Sequence[int]) -> None:
-        """Free the slots' draft-cache rows (blocks, for a paged draft cache)."""
-        self.cache.release(list(slots))
-        for b in slots:
-            self.lengths[b] = 0
-
-    def prepare(self, step: StepContext) -> None:
-        """Before a step that drafts, outside its timing (the contract's optional hook): feed what the draft cache
-        missed beyond ``FOLD_MISSING`` per request -- the deferred prompt, or a long run of plain steps -- as one
-        forward; shorter gaps ride in the step's first draft forward (``_first_rows``)."""
-        if max(step.max_depth) <= 0 or max(step.max_nodes) <= 1:
-            return
-        if self.owed_tokens(step.running, _contexts(step)):
-            self._catch_up(step)
-
-    def owed_tokens(self, running: Sequence[int], contexts: Sequence[int]) -> int:
-        """Tokens a step that drafts would first feed the draft in ``prepare`` (0 when the gaps ride in its first
-        draft forward), for requests ``running`` whose target caches hold ``contexts`` tokens: the adaptive
-        controller prices that catch-up into the choice to draft (``specdec.decoding.adaptive``)."""
-        missing = self._missing(running, contexts)
-        return sum(missing) if max(missing, default=0) > FOLD_MISSING else 0
-
     def propose(self, step: StepContext) -> Proposal:
         """Trees for ``step.running``: the template's BFS prefix within each request's depth and node limits."""
         parents = [
@@ -188,16 +132,6 @@ class DraftModelStrategy(BaseStrategy):
         keep = to_device(rows, torch.int64, tokens.device)
         flat_probs = None if probs is None else probs.flatten(0, 1).index_select(0, keep)
         return Proposal(tokens.flatten().index_select(0, keep), parents, rule=rule, draft_probs=flat_probs)
-
-    def commit(self, result: StepResult) -> None:
-        """Cut the draft cache back to each request's committed length minus one; free finished slots."""
-        lengths = [max(n - 1, 0) for n in result.lengths]
-        self.cache.truncate(lengths)
-        # A chain's forwards advanced the cache past every accepted token; tree levels (and steps that
-        # drafted nothing) did not advance it: it keeps its length and the next draft catches up.
-        self.lengths = [min(c, n) for c, n in zip(self.lengths, lengths)]
-        if result.finished:
-            self.cache.release(result.finished)
 
     # ---- drafting ------------------------------------------------------------------------------
 
@@ -286,52 +220,6 @@ class DraftModelStrategy(BaseStrategy):
         self.cache.truncate(self.lengths)  # the levels go; verification decides which nodes are text
         return tokens, probs
 
-    def _first_rows(self, step) -> torch.Tensor:
-        """``[R, n]`` int64: each running request's first draft forward (causal): the tokens the draft cache missed
-        since its last advance (the accepted path of a tree, whose levels were cut after drafting, or the token of
-        a step that drafted nothing), then its last committed token and its root. Up to ``FOLD_MISSING`` missed
-        tokens ride in this forward instead of a forward of their own: a request that missed fewer than the most
-        is wound back to feed cached tokens again (their K/V are written again with the same values), so every
-        request feeds the same n rows. Longer catch-ups run first as their own forward. The host lengths then
-        count the cache as holding all but the last two."""
-        histories, missing = step.histories, self._missing(step.running, _contexts(step))
-        most = max(missing)
-        if most > FOLD_MISSING or any(len(h) < most + 2 for h in histories):
-            self._catch_up(step)
-            missing, most = [0] * len(missing), 0
-        n = most + 2
-        if any(m != most for m in missing):  # wind the requests that missed fewer back to the same start
-            lengths = list(self.lengths)
-            for b, h in zip(step.running, histories):
-                lengths[b] = len(h) - n
-            self.cache.truncate(lengths)
-        for b, h in zip(step.running, histories):
-            self.lengths[b] = len(h) - 2
-        tokens = to_device([t for h in histories for t in h[-n:]], torch.int64, self.draft.device)
-        return tokens.view(len(histories), n)
-
-    def _missing(self, running: Sequence[int], contexts: Sequence[int]) -> list[int]:
-        """Per running request, the committed tokens the draft cache lacks before the last two (the target's cache
-        holds ``contexts`` tokens: all but the last committed one)."""
-        return [c - 1 - self.lengths[b] for b, c in zip(running, contexts)]
-
-    def _catch_up(self, step) -> None:
-        """Feed the tokens committed since the draft cache's last advance as a forward of their own, so the cache
-        again holds all but the last two."""
-        device = self.draft.device
-        missing = [h[self.lengths[b] : len(h) - 2] for b, h in zip(step.running, step.histories)]
-        if not any(missing):
-            return
-        counts = step.full_counts([len(m) for m in missing])
-        q_offsets = offsets_to_device(counts, device)
-        self.cache.reserve(counts)
-        tokens = to_device([t for m in missing for t in m], torch.int64, device)
-        positions = causal_positions(q_offsets, self.cache.seq_lens, tokens.numel())
-        self.draft(tokens, positions, AttentionMetadata(q_offsets), self.cache, logits_rows=_no_rows(device))
-        self.cache.advance(counts)
-        for b, m in zip(step.running, missing):
-            self.lengths[b] += len(m)
-
     def _expand(self, logits, step, frontier, parents, tokens, probs) -> None:
         """Give every frontier node its children (in template order) from the draft's logits; a node at depth d
         gives its children position ``offset + d``."""
@@ -389,11 +277,6 @@ class DraftModelStrategy(BaseStrategy):
         return q, run_sample_probs(q, params._replace(offset=params.offset + position), counter=0).long()
 
 
-def _contexts(step: StepContext) -> list[int]:
-    """Tokens each running request's target cache holds: all its committed text but the last token."""
-    return [len(h) - 1 for h in step.histories]
-
-
 def _coupled_draw(q: torch.Tensor, params: SamplingParams, position: int) -> torch.Tensor:
     """int64 ``[R]``: from each row of q, the token the target's own uniform at ``offset + position`` picks, by the
     inverse CDF the target's draw uses -- so the draft equals the target's token wherever q and p agree there."""
@@ -423,7 +306,3 @@ def _template(branching: tuple[int, ...], max_nodes: int) -> list[int]:
 def _nodes_within(depth: list[int], limit: int) -> int:
     """Length of the BFS prefix holding the nodes of depth <= limit (at least the root)."""
     return sum(1 for d in depth if d <= max(limit, 0))
-
-
-def _no_rows(device: torch.device) -> torch.Tensor:
-    return torch.zeros(0, dtype=torch.int64, device=device)

@@ -1,4 +1,4 @@
-"""LLaMA-style model, its config, the HuggingFace checkpoint loader, the KV cache and the draft heads."""
+"""LLaMA-style model, its config, the HuggingFace checkpoint loader, the KV cache, the draft heads and the parallel draft."""
 
 from specdec.model.attention_metadata import AttentionMetadata, causal_positions, tree_positions
 from specdec.model.block_allocator import BlockAllocator
@@ -8,6 +8,7 @@ from specdec.model.kv_cache import KVCache
 from specdec.model.llama import LlamaModel
 from specdec.model.medusa import MedusaHeads
 from specdec.model.paged_blocks import PagedBlocks
+from specdec.model.parallel_draft import ParallelDraft
 
 __all__ = [
     "AttentionMetadata",
@@ -18,6 +19,7 @@ __all__ = [
     "MedusaHeads",
     "ModelConfig",
     "PagedBlocks",
+    "ParallelDraft",
     "RopeScaling",
     "causal_positions",
     "tree_positions",

@@ -133,26 +133,29 @@ class DraftForward:
         self.model, self.cache = model, cache
         self.fused = fused and fused_available(model)
         self._slots: torch.Tensor | None = None
-        self._layouts: dict[int, tuple] = {}  # per step: n -> the PyTorch path's (offsets, uniform, last rows)
+        self._layouts: dict[tuple, tuple] = {}  # per step: (n, kept) -> (offsets, uniform, last rows), PyTorch path
 
     def start(self, running: list[int]) -> None:
         """A step of the requests in cache slots ``running`` (one upload, fused only)."""
         self._layouts = {}
         self._slots = to_device(running, torch.int64, self.model.device) if self.fused else None
 
-    def causal(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Logits ``[R, vocab]`` of each request's last row, after a forward of ``tokens [R, n]`` as causal rows
-        written from the cache's ``seq_lens`` on (``counts``: rows per batch slot, n for the running, 0 elsewhere).
-        The PyTorch path sends its layout for n once a step."""
+    def causal(self, tokens: torch.Tensor, counts: list[int], kept: int = 1) -> torch.Tensor:
+        """Logits ``[R * kept, vocab]`` of each request's last ``kept`` rows, after a forward of ``tokens [R, n]`` as
+        causal rows written from the cache's ``seq_lens`` on (``counts``: rows per batch slot, n for the running, 0
+        elsewhere). The PyTorch path sends its layout for (n, kept) once a step."""
         if self.fused:
-            return fused_forward(self.model, self.cache, tokens, self._slots)
+            return fused_forward(self.model, self.cache, tokens, self._slots, kept=kept)
         rows, n = tokens.shape
-        if n not in self._layouts:
+        if not 1 <= kept <= n:
+            raise ValueError(f"kept must be in [1, {n}] (the rows fed per request), got {kept}")
+        if (n, kept) not in self._layouts:
             device = self.model.device
             uniform = n if self.cache.batch_size == rows else None  # every slot running
-            last_rows = torch.arange(n - 1, rows * n, n, device=device)
-            self._layouts[n] = (offsets_to_device(counts, device), uniform, last_rows)
-        q_offsets, uniform, last_rows = self._layouts[n]
+            starts = torch.arange(n - kept, rows * n, n, device=device)
+            last_rows = (starts[:, None] + torch.arange(kept, device=device)).flatten()
+            self._layouts[n, kept] = (offsets_to_device(counts, device), uniform, last_rows)
+        q_offsets, uniform, last_rows = self._layouts[n, kept]
         positions = causal_positions(q_offsets, self.cache.seq_lens, rows * n, per_request=uniform)
         logits, _ = self.model(tokens.flatten(), positions, AttentionMetadata(q_offsets), self.cache,
                                logits_rows=last_rows)  # fmt: skip

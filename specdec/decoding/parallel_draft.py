@@ -1,0 +1,174 @@
+"""Drafts from a parallel draft model (PARD): every draft token of a step from one draft forward.
+
+Each step feeds the draft the committed tokens its cache lacks (``specdec.decoding.draft_cache``)
+followed by ``depth - 1`` mask tokens, and reads one distribution per position ahead: q_1 from the
+root's row, q_{j+1} from mask row j, each conditioned on the committed text only. The mask rows
+are cut from the draft cache right after the forward, so it keeps committed text only. Two shapes:
+
+- a chain: token j is drafted from q_j -- its argmax (``rule="deterministic"``, and every greedy
+  request), a draw with the target's own uniform at that position (``"coupled"``, the default:
+  verified by "sample, then compare", so a seed gives plain sampling's tokens), or an independent
+  draw verified by the optimal rejection rule (``"stochastic"``: row j of ``draft_probs`` is q_{j+1},
+  the distribution node j's child was drawn from, whatever the drafts before it);
+- a tree (``max_nodes``): the best paths by the product of the q_j under a node budget, built on
+  the device (``block_trees.best_first_trees``, DDTree), verified by the deterministic rule: greedy
+  requests get the target's greedy tokens and sampled ones are exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec._transfer import to_device
+from specdec.decoding.block_trees import best_first_trees
+from specdec.decoding.draft_cache import DraftCacheStrategy
+from specdec.decoding.draft_model import DRAFT_SEED_SALT
+from specdec.decoding.eagle_trees import log_probs
+from specdec.decoding.proposal import DeviceTrees, Proposal
+from specdec.decoding.strategy import StepContext
+from specdec.kernels.filtered_probs import run_filtered_probs
+from specdec.kernels.sample_probs import run_sample_probs
+from specdec.kernels.uniforms import ROLE_TARGET
+from specdec.model.parallel_draft import ParallelDraft
+
+CHAIN_RULES = ("coupled", "stochastic", "deterministic")
+
+
+class ParallelDraftStrategy(DraftCacheStrategy):
+    """Proposes a chain, or a best-first tree, from one forward of a parallel draft model per step.
+
+    Parameters
+    ----------
+    draft : a ``ParallelDraft`` for the target (``ParallelDraft.from_pretrained``).
+    depth : positions drafted per step, at most the draft's ``block_size`` (default: all of them).
+    max_nodes : None for a chain of ``depth`` tokens; an int >= 2 for trees of that many nodes, root
+        included (DDTree).
+    rule : for chains, "coupled" (default), "stochastic" or "deterministic" (module docstring); trees are
+        verified by the deterministic rule only.
+    fused : the draft's forward runs in C++ on the CPU where the extension can run it.
+    """
+
+    def __init__(
+        self,
+        draft: ParallelDraft,
+        *,
+        depth: int | None = None,
+        max_nodes: int | None = None,
+        rule: str | None = None,
+        fused: bool = True,
+    ):
+        if not isinstance(draft, ParallelDraft):
+            raise TypeError(f"draft must be a ParallelDraft (see ParallelDraft.from_pretrained), got {type(draft)}")
+        depth = draft.block_size if depth is None else depth
+        if not isinstance(depth, int) or not 1 <= depth <= draft.block_size:
+            raise ValueError(f"depth must be an int in [1, {draft.block_size}] (the draft's block_size), got {depth!r}")
+        if max_nodes is not None and (not isinstance(max_nodes, int) or max_nodes < 2):
+            raise ValueError(f"max_nodes must be None (a chain) or an int >= 2, got {max_nodes!r}")
+        if max_nodes is not None and rule not in (None, "deterministic"):
+            raise ValueError(f"trees from a parallel draft are verified by the deterministic rule; got rule={rule!r}")
+        rule = ("coupled" if max_nodes is None else "deterministic") if rule is None else rule
+        if rule not in CHAIN_RULES:
+            raise ValueError(f"rule must be one of {CHAIN_RULES}, got {rule!r}")
+        super().__init__(draft.model, fused=fused)
+        self.parallel = draft
+        self.depth = depth
+        self.tree_nodes = max_nodes
+        self.rule = rule
+
+    @property
+    def name(self) -> str:
+        if self.tree_nodes is None:
+            return f"parallel draft chain (K={self.depth}{'' if self.rule == 'coupled' else ', ' + self.rule})"
+        return f"parallel draft tree ({self.tree_nodes} nodes, depth {self.depth})"
+
+    @property
+    def max_nodes(self) -> int:
+        return self.depth + 1 if self.tree_nodes is None else self.tree_nodes
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+    def draft_nodes(self, depth: int) -> int:
+        """Nodes (root included) of the tree proposed when ``depth`` levels are allowed (the adaptive controller's
+        optional hook)."""
+        levels = min(max(depth, 0), self.depth)
+        if self.tree_nodes is None:
+            return 1 + levels
+        per_level = min(self.tree_nodes - 1, self.parallel.vocab_size)  # paths kept per depth
+        return 1 + min(self.tree_nodes - 1, per_level * levels)
+
+    def attach(self, target) -> None:
+        if target.config.vocab_size != self.parallel.vocab_size:
+            raise ValueError(
+                f"the parallel draft drafts from a vocabulary of {self.parallel.vocab_size} tokens, the target has "
+                f"{target.config.vocab_size}: load it for this target (ParallelDraft.from_pretrained(path, target))"
+            )
+
+    def propose(self, step: StepContext) -> Proposal:
+        """One chain or tree per running request, within its depth and node limits, from one draft forward."""
+        limits = [min(max(d, 0), self.depth) for d in step.max_depth]
+        nodes = [min(n, self.draft_nodes(d)) for n, d in zip(step.max_nodes, limits)]
+        limits = [min(d, n - 1) for d, n in zip(limits, nodes)]
+        if max(nodes) == 1:  # nothing to draft: plain decoding step
+            return Proposal(to_device(step.roots, torch.int64, step.device), [[-1]] * len(nodes), rule="deterministic")
+        logits = self._block_forward(step, max(limits))
+        if self.tree_nodes is not None:
+            return self._tree(step, logits, limits, nodes)
+        return self._chain(step, logits, nodes)
+
+    # ---- drafting ------------------------------------------------------------------------------
+
+    def _block_forward(self, step: StepContext, k: int) -> torch.Tensor:
+        """``[R, k, V]`` logits of the next k positions: one causal forward of each request's first rows and k - 1
+        mask tokens; the mask rows are cut from the cache after it."""
+        first = self._first_rows(step)  # committed tokens, the root last
+        rows, n = first.shape
+        feed = torch.cat((first, first.new_full((rows, k - 1), self.parallel.mask_token)), dim=1)
+        counts = step.full_counts(n + k - 1)
+        self.forward.start(step.running)
+        self.cache.reserve(counts)
+        logits = self.forward.causal(feed, counts, kept=k)
+        self.cache.advance(to_device(counts, torch.int32, self.draft.device))
+        for b, history in zip(step.running, step.histories):
+            self.lengths[b] = len(history)  # the committed text through the root; the masks go
+        self.cache.truncate(self.lengths)
+        return self.parallel.target_logits(logits.view(rows, k, -1))
+
+    def _chain(self, step: StepContext, logits: torch.Tensor, nodes: list[int]) -> Proposal:
+        rows, k, vocab = logits.shape
+        roots = to_device(step.roots, torch.int64, self.draft.device)
+        probs = None
+        if step.greedy or self.rule == "deterministic":
+            drafts = logits.argmax(-1)  # (a NaN row drafts some token; verification decides)
+        else:
+            params = step.params if self.rule == "coupled" else step.params._replace(
+                seed=step.params.seed ^ DRAFT_SEED_SALT)  # fmt: skip
+            params = params.repeat_rows(k, rows * k)
+            params = params._replace(offset=params.offset + torch.arange(k, device=roots.device).repeat(rows))
+            q = run_filtered_probs(logits.reshape(rows * k, vocab), params).probs
+            counter = ROLE_TARGET if self.rule == "coupled" else 0  # coupled: the target's own uniform there
+            drafts = run_sample_probs(q, params, counter=counter).long().view(rows, k)
+            if self.rule == "stochastic":
+                probs = torch.cat((q.view(rows, k, vocab), q.new_zeros(rows, 1, vocab)), dim=1)  # the last: no child
+        tokens = torch.cat((roots[:, None], drafts), dim=1)
+        rule = "deterministic" if probs is None else "stochastic"
+        parents = [list(range(-1, n - 1)) for n in nodes]
+        tokens, probs = tokens.flatten(), None if probs is None else probs.flatten(0, 1)
+        if any(n != k + 1 for n in nodes):  # cut each chain to its request's limit
+            rows_kept = [r * (k + 1) + i for r, n in enumerate(nodes) for i in range(n)]
+            keep = to_device(rows_kept, torch.int64, roots.device)
+            tokens, probs = tokens.index_select(0, keep), None if probs is None else probs.index_select(0, keep)
+        return Proposal(tokens, parents, rule=rule, draft_probs=probs)
+
+    def _tree(self, step: StepContext, logits: torch.Tensor, limits: list[int], nodes: list[int]) -> Proposal:
+        device, width = self.draft.device, max(nodes)
+        tokens, parents = best_first_trees(
+            log_probs(logits), to_device(step.roots, torch.int64, device), to_device(limits, torch.int64, device),
+            to_device([n - 1 for n in nodes], torch.int64, device), width,
+        )  # fmt: skip
+        if any(n != width for n in nodes):
+            kept = to_device([r * width + i for r, n in enumerate(nodes) for i in range(n)], torch.int64, device)
+            tokens, parents = tokens.flatten().index_select(0, kept), parents.flatten().index_select(0, kept)
+        trees = DeviceTrees(parents.flatten(), list(nodes), limits)
+        return Proposal(tokens.flatten(), trees, rule="deterministic")
