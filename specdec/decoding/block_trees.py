@@ -47,23 +47,16 @@ def best_first_trees(
     """
     rows, levels, vocab = log_probs.shape
     beam = min(width - 1, vocab)
-    device = log_probs.device
     best_score, best_token = log_probs.topk(beam, dim=-1)  # [R, D, beam], best first
-    score, token = best_score[:, 0], best_token[:, 0]
-    scores, tokens = [score], [token]
-    parents = [torch.full((rows, beam), -1, dtype=torch.int64, device=device)]
-    number = torch.arange(beam, device=device).expand(rows, beam)  # drafted numbers of the kept nodes
-    drafted = beam
-    for level in range(1, levels):
-        paths = (score[:, :, None] + best_score[:, level, None, :]).flatten(1)  # [R, beam * beam]
-        score, pick = paths.topk(beam, dim=-1)
-        token = best_token[:, level].gather(1, pick % beam)
+    score = best_score[:, 0]
+    scores, tokens = [score], [best_token[:, 0]]
+    parents = [torch.full((rows, beam), -1, dtype=torch.int64, device=log_probs.device)]
+    for level in range(1, levels):  # level d's kept nodes are numbered d * beam .. d * beam + beam - 1
+        score, pick = (score[:, :, None] + best_score[:, level, None, :]).flatten(1).topk(beam, dim=-1)
         scores.append(score)
-        tokens.append(token)
-        parents.append(number.gather(1, pick // beam))
-        number = drafted + torch.arange(beam, device=device).expand(rows, beam)
-        drafted += beam
-    node_depth = torch.arange(1, levels + 1, device=device).repeat_interleave(beam)
+        tokens.append(best_token[:, level].gather(1, pick % beam))
+        parents.append(pick // beam + (level - 1) * beam)
+    node_depth = torch.arange(1, levels + 1, device=log_probs.device).repeat_interleave(beam)
     return rerank(
         torch.cat(scores, dim=1), torch.cat(tokens, dim=1), torch.cat(parents, dim=1), node_depth, roots, max_depth,
         keep, width,
