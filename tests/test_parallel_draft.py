@@ -18,9 +18,11 @@ from sampling_helpers import assert_sequences_follow, model_joint
 from specdec.decoding import NoDraft, ParallelDraftStrategy, SpeculativeDecoder
 from specdec.decoding.block_trees import best_first_trees
 from specdec.model import ParallelDraft
-from specdec.testing import heldout_token_ids, load_pair, pair_dirs
+from specdec.testing import ASSETS, heldout_token_ids, load_pair, pair_dirs
 
 pytestmark = pytest.mark.usefixtures("torch_backend")
+
+PARALLEL_DIR = ASSETS.parent / "parallel"
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +146,25 @@ def test_a_pickle_checkpoint_is_refused(tmp_path, pair):
         ParallelDraft.from_pretrained(path, pair[0])
 
 
+# ---- the shipped draft -------------------------------------------------------------------------------
+
+
+def test_the_shipped_draft_loads_and_its_trees_accept_more_than_its_chain(pair):
+    target, _, prompts = pair
+    shipped = ParallelDraft.from_pretrained(PARALLEL_DIR, target, target_path=pair_dirs()[0])
+    assert (shipped.mask_token, shipped.block_size, shipped.model.config.vocab_size) == (4096, 8, 4097)
+    expected = SpeculativeDecoder(target, NoDraft()).generate(prompts, max_new_tokens=48, eos_token_id=None).tokens
+    taus = []
+    for strategy in (ParallelDraftStrategy(shipped, depth=5), ParallelDraftStrategy(shipped, max_nodes=16)):
+        result = SpeculativeDecoder(target, strategy, adaptive=False).generate(
+            prompts, max_new_tokens=48, eos_token_id=None
+        )
+        assert result.tokens == expected
+        taus.append(sum(s.generated for s in result.stats) / sum(s.target_forwards for s in result.stats))
+    assert taus[0] > 1.8, f"the trained draft's chain accepts little: tau {taus[0]:.2f}"
+    assert taus[1] > taus[0], f"best-first trees do not beat the chain: tau {taus}"
+
+
 # ---- the strategy ------------------------------------------------------------------------------------
 
 SHAPES = {
@@ -235,6 +256,8 @@ def test_bad_arguments_are_refused_by_name(pair):
         ParallelDraftStrategy(draft, max_nodes=8, rule="stochastic")
     with pytest.raises(ValueError, match="rule must be one of"):
         ParallelDraftStrategy(draft, rule="greedy")
+    with pytest.raises(ValueError, match="confidence_temperature must be a positive number"):
+        ParallelDraftStrategy(draft, max_nodes=8, confidence_temperature=0.0)
     with pytest.raises(ValueError, match="pard_block_size must be an int >= 2"):
         ParallelDraft(draft.model, mask_token=5, block_size=1, vocab_size=4096)
     small = random_model(tiny_config(vocab_size=300), seed=0)

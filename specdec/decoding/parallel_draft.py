@@ -32,6 +32,7 @@ from specdec.kernels.uniforms import ROLE_TARGET
 from specdec.model.parallel_draft import ParallelDraft
 
 CHAIN_RULES = ("coupled", "stochastic", "deterministic")
+CONFIDENCE_TEMPERATURE = 0.6  # the shipped draft's per-position distributions run flat (bench/e2e_parallel.py)
 
 
 class ParallelDraftStrategy(DraftCacheStrategy):
@@ -45,6 +46,9 @@ class ParallelDraftStrategy(DraftCacheStrategy):
         included (DDTree).
     rule : for chains, "coupled" (default), "stochastic" or "deterministic" (module docstring); trees are
         verified by the deterministic rule only.
+    confidence_temperature : trees rank paths by the product of ``softmax(logits / confidence_temperature)``;
+        below 1 it sharpens the per-position distributions, which favours deeper paths over wider ones (it changes
+        which tree is drafted, never what is emitted).
     fused : the draft's forward runs in C++ on the CPU where the extension can run it.
     """
 
@@ -55,6 +59,7 @@ class ParallelDraftStrategy(DraftCacheStrategy):
         depth: int | None = None,
         max_nodes: int | None = None,
         rule: str | None = None,
+        confidence_temperature: float = CONFIDENCE_TEMPERATURE,
         fused: bool = True,
     ):
         if not isinstance(draft, ParallelDraft):
@@ -66,6 +71,8 @@ class ParallelDraftStrategy(DraftCacheStrategy):
             raise ValueError(f"max_nodes must be None (a chain) or an int >= 2, got {max_nodes!r}")
         if max_nodes is not None and rule not in (None, "deterministic"):
             raise ValueError(f"trees from a parallel draft are verified by the deterministic rule; got rule={rule!r}")
+        if not isinstance(confidence_temperature, (int, float)) or not confidence_temperature > 0:
+            raise ValueError(f"confidence_temperature must be a positive number, got {confidence_temperature!r}")
         rule = ("coupled" if max_nodes is None else "deterministic") if rule is None else rule
         if rule not in CHAIN_RULES:
             raise ValueError(f"rule must be one of {CHAIN_RULES}, got {rule!r}")
@@ -74,6 +81,7 @@ class ParallelDraftStrategy(DraftCacheStrategy):
         self.depth = depth
         self.tree_nodes = max_nodes
         self.rule = rule
+        self.confidence_temperature = float(confidence_temperature)
 
     @property
     def name(self) -> str:
@@ -164,8 +172,8 @@ class ParallelDraftStrategy(DraftCacheStrategy):
     def _tree(self, step: StepContext, logits: torch.Tensor, limits: list[int], nodes: list[int]) -> Proposal:
         device, width = self.draft.device, max(nodes)
         tokens, parents = best_first_trees(
-            log_probs(logits), to_device(step.roots, torch.int64, device), to_device(limits, torch.int64, device),
-            to_device([n - 1 for n in nodes], torch.int64, device), width,
+            log_probs(logits, self.confidence_temperature), to_device(step.roots, torch.int64, device),
+            to_device(limits, torch.int64, device), to_device([n - 1 for n in nodes], torch.int64, device), width,
         )  # fmt: skip
         if any(n != width for n in nodes):
             kept = to_device([r * width + i for r, n in enumerate(nodes) for i in range(n)], torch.int64, device)
