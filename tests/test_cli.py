@@ -30,7 +30,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
          "[EAGLE-2 (budget 12, depth 4, top-k 2)]"),
         (["--eagle", str(PAIR.parent / "eagle"), "--static-tree", "--tree-budget", "8"], "[EAGLE-1 (8 nodes)]"),
     ],
-)
+)  # fmt: skip
 def test_generate_streams_and_summarises(strategy, label):
     result = run_cli(
         "generate", "--target", str(PAIR / "target"), *strategy, "-k", "3",
@@ -44,3 +44,36 @@ def test_generate_streams_and_summarises(strategy, label):
 def test_generate_refuses_a_tree_without_a_draft():
     result = run_cli("generate", "--target", str(PAIR / "target"), "--ngram", "2", "--tree", "2,2", "--prompt", "x")
     assert result.returncode == 2 and result.stderr == "error: --tree needs --draft (n-gram drafts are chains)\n"
+
+
+def completion(*flags: str) -> tuple[str, str]:
+    """(the streamed text, the summary line) of a greedy generate on the embedded target."""
+    result = run_cli(
+        "generate", "--target", str(PAIR / "target"), *flags, "--prompt", "def add(a, b):", "--max-new-tokens", "24",
+        "--threads", "1",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    text, summary = result.stdout.rstrip("\n").rsplit("\n", 1)
+    return text, summary
+
+
+@pytest.fixture(scope="module")
+def plain_text() -> str:
+    return completion()[0]
+
+
+@pytest.mark.parametrize(
+    "flags,label",
+    [
+        (["-k", "4"], "[parallel draft chain (K=4)]"),
+        (["-k", "8", "--draft-rule", "stochastic", "--no-adaptive"], "[parallel draft chain (K=8, stochastic)]"),
+        (["--max-nodes", "16"], "[parallel draft tree (16 nodes, depth 8)]"),
+        (["--max-nodes", "16", "--draft-rule", "deterministic", "--no-adaptive"], "[parallel draft tree (16 nodes,"),
+    ],
+)
+def test_generate_with_a_parallel_draft_gives_target_greedy_text(plain_text, flags, label):
+    text, summary = completion("--parallel-draft", str(PAIR.parent / "parallel"), *flags)
+    assert text == plain_text and plain_text.strip()
+    assert summary.startswith(label) and "24 tokens" in summary
+    tau = float(summary.split(" tau ")[1].split(",")[0])
+    assert tau > 1, f"the shipped parallel draft gets no token accepted: {summary}"

@@ -71,7 +71,20 @@ def paths(tmp_path_factory):
         "no_weights": str(root / "empty"),
         "eagle": str(PAIR.parent / "eagle"),
         "eagle_pickle": eagle_pickle(root / "eagle_pickle"),
+        "parallel": str(PAIR.parent / "parallel"),
+        "parallel_other_tokenizer": parallel_other_tokenizer(root / "parallel_other_tokenizer"),
     }
+
+
+def parallel_other_tokenizer(path: Path) -> str:
+    """The shipped parallel draft with a tokenizer.json whose first two tokens swap ids."""
+    shutil.copytree(PAIR.parent / "parallel", path)
+    tokenizer = json.loads((path / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = list(vocab)[:2]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return str(path)
 
 
 def eagle_pickle(path: Path) -> str:
@@ -193,6 +206,32 @@ CASES = {
     "tree with medusa": (
         ["--medusa", "{medusa}", "--tree", "2,2"], 2, r"--tree needs --draft \(a Medusa tree is --medusa-choices\)$",
     ),
+    "parallel draft -k beyond its block": (
+        ["--parallel-draft", "{parallel}", "-k", "9"], 2,
+        r"^error: -k must be an int in \[1, 8\] \(the draft's block_size\), got 9$",
+    ),
+    "parallel draft tree with the stochastic rule": (
+        ["--parallel-draft", "{parallel}", "--max-nodes", "16", "--draft-rule", "stochastic"], 2,
+        r"^error: trees from a parallel draft are verified by the deterministic rule; got --draft-rule 'stochastic'$",
+    ),
+    "parallel draft not a PARD checkpoint": (
+        ["--parallel-draft", "{draft}"], 1,
+        r"^error: --parallel-draft .*/pair/draft: .*/pair/draft/config.json has no 'pard_token': not a parallel draft "
+        r"\(PARD\) checkpoint$",
+    ),
+    "parallel draft with another tokenizer": (
+        ["--parallel-draft", "{parallel_other_tokenizer}"], 1,
+        r"^error: --parallel-draft .*parallel_other_tokenizer: .*tokenizer.json and .*/pair/target/tokenizer.json "
+        r"differ \(their token-to-id maps are not the same\)$",
+    ),
+    "tree with a parallel draft": (
+        ["--parallel-draft", "{parallel}", "--tree", "2,2"], 2,
+        r"^error: --tree needs --draft \(a parallel draft's tree is --max-nodes\)$",
+    ),
+    "parallel draft with a draft": (
+        ["--parallel-draft", "{parallel}", "--draft", "{draft}"], 2,
+        r"argument --draft: not allowed with argument --parallel-draft$",
+    ),
     "device tpu9": (["--device", "tpu9"], 2, r"argument --device: 'tpu9' is not a device torch knows"),
     "max-new-tokens 1e9 beyond positions": (
         ["--max-new-tokens", "1000000000"], 2,
@@ -215,7 +254,7 @@ CASES = {
         r"--num-blocks \(1\) is too small: every prompt and its first token must fit at once, 2 blocks of 4 tokens "
         r"in all; raise --num-blocks or send a smaller batch$",
     ),
-}
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -1,4 +1,5 @@
-"""The README's API tour runs as written: the kernel block, the model-and-engine block, the Medusa block."""
+"""The README's API tour runs as written: the kernel block, the model-and-engine block, the Medusa, EAGLE and
+parallel-draft blocks."""
 
 from pathlib import Path
 
@@ -68,3 +69,18 @@ def test_medusa_tour_runs():
     assert [len(t) for t in result.tokens] == [32, 32]
     assert result.tokens[0] == greedy.tokens[0], "the greedy request must equal plain greedy decoding"
     assert scope["medusa"].max_nodes == 12 and result.stats[0].tau > 1
+
+
+def test_parallel_draft_tour_runs():
+    text = README.read_text()
+    code = python_block(text, "from pathlib import Path\nimport specdec\n")
+    code += python_block(text, "from specdec.decoding import ParallelDraftStrategy\n")
+    scope: dict = {}
+    with use_backend("torch"):
+        exec(compile("import torch\n" + code, str(README), "exec"), scope)
+        decoder = scope["SpeculativeDecoder"]
+        greedy = decoder(scope["target"], scope["NoDraft"]()).generate([[1, 15, 27]], max_new_tokens=32)
+        chain = decoder(scope["target"], scope["chain"]).generate([[1, 15, 27]], max_new_tokens=32)
+    assert scope["result"].tokens == greedy.tokens and chain.tokens == greedy.tokens
+    assert scope["result"].stats[0].accepted > 0, "the shipped parallel draft gets tokens accepted"
+    assert (scope["chain"].max_depth, scope["tree"].max_nodes) == (5, 32)

@@ -4,10 +4,11 @@ The pair (``specdec/assets/pair``, loaded by ``specdec.testing``) is a small LLa
 one-layer draft distilled from it, both trained on the Python standard library.
 The demo completes held-out code prompts with plain autoregressive decoding, a greedy draft
 chain, a draft token tree, n-gram (prompt lookup) drafts, the target's Medusa heads
-(``specdec/assets/medusa``, no draft model) and EAGLE-2 (the EAGLE head shipped in
-``specdec/assets/eagle``); checks that every speculative output equals the target's own
-greedy output token for token; and prints tokens/s, speedup, tau (tokens per target forward)
-and the draft acceptance rate.
+(``specdec/assets/medusa``, no draft model), EAGLE-2 (the EAGLE head shipped in
+``specdec/assets/eagle``) and the parallel draft (``specdec/assets/parallel``, PARD: one draft
+forward proposes a chain, or a best-first tree); checks that every speculative output equals the
+target's own greedy output token for token; and prints tokens/s, speedup, tau (tokens per target
+forward) and the draft acceptance rate.
 """
 
 from __future__ import annotations
@@ -19,12 +20,15 @@ from pathlib import Path
 
 import torch
 
-from specdec.testing import ASSETS, heldout_prompts, load_pair
+from specdec.testing import ASSETS, heldout_prompts, load_pair, pair_dirs
 
 MEDUSA = ASSETS.parent / "medusa"  # 4 heads trained for the embedded target
 CHAIN = 5
 TREE = (3, 2, 1, 1, 1)  # depth 5 like the chain; 28 nodes keep the CPU verify forward cheap
 ADAPTIVE_CHAIN = 8  # the longest chain the adaptive row may draft (it picks each step's length)
+PARALLEL = ASSETS.parent / "parallel"  # the parallel draft (PARD) trained for the embedded target
+PARALLEL_CHAIN = 5  # the parallel draft's chain length
+PARALLEL_TREE = dict(max_nodes=32)  # its best-first tree (ParallelDraftStrategy options; depth: the block size)
 
 
 def strategies(draft, tree_rule: str = "deterministic") -> list[tuple[str, object]]:
@@ -67,6 +71,22 @@ def medusa_row(target, choices=None) -> tuple[str, object]:
 
     strategy = MedusaStrategy.from_pretrained(MEDUSA, target, choices)
     return f"Medusa heads, {strategy.max_nodes}-node tree", strategy
+
+
+def parallel_rows(target, assets: str | Path = ASSETS) -> list[tuple[str, object]]:
+    """(label, strategy) for the parallel draft shipped beside the pair ``assets``: its chain and its tree."""
+    from specdec.decoding import ParallelDraftStrategy
+    from specdec.model import ParallelDraft
+
+    target_dir, _ = pair_dirs(assets)
+    draft = ParallelDraft.from_pretrained(
+        Path(assets).parent / PARALLEL.name, target, target_path=target_dir, dtype=target.dtype, device=target.device
+    )
+    tree = ParallelDraftStrategy(draft, **PARALLEL_TREE)
+    return [
+        (f"parallel draft chain K={PARALLEL_CHAIN}", ParallelDraftStrategy(draft, depth=PARALLEL_CHAIN)),
+        (f"parallel draft tree {tree.max_nodes} nodes, depth {tree.max_depth}", tree),
+    ]
 
 
 @dataclass
@@ -117,9 +137,7 @@ class Progress:
             self.stream.flush()
 
 
-def decode_all(
-    target, strategy, label, prompts, max_new_tokens, progress=None, temperature=0.0, adaptive=False
-) -> Run:
+def decode_all(target, strategy, label, prompts, max_new_tokens, progress=None, temperature=0.0, adaptive=False) -> Run:
     """Decode each prompt on its own (batch 1, the latency case speculation is for); prompt i uses seed i.
 
     ``adaptive``: as ``SpeculativeDecoder`` takes it; off by default here, so a row labelled with a size drafts
@@ -224,7 +242,8 @@ def _demo(device, num_prompts, max_new_tokens, show, assets, out) -> int:
     from specdec.decoding import DraftModelStrategy
 
     # Every row drafts its labelled size but the last, which adapts each step's chain length (0 = plain).
-    plan = [(label, s, False) for label, s in [*strategies(draft), medusa_row(target), eagle_row(target, assets)]]
+    rows = [*strategies(draft), medusa_row(target), eagle_row(target, assets), *parallel_rows(target, assets)]
+    plan = [(label, s, False) for label, s in rows]
     plan.append((f"draft chain adaptive (K<={ADAPTIVE_CHAIN})", DraftModelStrategy(draft, (1,) * ADAPTIVE_CHAIN), True))
     # Warm-up: first calls pay one-off costs (allocations, kernel selection) that are not decoding speed.
     for _, strategy, adaptive in plan:

@@ -41,6 +41,8 @@ def loading(flag: str, path: str):
         raise CliError(f"{flag} {path}: {exc}", RUNTIME) from exc
 
 
+TREE_NODES = 64  # --max-nodes for --tree and --medusa when it is not given
+
 # MedusaStrategy's parameter names -> the flags that set them (its top_k is not the sampling --top-k).
 MEDUSA_FLAGS = {"choices": "--medusa-choices", "top_k": "--medusa-top-k", "max_nodes": "--max-nodes"}
 
@@ -52,7 +54,8 @@ def medusa_strategy(args: argparse.Namespace, target):
 
     with loading("--medusa", args.medusa):
         heads = MedusaHeads.from_pretrained(args.medusa, target)
-    options = {"max_nodes": args.max_nodes} | ({} if args.medusa_top_k is None else {"top_k": args.medusa_top_k})
+    options = {"max_nodes": args.max_nodes or TREE_NODES}
+    options |= {} if args.medusa_top_k is None else {"top_k": args.medusa_top_k}
     try:
         return MedusaStrategy(heads, args.medusa_choices, **options)
     except (TypeError, ValueError) as exc:
@@ -70,6 +73,8 @@ def build_strategy(args: argparse.Namespace, target, dtype, tokenizer):
         return NgramStrategy(num_draft=args.num_draft, max_ngram=args.ngram)
     if args.eagle is not None:
         return eagle_strategy(args, target)
+    if args.parallel_draft is not None:
+        return parallel_draft_strategy(args, target, dtype)
     if args.draft is None:
         return NoDraft()
     with loading("--draft", args.draft):
@@ -77,8 +82,32 @@ def build_strategy(args: argparse.Namespace, target, dtype, tokenizer):
         draft_tokenizer = load_tokenizer(args.draft) if (Path(args.draft) / "tokenizer.json").is_file() else None
         check_same_vocabulary(target, draft, tokenizer, draft_tokenizer)
     if args.tree:
-        return DraftModelStrategy(draft, args.tree, max_nodes=args.max_nodes, rule=args.draft_rule)
+        return DraftModelStrategy(draft, args.tree, max_nodes=args.max_nodes or TREE_NODES, rule=args.draft_rule)
     return DraftModelStrategy(draft, (1,) * args.num_draft, rule=args.draft_rule)
+
+
+# ParallelDraftStrategy's parameter names -> the flags that set them (a chain's depth is -k).
+PARALLEL_FLAGS = {"depth": "-k", "rule=": "--draft-rule "}
+
+
+def parallel_draft_strategy(args: argparse.Namespace, target, dtype):
+    """``ParallelDraftStrategy`` from --parallel-draft DIR: a chain of -k tokens, or a tree when --max-nodes is given
+    (as deep as the draft's block); refusals name the flag."""
+    from specdec.decoding import ParallelDraftStrategy
+    from specdec.model import ParallelDraft
+
+    with loading("--parallel-draft", args.parallel_draft):
+        draft = ParallelDraft.from_pretrained(
+            args.parallel_draft, target, target_path=args.target, dtype=dtype, device=args.device
+        )
+    if args.max_nodes is None:
+        options = dict(depth=args.num_draft, rule=args.draft_rule)
+    else:  # the tree's rule is the deterministic one; --draft-rule's default (coupled) leaves it so
+        options = dict(max_nodes=args.max_nodes, rule=None if args.draft_rule == "coupled" else args.draft_rule)
+    try:
+        return ParallelDraftStrategy(draft, **options)
+    except (TypeError, ValueError) as exc:
+        raise CliError(as_flags(str(exc), PARALLEL_FLAGS), USAGE) from exc
 
 
 # EagleStrategy's parameter names -> the flags that set them (its top_k is not the sampling --top-k).
@@ -110,6 +139,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.tree and args.draft is None:
         why = " (n-gram drafts are chains)" if args.ngram else ""
         why = " (a Medusa tree is --medusa-choices)" if args.medusa else why
+        why = " (a parallel draft's tree is --max-nodes)" if args.parallel_draft else why
         raise CliError("--tree needs --draft" + why, USAGE)
     for flag in ("medusa_choices", "medusa_top_k"):
         if getattr(args, flag) is not None and args.medusa is None:

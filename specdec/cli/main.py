@@ -141,12 +141,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--medusa-top-k", type=_checked(as_int, int, low=1), help="candidates per Medusa head (default: 10)"
     )
+    draft.add_argument(
+        "--parallel-draft", type=_directory, metavar="DIR",
+        help="parallel draft (PARD) checkpoint directory: one forward drafts a chain of -k tokens, or a tree with "
+        "--max-nodes",
+    )  # fmt: skip
     gen.add_argument("--tree", type=_branching, help="draft tree branching per depth, e.g. 4,2,2,1 (default: a chain)")
     gen.add_argument(
         "--draft-rule", choices=("coupled", "stochastic", "deterministic"), default="coupled",
-        help="how a draft model's chain or tree is drawn and verified (DraftModelStrategy's rule)",
+        help="how a draft model's chain or tree is drawn and verified (DraftModelStrategy's rule; a parallel draft's "
+        "chains take it too, its trees are deterministic)",
     )  # fmt: skip
-    gen.add_argument("--max-nodes", type=_checked(as_int, int, low=2), default=64, help="tree nodes, root included")
+    gen.add_argument(
+        "--max-nodes", type=_checked(as_int, int, low=2),
+        help="tree nodes, root included (default: 64 for --tree and --medusa; --parallel-draft drafts a tree only "
+        "when it is given)",
+    )  # fmt: skip
     gen.add_argument("-k", "--num-draft", type=_checked(as_int, int, low=1), default=5, help="chain / n-gram length")
     gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
     gen.add_argument("--max-new-tokens", type=_checked(as_int, int, low=0, high=INT32_MAX), default=128)
