@@ -211,15 +211,27 @@ def test_the_draft_cache_keeps_committed_text_only(pair, shape):
 
 
 def test_per_request_limits_shape_each_tree(pair):
+    """Requests near their end get shallower limits: each tree has the nodes its depth's share allows."""
     target, draft, prompts = pair
     strategy = ParallelDraftStrategy(draft, max_nodes=12, depth=4)
-    decoder = SpeculativeDecoder(target, strategy, adaptive=False)
-    engine = decoder.engine(max_batch=3, max_len=128)
-    for p in prompts:
-        engine.add_request(p, max_new_tokens=20)
+    assert [strategy.draft_nodes(d) for d in (0, 1, 2, 3, 4, 9)] == [1, 4, 7, 10, 12, 12]  # 11 drafted at depth 4
+    seen, propose = [], strategy.propose
+
+    def recorded(step):
+        proposal = propose(step)
+        seen.append((proposal.counts, proposal.depths, list(step.max_depth), list(step.max_nodes)))
+        return proposal
+
+    strategy.propose = recorded
+    engine = SpeculativeDecoder(target, strategy, adaptive=False).engine(max_batch=3, max_len=128)
+    for p, new in zip(prompts, (9, 14, 20)):
+        engine.add_request(p, max_new_tokens=new)
     while engine.has_unfinished():
         engine.step()
-    assert strategy.draft_nodes(0) == 1 and strategy.draft_nodes(2) == 12 and strategy.draft_nodes(9) == 12
+    for counts, depths, limits, nodes in seen:
+        for count, depth, limit, most in zip(counts, depths, limits, nodes):
+            assert count == min(most, strategy.draft_nodes(limit)) and depth <= max(limit, 0)
+    assert any(len(set(counts)) > 1 for counts, *_ in seen), "no ragged step"
     chain = ParallelDraftStrategy(draft, depth=4)
     assert [chain.draft_nodes(d) for d in (0, 1, 4, 7)] == [1, 2, 5, 5]
     assert (chain.max_nodes, chain.max_depth, strategy.max_nodes, strategy.max_depth) == (5, 4, 12, 4)
@@ -251,7 +263,9 @@ def test_bad_arguments_are_refused_by_name(pair):
         ParallelDraftStrategy(draft, depth=7)
     with pytest.raises(ValueError, match="max_nodes must be None"):
         ParallelDraftStrategy(draft, max_nodes=1)
-    assert [ParallelDraftStrategy(draft, max_nodes=9000).draft_nodes(d) for d in (0, 1, 2, 3)] == [1, 4097, 8193, 9000]
+    wide = ParallelDraftStrategy(draft, max_nodes=9000, depth=3)
+    assert [wide.draft_nodes(d) for d in (0, 1, 2, 3)] == [1, 3001, 6001, 9000]
+    assert ParallelDraftStrategy(draft, max_nodes=9000, depth=1).draft_nodes(1) == 4097  # a level holds the vocabulary
     with pytest.raises(ValueError, match="deterministic rule"):
         ParallelDraftStrategy(draft, max_nodes=8, rule="stochastic")
     with pytest.raises(ValueError, match="rule must be one of"):

@@ -43,7 +43,8 @@ class ParallelDraftStrategy(DraftCacheStrategy):
     draft : a ``ParallelDraft`` for the target (``ParallelDraft.from_pretrained``).
     depth : positions drafted per step, at most the draft's ``block_size`` (default: all of them).
     max_nodes : None for a chain of ``depth`` tokens; an int >= 2 for trees of that many nodes, root
-        included (DDTree).
+        included (DDTree), at full depth: a tree cut to d levels (the adaptive controller's choice) keeps its
+        share, ``ceil((max_nodes - 1) * d / depth)`` drafted nodes, so a shallower tree is a cheaper one.
     rule : for chains, "coupled" (default), "stochastic" or "deterministic" (module docstring); trees are
         verified by the deterministic rule only.
     confidence_temperature : trees rank paths by the product of ``softmax(logits / confidence_temperature)``;
@@ -103,8 +104,9 @@ class ParallelDraftStrategy(DraftCacheStrategy):
         levels = min(max(depth, 0), self.depth)
         if self.tree_nodes is None:
             return 1 + levels
+        drafted = -(-(self.tree_nodes - 1) * levels // self.depth)  # the budget's share of these levels
         per_level = min(self.tree_nodes - 1, self.parallel.vocab_size)  # paths kept per depth
-        return 1 + min(self.tree_nodes - 1, per_level * levels)
+        return 1 + min(drafted, per_level * levels)
 
     def attach(self, target) -> None:
         if target.config.vocab_size != self.parallel.vocab_size:
