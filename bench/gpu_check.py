@@ -1,11 +1,9 @@
 """The GPU check: build, first light, tests and benchmarks on a lent GPU, within a time budget.
 
-``bash bench/gpu_check.sh OUT`` runs this. Stages, in order of value; the plan (each stage's
-expected seconds on an H200) is printed first, and a stage starts only if its expected time
-still fits in the budget (``SPECDEC_GPU_CHECK_BUDGET``, default 480 s, the 8 minutes of issues 18
-and 34) -- the others are listed as skipped. Each stage is cut at its own limit, and what it
-measured so far still lands in OUT. The expected seconds are those of the first H200 run (its
-Result table gives each stage's seconds) or estimates for the stages added since.
+``bash bench/gpu_check.sh OUT`` runs this. Stages, in order of value; the plan (each stage's expected seconds
+on an H200, ``STAGES``) is printed first, and a stage starts only if its expected time still fits in the budget
+(``SPECDEC_GPU_CHECK_BUDGET``, default 480 s, the 8 minutes of issues 18 and 34) -- the others are listed as
+skipped. Each stage is cut at its own limit, and what it measured so far still lands in OUT.
 
 1. first light   the extension builds in the background (``setup.py build_ext --inplace``, sm_90,
                  no download); meanwhile one call of every Triton kernel against its PyTorch
@@ -20,20 +18,19 @@ Result table gives each stage's seconds) or estimates for the stages added since
                  (bench_e2e), decode throughput against transformers (bench_model) and sampling
                  (bench_sampling) are optional: only with --stages
 
-Then one table of issue 34's targets, each line PASS, FAIL or "not measured" (its stage did not run
-or measured no row it applies to), computed from the benchmarks' JSON (``gpu_targets.py``).
+Then one table of issue 34's targets, each line PASS, FAIL or "not measured" (its stage did not run or measured no
+row it applies to), computed from the benchmarks' JSON (``gpu_targets.py``).
 
-OUT holds at most seven files (the device tool returns eight): summary.md (plan, first light,
-every stage's result and tables, skipped stages, the targets, final status -- appended as stages
-finish), info.txt (versions, GPU), build.log, tests.log, failures.log (each failed test's traceback,
-written as it fails, so a stage cut at its limit keeps them), bench.log (every benchmark's whole
-output: FlexAttention's full error, if any, is there), results.json (the targets and every
-benchmark's JSON).
+OUT holds at most seven files (the device tool returns eight): summary.md (plan, first light, every stage's result
+and tables, skipped stages, the targets, final status -- appended as stages finish), info.txt (versions, GPU),
+build.log, tests.log, failures.log (each failed test's traceback, written as it fails, so a stage cut at its limit
+keeps them), bench.log (every benchmark's whole output: FlexAttention's full error, if any, is there), results.json
+(the targets and every benchmark's JSON).
 
-``--dry-run`` runs the same stages, the optional one too, on the CPU: kernels through Triton's
-interpreter, tiny shapes, no CUDA build, and a skipped or failed stage fails it (CI runs it, so
-the script itself is tested). ``--stages a,b`` runs only the named stages (e.g. a rerun of what was skipped).
-Exit status: 0 when every stage that ran passed (and, in a dry run, none was skipped).
+``--dry-run`` runs the same stages, the optional one too, on the CPU: kernels through Triton's interpreter, tiny
+shapes, no CUDA build, and a skipped or failed stage fails it (CI runs it, so the script itself is tested).
+``--stages a,b`` runs only the named stages (e.g. a rerun of what was skipped). Exit status: 0 when every stage
+that ran passed (and, in a dry run, none was skipped).
 """
 
 from __future__ import annotations
@@ -81,7 +78,7 @@ STAGES = [  # (name, expected s on an H200, limit s, expected s in a dry run on 
     Stage("tests-gpu", 70, 100, 20, "pytest -m gpu (bf16, LLaMA shapes, large caches, the CUDA op)"),
     Stage("tests-triton", 110, 130, 30, "every other kernel test's Triton path, compiled (pytest -k triton)"),
     Stage("bench_tree_attention", 60, 120, 20, "decode, chains, trees vs SDPA+mask, FlexAttention, eager; autotuned",
-          env=(("SPECDEC_AUTOTUNE", "1"),)),  # fmt: skip
+          env=(("SPECDEC_AUTOTUNE", "1"),)),
     Stage("bench_verify", 40, 90, 15, "verify_chain / verify_tree vs eager PyTorch, in graphs"),
     Stage("bench_kv_rollback", 10, 60, 5, "KV compaction vs an eager per-layer loop"),
     Stage("bench_model_ops", 15, 60, 5, "RMSNorm, RoPE, SwiGLU vs eager composites"),
@@ -90,7 +87,7 @@ STAGES = [  # (name, expected s on an H200, limit s, expected s in a dry run on 
     Stage("bench_model", 40, 90, 15, "decode throughput vs transformers", optional=True),
     Stage("bench_sampling", 20, 60, 5, "sample, filtered_probs, kv_append vs eager", optional=True),
     Stage("bench_e2e", 100, 150, 15, "speculative decoding end to end, embedded pair", optional=True),
-]
+]  # fmt: skip
 MODEL_BENCHES = {"bench_step", "bench_model", "bench_e2e"}  # whole models: PyTorch path in a dry run
 KV_CACHE_TESTS = "tests/test_kv_cache.py"
 
@@ -161,17 +158,19 @@ class Check:
         threading.Thread(target=timed, daemon=True).start()
 
     def first_light(self, limit: float) -> bool:
+        from first_light import CHECKS
+
         self.start_build()
         shards = 2 if self.dry else min(4, max(1, (os.cpu_count() or 4) // 4))
         self.write(f"\n### First light ({shards} processes)\n\n")
         self.write("| check | calls | result | detail | seconds | configs |\n|---|---|---|---|---|---|\n")
-        checks = ",".join(c for c in first_light_checks() if c != "extension")
+        checks = ",".join(c for c in CHECKS if c != "extension")
         procs = [
             subprocess.Popen([sys.executable, "bench/first_light.py", "--out", str(self.summary), "--shard",
                               f"{i}/{shards}", "--only", checks], cwd=ROOT, env=self.env, start_new_session=True,
-                             stdout=open(self.out / "tests.log", "a"), stderr=subprocess.STDOUT)  # fmt: skip
+                             stdout=open(self.out / "tests.log", "a"), stderr=subprocess.STDOUT)
             for i in range(shards)
-        ]
+        ]  # fmt: skip
         deadline = time.monotonic() + limit
         ok = True
         for p in procs:
@@ -320,12 +319,6 @@ def all_kernels() -> set[str]:
     from specdec.kernels import tuning
 
     return {name.strip("_").removesuffix("_kernel") for name in tuning.triton_kernels()}
-
-
-def first_light_checks() -> list[str]:
-    from first_light import CHECKS
-
-    return list(CHECKS)
 
 
 def main() -> int:

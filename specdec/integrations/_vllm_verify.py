@@ -1,12 +1,10 @@
 """vLLM batches verified by specdec: the conversions from vLLM's conventions and the plugin's counters.
 
-``verify_v1_batch`` (V1 model runner, with ``chain_layout``, ``request_seeds`` and
-``first_positions``) and ``verify_v2_batch`` (Model Runner V2) hold every conversion between
-vLLM's conventions and specdec's; both call specdec once, through
-``_verify_exact``, which counts what it verified. ``note_fallback`` counts the batches handed
-to vLLM's own sampler, ``stats()`` reads the counters. ``specdec.integrations.vllm`` (the
-plugin's entry point) and ``specdec.integrations._vllm_samplers`` (the vLLM subclasses) both
-import this module; it imports no vLLM.
+``verify_v1_batch`` (V1 model runner, with ``chain_layout``, ``request_seeds`` and ``first_positions``) and
+``verify_v2_batch`` (Model Runner V2) hold every conversion between vLLM's conventions and specdec's; both call
+specdec once, through ``_verify_exact``, which counts what it verified. ``note_fallback`` counts the batches handed
+to vLLM's own sampler, ``stats()`` reads the counters. ``specdec.integrations.vllm`` (the plugin's entry point) and
+``specdec.integrations._vllm_samplers`` (the vLLM subclasses) both import this module; it imports no vLLM.
 """
 
 from __future__ import annotations
@@ -49,18 +47,16 @@ def _verify_exact(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """specdec's exact verification, then every invalid request given exactly one token.
 
-    ``params`` None means every request is greedy, a fact the caller knows on the host: the
-    argmax-only ``verify_chain_greedy`` runs (equal to ``verify_chain`` at temperature 0, with no
-    softmax, filters or random numbers). Otherwise ``verify_chain`` with the rule the drafts
-    follow: ``draft_probs`` given -> "stochastic" (the drafts were drawn from them), None ->
-    "deterministic" (n-gram, argmax drafters). vLLM built the offsets and the caller laid the
-    rows out in ``verify_chain``'s order, so the ops run without re-checking them (``run_*``).
+    ``params`` None means every request is greedy, a fact the caller knows on the host: the argmax-only
+    ``verify_chain_greedy`` runs (equal to ``verify_chain`` at temperature 0, with no softmax, filters or random
+    numbers). Otherwise ``verify_chain`` with the rule the drafts follow: ``draft_probs`` given -> "stochastic" (the
+    drafts were drawn from them), None -> "deterministic" (n-gram, argmax drafters). vLLM built the offsets and the
+    caller laid the rows out in ``verify_chain``'s order, so the ops run without re-checking them (``run_*``).
 
-    An invalid request (NaN/+inf or all -inf logits) comes back with no token. vLLM's
-    scheduler, however, counts every request's accepted drafts from the number of tokens it
-    gets back (``len - 1``), so a request with none would keep its draft positions as
-    computed. It gets one token instead, with every draft rejected: the argmax of its first
-    target row with NaN read as -inf (0 when nothing is finite), as a stock argmax would pick.
+    An invalid request (NaN/+inf or all -inf logits) comes back with no token. vLLM's scheduler, however, counts every
+    request's accepted drafts from the number of tokens it gets back (``len - 1``), so a request with none would
+    keep its draft positions as computed. It gets one token instead, with every draft rejected: the argmax of its
+    first target row with NaN read as -inf (0 when nothing is finite), as a stock argmax would pick.
 
     Returns (output_tokens int32 ``[B, max_draft_len + 1]`` -1 padded, num_accepted int32 ``[B]``).
     """
@@ -322,8 +318,7 @@ def verify_v2_batch(
     """
     batch = idx_mapping.numel()
     device = processed_logits.device
-    rows = processed_logits.shape[0]
-    total = rows - batch
+    total = processed_logits.shape[0] - batch
     every = torch.arange(batch + 1, device=device)
     draft_offsets = (cu_num_logits.long() - every).to(torch.int32)
     num_drafts = draft_offsets[1:] - draft_offsets[:-1]
