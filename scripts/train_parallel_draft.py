@@ -33,7 +33,7 @@ Steps (seeded; the same Python version and thread count give the same draft):
 
 Usage::
 
-    python scripts/train_parallel_draft.py --minutes 21           # the shipped draft (~16 min; the cap unused)
+    python scripts/train_parallel_draft.py --minutes 26           # the shipped draft (750 steps, ~26 min; the cap unused)
     python scripts/train_parallel_draft.py --quick --out /tmp/p   # seconds, for tests and development
 """
 
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(ROOT / "specdec" / "assets" / "parallel"))
     parser.add_argument("--quick", action="store_true", help="a tiny run (seconds): tests and development")
-    parser.add_argument("--steps", type=int, default=450)
+    parser.add_argument("--steps", type=int, default=750)
     parser.add_argument("--minutes", type=float, default=None, help="wall-time cap on training (steps run recorded)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)

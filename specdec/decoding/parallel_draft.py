@@ -32,7 +32,7 @@ from specdec.kernels.uniforms import ROLE_TARGET
 from specdec.model.parallel_draft import ParallelDraft
 
 CHAIN_RULES = ("coupled", "stochastic", "deterministic")
-CONFIDENCE_TEMPERATURE = 0.6  # the shipped draft's per-position distributions run flat (bench/e2e_parallel.py)
+CONFIDENCE_TEMPERATURE = 0.45  # the shipped draft's per-position distributions run flat (bench/e2e_parallel.py)
 
 
 class ParallelDraftStrategy(DraftCacheStrategy):
