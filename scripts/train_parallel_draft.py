@@ -33,7 +33,7 @@ Steps (seeded; the same Python version and thread count give the same draft):
 
 Usage::
 
-    python scripts/train_parallel_draft.py --minutes 26           # the shipped draft (750 steps, ~26 min; the cap unused)
+    python scripts/train_parallel_draft.py --minutes 26           # the shipped draft (750 steps, ~26 min)
     python scripts/train_parallel_draft.py --quick --out /tmp/p   # seconds, for tests and development
 """
 

@@ -8,6 +8,7 @@ import sys
 import torch
 
 from specdec.model import AttentionMetadata, EagleHead, LlamaModel, MedusaHeads, ModelConfig, causal_positions
+from specdec.model.eagle3 import Eagle3Head, vocabulary_map
 
 # ---- assertions -------------------------------------------------------------------------------------
 
@@ -137,6 +138,24 @@ def random_eagle_head(target: LlamaModel, seed: int) -> EagleHead:
     for name, p in head.named_parameters():
         noise = torch.randn(p.shape, generator=gen)
         p.copy_(noise * 2 / math.sqrt(p.shape[1]) if p.dim() > 1 else noise * 0.1 + name.endswith("norm.weight"))
+    return head.eval()
+
+
+def random_eagle3_head(target: LlamaModel, seed: int, draft_vocab: int | None = None, layers=None) -> Eagle3Head:
+    """A one-layer EAGLE-3 head for ``target`` with every weight drawn at random, drafting over ``draft_vocab`` (default
+    three quarters of the vocabulary) target ids picked at random, reading ``layers`` (default: the target's first,
+    middle and last layers)."""
+    config = target.config
+    vocab, depth = config.vocab_size, config.num_layers
+    draft_vocab = draft_vocab or max(vocab * 3 // 4, 1)
+    layers = layers or (0, depth // 2, depth - 1)
+    head_config = tiny_config(vocab_size=vocab, hidden_size=config.hidden_size, num_layers=1)
+    gen = torch.Generator().manual_seed(seed)
+    head = Eagle3Head(head_config, target, draft_vocab_size=draft_vocab, feature_layers=layers).requires_grad_(False)
+    for name, p in head.named_parameters():
+        noise = torch.randn(p.shape, generator=gen)
+        p.copy_(noise * 2 / math.sqrt(p.shape[1]) if p.dim() > 1 else noise * 0.1 + name.endswith("norm.weight"))
+    head.set_vocabulary_map(*vocabulary_map(torch.randperm(vocab, generator=gen)[:draft_vocab], vocab))
     return head.eval()
 
 

@@ -5,7 +5,7 @@
 autoregressive decoding; also what ``strategy=None`` means), ``DraftModelStrategy`` (a draft
 model's chain or token tree), ``ParallelDraftStrategy`` (a parallel draft model's chain or best-first
 tree, one draft forward per step), ``MedusaStrategy`` (Medusa heads on the target, a static tree),
-``EagleStrategy`` (an EAGLE head's static or dynamic tree) or ``NgramStrategy`` (prompt lookup).
+``EagleStrategy`` (an EAGLE or EAGLE-3 head's static or dynamic tree) or ``NgramStrategy`` (prompt lookup).
 ``StaticTree`` turns top-k index paths into a tree. By default the decoder adapts each request's
 draft depth every step (``AdaptiveSpeculation``, ``specdec.decoding.adaptive``).
 ``SpeculativeDecoder.engine`` gives the step API a serving loop drives (``Engine``, ``specdec.decoding.serving``:

@@ -1,4 +1,4 @@
-"""EAGLE drafting from an ``EagleHead``: static token trees (EAGLE-1) and dynamic ones (EAGLE-2).
+"""EAGLE drafting from an ``EagleHead`` or ``Eagle3Head``: static token trees (EAGLE-1) and dynamic ones (EAGLE-2).
 
 The head (``specdec.model.eagle``) extrapolates the target's features: its row t reads the
 target's final-norm hidden state of token t and the token t + 1, writes K/V at position t of the
@@ -17,15 +17,14 @@ catch-up writes the accepted nodes again from the target's true features, as the
 implementation does, rather than keeping K/V computed from the head's own predictions.
 
 Trees. EAGLE-1 (``static_tree``): fixed top-k index paths (``StaticTree``), node i's token the
-``rank[i]``-th best of its parent's logits. EAGLE-2 (default): level 1 takes the root's top-k;
-every later level expands the ``top_k`` most confident nodes of the level before (confidence =
-product of the head's probabilities along the path), each with its ``top_k`` best children; then
-every drafted node is reranked and the ``tree_budget - 1`` most confident form the verified tree
-(``eagle_trees.rerank``), chosen on the device and handed over as ``DeviceTrees``.
+``rank[i]``-th best of its parent's logits. EAGLE-2 (default): each level expands the ``top_k`` most
+confident nodes of the level before, each with its ``top_k`` best children, and the ``tree_budget - 1``
+most confident drafted nodes form the tree (``eagle_trees``), chosen on the device (``DeviceTrees``).
 
 Children are the head's best tokens, not samples: verification uses the deterministic rule, so
 greedy requests get the target's greedy tokens and sampled requests the target's distribution
-exactly, whatever the head proposes. Drafting draws no random numbers (no seed salt needed).
+exactly, whatever the head proposes. Drafting draws no random numbers (no seed salt needed). An ``Eagle3Head``
+reads the target's layers (``attach`` asks for them); its draft ids are mapped to target ids as drafted.
 """
 
 from __future__ import annotations
@@ -40,8 +39,8 @@ from specdec.decoding.proposal import DeviceTrees, Proposal
 from specdec.decoding.static_tree import StaticTree
 from specdec.decoding.strategy import BaseStrategy, Prefill, StepContext, StepResult
 from specdec.kernels import pack_mask_rows
+from specdec.model import Eagle3Head, EagleHead
 from specdec.model.attention_metadata import AttentionMetadata, causal_positions
-from specdec.model.eagle import EagleHead
 
 
 class EagleStrategy(BaseStrategy):
@@ -84,12 +83,12 @@ class EagleStrategy(BaseStrategy):
         static_tree=None,
         confidence_temperature: float = 1.0,
     ):
-        if not isinstance(head, EagleHead):
-            raise TypeError(f"head must be an EagleHead, got {type(head).__name__}")
+        if not isinstance(head, (EagleHead, Eagle3Head)):
+            raise TypeError(f"head must be an EagleHead or Eagle3Head, got {type(head).__name__}")
         for name, value in (("tree_budget", tree_budget), ("depth", depth), ("top_k", top_k)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        vocab = head.config.vocab_size
+        vocab = head.draft_vocab_size
         if top_k > vocab:
             raise ValueError(f"top_k must be at most the vocabulary ({vocab}), got {top_k}")
         if not isinstance(confidence_temperature, (int, float)) or not 0 < confidence_temperature < float("inf"):
@@ -117,9 +116,7 @@ class EagleStrategy(BaseStrategy):
 
     @property
     def max_nodes(self) -> int:
-        if self.static is not None:
-            return self.static.size
-        return min(self.tree_budget, 1 + _drafted_within(self.top_k, self.depth))
+        return self._nodes_within(self.depth)
 
     @property
     def max_depth(self) -> int:
@@ -135,6 +132,7 @@ class EagleStrategy(BaseStrategy):
                 "head was built for another target model: load it with EagleHead.from_pretrained(path, target) "
                 "for the target it drafts for (it reads that target's features and shares its LM head)"
             )
+        target.output_layer_features(self.head.feature_layers)  # EAGLE-3: its layers; else the final norm's
 
     def prefill(self, prefill: Prefill) -> None:
         """Allocate the head cache for every slot, then ``join`` the requests of the non-empty prompts."""
@@ -164,8 +162,8 @@ class EagleStrategy(BaseStrategy):
         self.cache.reserve(counts)
         positions = causal_positions(q_offsets, self.cache.seq_lens, sum(counts))
         no_rows = torch.zeros(0, dtype=torch.int64, device=device)
-        self.head(prefill.hidden.index_select(0, rows), tokens, positions, AttentionMetadata(q_offsets), self.cache,
-                  logits_rows=no_rows)  # fmt: skip
+        self.head(self.head.features_from_target(prefill.hidden.index_select(0, rows)), tokens, positions,
+                  AttentionMetadata(q_offsets), self.cache, logits_rows=no_rows)  # fmt: skip
         self.cache.advance(counts)
 
     def propose(self, step: StepContext) -> Proposal:
@@ -188,7 +186,7 @@ class EagleStrategy(BaseStrategy):
         """Keep the target's features of the accepted nodes for the next catch-up; free finished slots."""
         path = result.accepted_path.long()
         rows = result.node_offsets[:-1, None].long() + path.clamp(min=0)  # [R, P] rows of result.hidden
-        features = result.hidden.index_select(0, rows.flatten()).view(*path.shape, -1)
+        features = self.head.features_from_target(result.hidden.index_select(0, rows.flatten())).view(*path.shape, -1)
         slots, counts = list(result.running), [a + 1 for a in result.accepted]
         if self.pending is not None:  # a request paused for cache blocks keeps its features until it resumes
             old_slots, old_features, old_counts = self.pending
@@ -249,7 +247,7 @@ class EagleStrategy(BaseStrategy):
         full = step.full_counts(width)
         q_offsets = offsets_to_device(full, self.head.device)
         self.cache.reserve(full)
-        start = tree_start.index_select(0, self._running_index(step)).long()  # [R]
+        start = tree_start.index_select(0, to_device(step.running, torch.int64, self.head.device)).long()  # [R]
         positions = (start + level - 1)[:, None].expand(rows, width).flatten()  # row t of the head sits at t
         metadata = AttentionMetadata(q_offsets, mask, tree_start=tree_start)
         out = self.head(features, tokens, positions, metadata, self.cache)
@@ -258,10 +256,10 @@ class EagleStrategy(BaseStrategy):
 
     def _draft_dynamic(self, step, root_feature, root_logits, roots, limits, nodes, tree_start) -> Proposal:
         """EAGLE-2: expand the ``top_k`` most confident nodes per level, rerank everything drafted, keep the best."""
-        k, rows, device = self.top_k, len(step.running), self.head.device
-        levels = max(limits)
-        hidden = root_feature.shape[-1]
-        score, token = self._log_probs(root_logits).topk(k, dim=-1)  # [R, k]: depth 1
+        k, rows, device, temperature = self.top_k, len(step.running), self.head.device, self.confidence_temperature
+        levels, hidden = max(limits), root_feature.shape[-1]
+        score, draft_ids = log_probs(root_logits, temperature).topk(k, dim=-1)  # [R, k]: depth 1
+        token = self.head.target_ids(draft_ids)
         scores, tokens = [score], [token]
         parents = [torch.full((rows, k), -1, dtype=torch.int64, device=device)]
         feed_features = root_feature[:, None].expand(rows, k, hidden)
@@ -276,10 +274,10 @@ class EagleStrategy(BaseStrategy):
             ancestors = ancestors | own
             mask = pack_mask_rows(ancestors.flatten(0, 1))
             predicted, logits = self._level(step, feed_features.flatten(0, 1), token.flatten(), level, mask, tree_start)
-            child_score, child_token = self._log_probs(logits).view(rows, k, -1).topk(k, dim=-1)  # [R, k, k]
+            child_score, child_token = log_probs(logits, temperature).view(rows, k, -1).topk(k, dim=-1)  # [R, k, k]
             child_score = (score[:, :, None] + child_score).flatten(1)  # path confidence, [R, k*k]
             scores.append(child_score)
-            tokens.append(child_token.flatten(1))
+            tokens.append(self.head.target_ids(child_token.flatten(1)))
             parents.append(number[:, :, None].expand(rows, k, k).flatten(1))
             if level + 1 < levels:  # the next level expands the k most confident children
                 best = child_score.topk(k, dim=-1).indices  # [R, k]
@@ -312,7 +310,7 @@ class EagleStrategy(BaseStrategy):
         by_depth = []
         for level in range(1, levels + 1):
             take, parent_slot, widest = choose[level - 1]  # tokens: entry take of the parents' top ranks
-            token = logits.float().topk(widest, dim=-1).indices.view(rows, -1).index_select(1, take)
+            token = self.head.target_ids(logits.float().topk(widest, dim=-1).indices.view(rows, -1)[:, take])
             by_depth.append(token)  # [R, nodes of this level]
             if level < levels:
                 which = fed[level - 1]  # the level's nodes with children, in head-cache order
@@ -330,17 +328,11 @@ class EagleStrategy(BaseStrategy):
 
     # ---- host facts, computed once ------------------------------------------------------------
 
-    def _log_probs(self, logits: torch.Tensor) -> torch.Tensor:
-        return log_probs(logits, self.confidence_temperature)
-
     def _nodes_within(self, depth: int) -> int:
         """The most nodes a tree of ``depth`` levels can have, root included (the static tree cuts itself)."""
         if self.static is not None:
             return self.static.size
-        return min(self.tree_budget, 1 + _drafted_within(self.top_k, depth))
-
-    def _running_index(self, step) -> torch.Tensor:
-        return to_device(step.running, torch.int64, self.head.device)
+        return min(self.tree_budget, 1 + self.top_k + (depth - 1) * self.top_k**2)  # drafted: k, then k*k a level
 
     def _node_depths(self, levels: int, device) -> torch.Tensor:
         depth = [1] * self.top_k + [d for d in range(2, levels + 1) for _ in range(self.top_k**2)]
@@ -356,11 +348,6 @@ class EagleStrategy(BaseStrategy):
             within = [i for i in range(tree.size) if tree.depth[i] <= levels]
             self._layouts[levels] = ([column[i] for i in within], {i: j for j, i in enumerate(within)})
         return self._layouts[levels]
-
-
-def _drafted_within(k: int, depth: int) -> int:
-    """Drafted nodes of an EAGLE-2 tree of ``depth`` levels: k at depth 1, k*k at each deeper one."""
-    return k + (depth - 1) * k * k
 
 
 def _static_levels(tree: StaticTree):

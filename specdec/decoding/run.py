@@ -54,7 +54,7 @@ class Verified:
     slots          the slots whose trees were verified
     result         verification's output, ``[R, ...]`` device tensors
     counts, depths each tree's nodes (root included) and depth (a bound for trees shaped on the device)
-    hidden         [N, H] device: the target's final-norm hidden states of the verified nodes
+    hidden         [N, H] device: the target's features of the verified nodes (``Strategy``'s contract, item 4)
     node_offsets   [R+1] int32 device: tree r's rows of ``hidden``
     """
 

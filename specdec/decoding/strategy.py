@@ -43,7 +43,8 @@ defaults of the hooks it lacks (``StrategyHooks.of``).
    with a salt of your own for draws independent of verification (``rule="stochastic"``), so a
    request's tokens depend on its own seed only, never on the batch or the depths.
 4. Features: ``Prefill.hidden`` and ``StepResult.hidden`` are the target's final-norm hidden
-   states of the rows it just ran (what Medusa heads and EAGLE read); they stay on the device.
+   states of the rows it just ran (what Medusa heads and EAGLE read), or the layers' streams a strategy
+   asked for in ``attach`` (``LlamaModel.output_layer_features``: EAGLE-3); they stay on the device.
 5. No host synchronisation: build tensors on the host from the host lists the engine gives
    (``StepContext``), send them with ``specdec._transfer.to_device``, and never read a device
    value back (no ``.item()``, ``.tolist()``, ``.cpu()``, ``nonzero()``, ``bool(tensor)``).
@@ -93,7 +94,7 @@ class Prefill:
     prompts        list of B token lists (one per slot): the joining requests' prompts, ``[]`` for every other slot
     max_len        tokens per request the target's KV cache holds (a drafter's cache needs no more)
     cache_options  the target cache's ``layout=`` / ``block_size=`` (a drafter's cache may match them)
-    hidden         [T, H] device: the target's final-norm hidden states of every prompt token
+    hidden         [T, H] device: the target's features of every prompt token (contract, item 4)
     q_offsets      [B+1] int32 device: request b's rows of ``hidden`` are q_offsets[b] .. q_offsets[b+1]-1
     """
 
@@ -155,7 +156,7 @@ class StepResult:
                    (here or in ``leave``, which the engine calls right after)
     accepted       host ints: draft nodes accepted per running request (emitted = accepted + 1)
     accepted_path  [R, P] int32 device: local node indices of the accepted path, root first, -1 padded
-    hidden         [N, H] device: the target's final-norm hidden states of every node verified
+    hidden         [N, H] device: the target's features of every node verified (contract, item 4)
     node_offsets   [R+1] int32 device: tree r's rows of ``hidden`` are node_offsets[r] .. node_offsets[r+1]-1
     """
 

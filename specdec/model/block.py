@@ -79,11 +79,17 @@ def run_layers(
     *,
     first_norm: bool = True,
     final_norm: dict | None = None,
+    first_input: torch.Tensor | None = None,
+    taps: tuple[int, ...] = (),
+    tapped: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run ``residual [T, hidden]`` (updated in place: the residual stream) through ``layers`` under ``plan``.
 
-    ``first_norm``: layer 0 normalises its input (EAGLE's layer 0 does not). Returns RMSNorm of the last
-    residual with ``final_norm``'s weight, or, without one, the residual stream itself.
+    ``first_norm``: layer 0 normalises its input (EAGLE's layer 0 does not). ``first_input``: layer 0's
+    attention input, given by the caller in place of its (normalised) residual (EAGLE-3's ``[T, 2 * hidden]``).
+    ``taps``: layers whose incoming residual stream is copied into ``tapped [T, len(taps) * hidden]`` (slot i
+    for ``taps[i]``) as the loop reaches them (EAGLE-3 reads the target's low, middle and high layers). Returns
+    RMSNorm of the last residual with ``final_norm``'s weight, or, without one, the residual stream itself.
     """
     compiling = torch.compiler.is_compiling()
     ops = LAYER_OPS[plan.backend, compiling]
@@ -91,12 +97,16 @@ def run_layers(
     normed = torch.empty_like(residual)  # each norm's output, consumed by the next GEMM
     attn = residual.new_empty(T, H, D)
     act = residual.new_empty(T, config.intermediate_size)
-    if first_norm:
+    if first_norm and first_input is None:
         ops.rms_norm(residual, layers[0].input_norm["weight"], eps, normed)
-    x_in = normed if first_norm else residual
+    x_in = first_input if first_input is not None else normed if first_norm else residual
     cache = plan.cache
     linear = linear_for(residual)  # multi-row CPU forwards: packed oneDNN GEMMs
+    width = residual.shape[1]
     for l, p in enumerate(layers):
+        for slot, layer in enumerate(taps):
+            if layer == l:  # the stream entering layer l: copied before the layer adds to it in place
+                tapped[:, slot * width : (slot + 1) * width].copy_(residual)
         qkv = linear(x_in, p.qkv["weight"], p.qkv["bias"]).view(T, H + 2 * Hkv, D)  # heads: q | k | v
         qk, v = qkv.split_with_sizes((H + Hkv, Hkv), dim=1)
         if plan.rotary is None:  # Triton: rotate q and k in place, as views of the projection

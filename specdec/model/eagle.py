@@ -84,6 +84,18 @@ class EagleHead(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.target.lm_head_weight
 
+    feature_layers = None  # the target's hidden output it reads: the final norm's (``Eagle3Head`` reads layers)
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.config.vocab_size  # the target's: draft ids are target ids
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids
+
+    def features_from_target(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden  # the target's final-norm hidden states, read as they are
+
     @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype

@@ -101,6 +101,7 @@ class LlamaModel(nn.Module):
         self._rotary = RotaryRows()
         self._compiled_run = None  # see compile_run
         self.cuda_graphs: CudaGraphs | None = None  # see use_cuda_graphs
+        self.feature_layers: tuple[int, ...] | None = None  # see output_layer_features
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -146,7 +147,8 @@ class LlamaModel(nn.Module):
         Returns
         -------
         logits ``[R or Tq, vocab]`` and hidden ``[Tq, hidden_size]`` (after the final norm, the
-        features LM heads and draft heads read), both in the model dtype.
+        features LM heads and draft heads read; the chosen layers' streams after
+        ``output_layer_features``), both in the model dtype.
 
         Example
         -------
@@ -172,6 +174,20 @@ class LlamaModel(nn.Module):
                 return replayed
         plan = plan_forward(self, tokens, positions, metadata, cache)
         return (self._compiled_run or self.run)(tokens, plan, logits_rows)
+
+    def output_layer_features(self, layers) -> None:
+        """Make ``forward``'s second output the residual streams entering ``layers`` (EAGLE-3 reads the target's low,
+        middle and high layers), concatenated: ``[Tq, len(layers) * hidden_size]`` in place of the final-norm
+        hidden state; None restores that. Copied out inside the layer loop (no extra pass, no host sync); the
+        logits stay the model's. CUDA graphs captured so far are dropped (they return the old output)."""
+        if layers is not None:
+            layers = tuple(layers)
+            depth = self.config.num_layers
+            if not layers or any(isinstance(l, bool) or not isinstance(l, int) or not 0 <= l < depth for l in layers):
+                raise ValueError(f"layers must be layer indices in [0, {depth}) (None: the final norm), got {layers}")
+        if layers != self.feature_layers and self.cuda_graphs is not None:
+            self.cuda_graphs = CudaGraphs(self, self.cuda_graphs.buckets)
+        self.feature_layers = layers
 
     def use_cuda_graphs(self, buckets: tuple[int, ...] = BUCKETS) -> None:
         """Replay later CUDA forwards of up to ``max(buckets)`` rows from CUDA graphs (``cuda_graphs``):
@@ -214,11 +230,14 @@ class LlamaModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The planned forward: ``forward``'s results for the inputs ``plan`` was built from. No checks."""
         residual = F.embedding(tokens, self.model.embed_tokens.weight)  # [T, hidden]: the residual stream
+        taps = self.feature_layers or ()
+        tapped = residual.new_empty(residual.shape[0], len(taps) * residual.shape[1]) if taps else None
         hidden = run_layers(
-            self._layer_params, residual, plan, self.config, self.rope_inv_freq, final_norm=self.model.norm._parameters
-        )
+            self._layer_params, residual, plan, self.config, self.rope_inv_freq, final_norm=self.model.norm._parameters,
+            taps=taps, tapped=tapped,
+        )  # fmt: skip
         rows = hidden if logits_rows is None else hidden.index_select(0, logits_rows)
-        return linear_for(rows)(rows, self.lm_head_weight), hidden
+        return linear_for(rows)(rows, self.lm_head_weight), hidden if tapped is None else tapped
 
     def new_cache(self, batch_size: int, max_len: int, **layout):
         """A ``KVCache`` shaped for this model (``layout``: layout=, block_size=, num_blocks=)."""
