@@ -1,0 +1,130 @@
+"""The end-to-end parallel-drafting tables (``bench_e2e.py``): the shipped parallel draft (PARD) against the draft
+chain and EAGLE-2.
+
+``parallel_tables`` prints three tables, methods interleaved in one run (``e2e_runs.interleaved``), fixed draft
+sizes (adaptive off, so a row drafts what its label says):
+
+* greedy, batch 1: autoregressive, the draft chain K=5 (fused C++ on the CPU), EAGLE-2 as the demo runs it, the
+  parallel draft's chains (K=5, the block size) and its best-first trees by node budget (8 to 64), with tau and
+  whether every output equals target greedy; then, adaptive (each step's depth chosen by the controller), the
+  draft chain (K <= 8) and the parallel tree (its budget's share of the chosen depth);
+* temperature 1 (seeded), batch 1: the draft chain and the parallel chain by rule (coupled: plain sampling's
+  tokens; stochastic: the optimal rejection rule), trees, and both adaptive;
+* greedy, batch 8: the chain, the parallel chain and trees, one batch of eight prompts per run.
+
+``bench_e2e.py --parallel-only`` runs just these.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from common import Table
+from e2e_runs import interleaved
+
+from specdec.cli.demo import CHAIN, Run, decode_all, eagle_row, first_difference
+from specdec.decoding import DraftModelStrategy, NoDraft, ParallelDraftStrategy, SpeculativeDecoder
+from specdec.model import ParallelDraft
+from specdec.testing import ASSETS, pair_dirs
+
+PARALLEL = ASSETS.parent / "parallel"
+TREE_BUDGETS = (8, 12, 16, 32, 64)
+
+
+def load_parallel(target) -> ParallelDraft:
+    return ParallelDraft.from_pretrained(PARALLEL, target, target_path=pair_dirs()[0], dtype=target.dtype,
+                                         device=target.device)  # fmt: skip
+
+
+def parallel_plan(target, draft, *, chains=True, eagle=True) -> list[tuple[str, object]]:
+    """(label, strategy) rows: the draft chain, EAGLE-2, the parallel draft's chains and trees."""
+    parallel = load_parallel(target)
+    plan = [(f"draft chain K={CHAIN}", DraftModelStrategy(draft, (1,) * CHAIN))]
+    if eagle:
+        plan.append(eagle_row(target))
+    depths = sorted({CHAIN, parallel.block_size}) if chains else [CHAIN]
+    plan += [(f"parallel chain K={k}", ParallelDraftStrategy(parallel, depth=k)) for k in depths]
+    plan += [(f"parallel tree {n} nodes", ParallelDraftStrategy(parallel, max_nodes=n)) for n in TREE_BUDGETS]
+    return plan
+
+
+def decode_batch(target, strategy, label: str, prompts: list[list[int]], new_tokens: int) -> Run:
+    """Every prompt in one batch (greedy, fixed sizes); the engine's counters summed over requests."""
+    start = time.perf_counter()
+    result = SpeculativeDecoder(target, strategy, adaptive=False).generate(
+        prompts, max_new_tokens=new_tokens, eos_token_id=None
+    )
+    if next(target.parameters()).is_cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    totals = [sum(getattr(s, f) for s in result.stats) for f in ("generated", "drafted", "accepted")]
+    steps = max(s.target_forwards for s in result.stats)  # one target forward per step serves the whole batch
+    return Run(label, result.tokens, seconds, totals[0], steps * len(prompts), totals[1], totals[2])
+
+
+def parallel_tables(target, draft, prompts, batch_prompts, new_tokens: int, device: str, repeats: int) -> list:
+    """The three tables (module docstring); returns them as ``(Table, file name)`` pairs."""
+    tables = []
+    plan = [(label, s, False) for label, s in [("autoregressive", NoDraft()), *parallel_plan(target, draft)]]
+    parallel = load_parallel(target)
+    plan += [("draft chain adaptive (K<=8)", DraftModelStrategy(draft, (1,) * 8), True),
+             ("parallel tree adaptive (<=16 nodes)", ParallelDraftStrategy(parallel, max_nodes=16), True)]  # fmt: skip
+    for _, strategy, adaptive in plan:  # warm-up: first calls pay one-off costs
+        decode_all(target, strategy, "", prompts[:1], 8, adaptive=adaptive)
+    methods = [lambda ps, s=s, label=label, a=a: decode_all(target, s, label, ps, new_tokens, adaptive=a)
+               for label, s, a in plan]  # fmt: skip
+    runs = interleaved(methods, prompts, device, repeats)
+    base, chain = runs[0], runs[1]
+    table = Table(
+        f"Parallel drafting, greedy, embedded pair, {device}, batch 1, {len(prompts)} held-out prompts x {new_tokens} "
+        f"tokens, fastest of {repeats} (interleaved)",
+        ["decoding", "tokens/s", "vs AR", "vs draft chain K=5", "tau", "identical to AR"],
+    )
+    for r in runs:
+        same = all(first_difference(a, b) is None for a, b in zip(r.tokens, base.tokens))
+        table.add(r.label, r.tokens_per_s, f"{r.tokens_per_s / base.tokens_per_s:.2f}x",
+                  f"{r.tokens_per_s / chain.tokens_per_s:.2f}x", f"{r.tau:.2f}", "yes" if same else "NO")  # fmt: skip
+    tables.append((table, "e2e_parallel"))
+
+    plan = [
+        ("autoregressive", NoDraft(), False),
+        (f"draft chain K={CHAIN} (coupled)", DraftModelStrategy(draft, (1,) * CHAIN), False),
+        (f"draft chain K={CHAIN} (stochastic)", DraftModelStrategy(draft, (1,) * CHAIN, rule="stochastic"), False),
+        (f"parallel chain K={CHAIN} (coupled)", ParallelDraftStrategy(parallel, depth=CHAIN), False),
+        (f"parallel chain K={CHAIN} (stochastic)", ParallelDraftStrategy(parallel, depth=CHAIN, rule="stochastic"),
+         False),
+        *[(f"parallel tree {n} nodes", ParallelDraftStrategy(parallel, max_nodes=n), False) for n in (8, 16)],
+        ("draft chain adaptive (K<=8, coupled)", DraftModelStrategy(draft, (1,) * 8), True),
+        ("parallel tree adaptive (<=16 nodes)", ParallelDraftStrategy(parallel, max_nodes=16), True),
+    ]  # fmt: skip
+    methods = [lambda ps, s=s, label=label, a=a: decode_all(target, s, label, ps, new_tokens, temperature=1.0,
+                                                            adaptive=a) for label, s, a in plan]  # fmt: skip
+    runs = interleaved(methods, prompts, device, repeats)
+    base, chain = runs[0], runs[1]
+    table = Table(
+        f"Parallel drafting, temperature 1 (seeded), embedded pair, {device}, batch 1, {len(prompts)} prompts x "
+        f"{new_tokens} tokens, fastest of {repeats} (interleaved)",
+        ["decoding", "tokens/s", "vs AR", "vs draft chain K=5", "tau", "identical to AR (seeded)"],
+    )
+    for r in runs:
+        same = all(first_difference(a, b) is None for a, b in zip(r.tokens, base.tokens))
+        table.add(r.label, r.tokens_per_s, f"{r.tokens_per_s / base.tokens_per_s:.2f}x",
+                  f"{r.tokens_per_s / chain.tokens_per_s:.2f}x", f"{r.tau:.2f}", "yes" if same else "no")  # fmt: skip
+    tables.append((table, "e2e_parallel_t1"))
+
+    plan = [("autoregressive", NoDraft()), *parallel_plan(target, draft, chains=False, eagle=False)]
+    methods = [lambda ps, s=s, label=label: decode_batch(target, s, label, ps[0], new_tokens) for label, s in plan]
+    runs = interleaved(methods, [batch_prompts], device, repeats)
+    base, chain = runs[0], runs[1]
+    table = Table(
+        f"Parallel drafting, greedy, embedded pair, {device}, batch {len(batch_prompts)}, {new_tokens} tokens each, "
+        f"fastest of {repeats} (interleaved)",
+        ["decoding", "tokens/s", "vs AR", "vs draft chain K=5", "tokens per request-step", "identical to AR"],
+    )
+    for r in runs:
+        same = all(first_difference(a, b) is None for a, b in zip(r.tokens, base.tokens))
+        table.add(r.label, r.tokens_per_s, f"{r.tokens_per_s / base.tokens_per_s:.2f}x",
+                  f"{r.tokens_per_s / chain.tokens_per_s:.2f}x", f"{r.tau:.2f}", "yes" if same else "NO")  # fmt: skip
+    tables.append((table, "e2e_parallel_batch"))
+    return tables
