@@ -28,7 +28,7 @@ TREE = (3, 2, 1, 1, 1)  # depth 5 like the chain; 28 nodes keep the CPU verify f
 ADAPTIVE_CHAIN = 8  # the longest chain the adaptive row may draft (it picks each step's length)
 PARALLEL = ASSETS.parent / "parallel"  # the parallel draft (PARD) trained for the embedded target
 PARALLEL_CHAIN = 5  # the parallel draft's chain length
-PARALLEL_TREE = dict(max_nodes=32)  # its best-first tree (ParallelDraftStrategy options; depth: the block size)
+PARALLEL_TREE = dict(max_nodes=8)  # its best-first tree (ParallelDraftStrategy options; depth: the block size)
 
 
 def strategies(draft, tree_rule: str = "deterministic") -> list[tuple[str, object]]:
