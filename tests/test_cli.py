@@ -29,6 +29,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
         (["--eagle", str(PAIR.parent / "eagle"), "--tree-budget", "12", "--depth", "4", "--eagle-top-k", "2"],
          "[EAGLE-2 (budget 12, depth 4, top-k 2)]"),
         (["--eagle", str(PAIR.parent / "eagle"), "--static-tree", "--tree-budget", "8"], "[EAGLE-1 (8 nodes)]"),
+        (["--eagle", str(PAIR.parent / "eagle3"), "--tree-budget", "12", "--depth", "4", "--eagle-top-k", "2"],
+         "[EAGLE-2 (EAGLE-3 head, budget 12, depth 4, top-k 2)]"),
     ],
 )  # fmt: skip
 def test_generate_streams_and_summarises(strategy, label):

@@ -17,7 +17,7 @@ from sampling_helpers import model_joint
 from sync_counter import events_per_step, run_under_sync_debug_error
 
 from specdec import use_backend
-from specdec.decoding import SpeculativeDecoder
+from specdec.decoding import NoDraft, SpeculativeDecoder
 from specdec.decoding.autoregressive import generate as autoregressive_generate
 from specdec.decoding.eagle import EagleStrategy
 from specdec.kernels import build_tree_metadata
@@ -358,14 +358,17 @@ def test_cuda_graph_replays_return_the_layers_streams():
         assert forward().shape == (5, HIDDEN)
 
 
-def test_eagle_strategies_ask_the_target_for_what_their_head_reads():
+def test_decoders_sharing_a_target_each_get_the_features_their_strategy_reads():
+    """The engine sets the target's features before each of its steps: an EAGLE-3 decoder, an EAGLE-2 decoder and
+    a plain one on one target, interleaved, each decode the target's greedy tokens."""
     target = random_model(tiny_config(vocab_size=48, num_layers=4), seed=0)
     eagle3 = SpeculativeDecoder(target, EagleStrategy(random_eagle3_head(target, 1), tree_budget=6, depth=2, top_k=2))
-    assert target.feature_layers == (0, 2, 3)
-    SpeculativeDecoder(target, EagleStrategy(random_eagle_head(target, 2), tree_budget=6, depth=2, top_k=2))
-    assert target.feature_layers is None
-    with pytest.raises(ValueError, match=r"call target.output_layer_features\(head.feature_layers\)"):
-        eagle3.generate([[1, 2, 3]], max_new_tokens=3, eos_token_id=None)
+    eagle2 = SpeculativeDecoder(target, EagleStrategy(random_eagle_head(target, 2), tree_budget=6, depth=2, top_k=2))
+    plain = SpeculativeDecoder(target, NoDraft())
+    expected = plain.generate([[1, 2, 3]], max_new_tokens=8, eos_token_id=None).tokens
+    for decoder, layers in ((eagle3, (0, 2, 3)), (eagle2, None), (eagle3, (0, 2, 3)), (plain, None)):
+        assert decoder.generate([[1, 2, 3]], max_new_tokens=8, eos_token_id=None).tokens == expected
+        assert target.feature_layers == layers
 
 
 # ---- drafting: exactly the target's output ------------------------------------------------------------------

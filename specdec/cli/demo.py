@@ -4,11 +4,11 @@ The pair (``specdec/assets/pair``, loaded by ``specdec.testing``) is a small LLa
 one-layer draft distilled from it, both trained on the Python standard library.
 The demo completes held-out code prompts with plain autoregressive decoding, a greedy draft
 chain, a draft token tree, n-gram (prompt lookup) drafts, the target's Medusa heads
-(``specdec/assets/medusa``, no draft model), EAGLE-2 (the EAGLE head shipped in
-``specdec/assets/eagle``) and the parallel draft (``specdec/assets/parallel``, PARD: one draft
-forward proposes a chain, or a best-first tree); checks that every speculative output equals the
-target's own greedy output token for token; and prints tokens/s, speedup, tau (tokens per target
-forward) and the draft acceptance rate.
+(``specdec/assets/medusa``, no draft model), EAGLE-2 over the EAGLE head and the EAGLE-3 head
+(``specdec/assets/eagle``, ``specdec/assets/eagle3``) and the parallel draft
+(``specdec/assets/parallel``, PARD: one draft forward proposes a chain, or a best-first tree);
+checks that every speculative output equals the target's own greedy output token for token; and
+prints tokens/s, speedup, tau (tokens per target forward) and the draft acceptance rate.
 """
 
 from __future__ import annotations
@@ -53,15 +53,19 @@ def strategies(draft, tree_rule: str = "deterministic") -> list[tuple[str, objec
 EAGLE = dict(tree_budget=12, depth=5, top_k=2, confidence_temperature=0.3)
 
 
-def eagle_row(target, assets: str | Path = ASSETS, **options) -> tuple[str, object]:
-    """(label, EagleStrategy) with the EAGLE head shipped for the embedded target; ``options`` override ``EAGLE``."""
+def eagle_row(target, assets: str | Path = ASSETS, *, eagle3: bool = False, **options) -> tuple[str, object]:
+    """(label, EagleStrategy) with the EAGLE head shipped for the embedded target (``eagle3``: the EAGLE-3 head,
+    ``specdec/assets/eagle3``); ``options`` override ``EAGLE``."""
     from specdec.decoding.eagle import EagleStrategy
     from specdec.model.eagle import EagleHead
+    from specdec.model.eagle3 import Eagle3Head
 
-    head = EagleHead.from_pretrained(Path(assets).parent / "eagle", target)
+    loader, directory = (Eagle3Head, "eagle3") if eagle3 else (EagleHead, "eagle")
+    head = loader.from_pretrained(Path(assets).parent / directory, target)
     options = {**EAGLE, **options}
     strategy = EagleStrategy(head, **options)
     kind = "EAGLE-1" if options.get("static_tree") else "EAGLE-2"
+    kind += " (EAGLE-3 head)" if eagle3 else ""
     return f"{kind} {options['tree_budget']} nodes, depth {options['depth']}", strategy
 
 
@@ -242,7 +246,8 @@ def _demo(device, num_prompts, max_new_tokens, show, assets, out) -> int:
     from specdec.decoding import DraftModelStrategy
 
     # Every row drafts its labelled size but the last, which adapts each step's chain length (0 = plain).
-    rows = [*strategies(draft), medusa_row(target), eagle_row(target, assets), *parallel_rows(target, assets)]
+    rows = [*strategies(draft), medusa_row(target), eagle_row(target, assets), eagle_row(target, assets, eagle3=True),
+            *parallel_rows(target, assets)]  # fmt: skip
     plan = [(label, s, False) for label, s in rows]
     plan.append((f"draft chain adaptive (K<={ADAPTIVE_CHAIN})", DraftModelStrategy(draft, (1,) * ADAPTIVE_CHAIN), True))
     # Warm-up: first calls pay one-off costs (allocations, kernel selection) that are not decoding speed.

@@ -116,12 +116,14 @@ EAGLE_FLAGS = {"tree_budget": "--tree-budget", "depth": "--depth", "top_k": "--e
 
 
 def eagle_strategy(args: argparse.Namespace, target):
-    """``EagleStrategy`` from --eagle DIR and its flags; refusals name the flag."""
+    """``EagleStrategy`` from --eagle DIR (an EAGLE-1/2 head, or an EAGLE-3 head when its config says so) and its
+    flags; refusals name the flag."""
     from specdec.decoding.eagle import EagleStrategy
     from specdec.model.eagle import EagleHead
+    from specdec.model.eagle3 import Eagle3Head, is_eagle3_checkpoint
 
     with loading("--eagle", args.eagle):
-        head = EagleHead.from_pretrained(args.eagle, target)
+        head = (Eagle3Head if is_eagle3_checkpoint(args.eagle) else EagleHead).from_pretrained(args.eagle, target)
     try:
         return EagleStrategy(
             head, tree_budget=args.tree_budget, depth=args.depth, top_k=args.eagle_top_k,

@@ -21,10 +21,9 @@ Trees. EAGLE-1 (``static_tree``): fixed top-k index paths (``StaticTree``), node
 confident nodes of the level before, each with its ``top_k`` best children, and the ``tree_budget - 1``
 most confident drafted nodes form the tree (``eagle_trees``), chosen on the device (``DeviceTrees``).
 
-Children are the head's best tokens, not samples: verification uses the deterministic rule, so
-greedy requests get the target's greedy tokens and sampled requests the target's distribution
-exactly, whatever the head proposes. Drafting draws no random numbers (no seed salt needed). An ``Eagle3Head``
-reads the target's layers (``attach`` asks for them); its draft ids are mapped to target ids as drafted.
+Children are the head's best tokens, not samples: the deterministic rule verifies them, so outputs are the target's
+(greedy, or exactly its distribution). An ``Eagle3Head`` reads the target's layers (``feature_layers``, the
+contract's item 4); its draft ids are mapped to target ids as drafted.
 """
 
 from __future__ import annotations
@@ -110,9 +109,14 @@ class EagleStrategy(BaseStrategy):
 
     @property
     def name(self) -> str:
+        head = "EAGLE-3 head, " if self.head.feature_layers else ""
         if self.static is not None:
-            return f"EAGLE-1 ({self.static.size} nodes)"
-        return f"EAGLE-2 (budget {self.tree_budget}, depth {self.depth}, top-k {self.top_k})"
+            return f"EAGLE-1 ({head}{self.static.size} nodes)"
+        return f"EAGLE-2 ({head}budget {self.tree_budget}, depth {self.depth}, top-k {self.top_k})"
+
+    @property
+    def feature_layers(self) -> tuple[int, ...] | None:
+        return self.head.feature_layers  # EAGLE-3 reads the target's layers; EAGLE-1/2 its final norm
 
     @property
     def max_nodes(self) -> int:
@@ -128,11 +132,8 @@ class EagleStrategy(BaseStrategy):
 
     def attach(self, target) -> None:
         if self.head.target is not target:
-            raise ValueError(
-                "head was built for another target model: load it with EagleHead.from_pretrained(path, target) "
-                "for the target it drafts for (it reads that target's features and shares its LM head)"
-            )
-        target.output_layer_features(self.head.feature_layers)  # EAGLE-3: its layers; else the final norm's
+            raise ValueError("head was built for another target model: load it with EagleHead.from_pretrained(path, "
+                             "target) for the target it drafts (it reads its features and LM head)")  # fmt: skip
 
     def prefill(self, prefill: Prefill) -> None:
         """Allocate the head cache for every slot, then ``join`` the requests of the non-empty prompts."""
@@ -353,11 +354,10 @@ class EagleStrategy(BaseStrategy):
 def _static_levels(tree: StaticTree):
     """Per level of a static tree (host tensors): what ``_draft_static`` gathers and feeds.
 
-    Returns (choose, fed, masks): ``choose[l] = (take, parent_slot, widest)`` where the level-(l+1)
-    nodes' tokens are ``topk(parents' logits).view(R, -1)[:, take]`` (take = parent slot * widest + rank)
-    and ``parent_slot`` is each node's slot among the fed nodes of the level above; ``fed[l]``: the
-    level-(l+1) nodes with children (positions within the level), fed in that order; ``masks[l]``:
-    their ancestor-or-self rows over every fed node, in head-cache order.
+    Returns (choose, fed, masks): ``choose[l] = (take, parent_slot, widest)``: the level-(l+1) nodes' tokens are
+    ``topk(parents' logits).view(R, -1)[:, take]`` (take = parent slot * widest + rank), ``parent_slot`` each node's
+    slot among the fed nodes above; ``fed[l]``: the level-(l+1) nodes with children (positions within the level),
+    fed in that order; ``masks[l]``: their ancestor-or-self rows over every fed node, in head-cache order.
     """
     depth, parents, rank = tree.depth, tree.parents, tree.rank
     by_level = [[i for i in range(tree.size) if depth[i] == d] for d in range(1, tree.max_depth + 1)]

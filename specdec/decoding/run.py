@@ -94,6 +94,7 @@ class DecodeRun:
     def __init__(self, target, strategy: Strategy, hooks: StrategyHooks, *, batch_size: int, max_len: int,
                  cache_spec: CacheSpec, adaptive: AdaptiveSpeculation | None):  # fmt: skip
         self.target, self.strategy, self.hooks = target, strategy, hooks
+        self.feature_layers = getattr(strategy, "feature_layers", None)  # the features the strategy reads
         self.batch_size, self.max_len, self.cache_spec = batch_size, max_len, cache_spec
         self.device = self.target.device
         pool = {} if cache_spec.num_blocks is None else {"num_blocks": cache_spec.num_blocks}
@@ -139,6 +140,8 @@ class DecodeRun:
     def step(self, joining: list[tuple[int, Request, RequestStats]] = ()) -> StepOutput:
         """One step: the joining requests' (slot, request, stats) prefill and first token, the running requests'
         trees; one read-back for both. Returns slots in ``StepOutput`` (the engine maps them to request ids)."""
+        if self.target.feature_layers != self.feature_layers:  # another decoder on this target read other features
+            self.target.output_layer_features(self.feature_layers)
         joined = self._join(joining) if joining else None
         ended = self._schedule()
         decoded = self._decode() if self.running else None

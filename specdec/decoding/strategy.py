@@ -43,8 +43,10 @@ defaults of the hooks it lacks (``StrategyHooks.of``).
    with a salt of your own for draws independent of verification (``rule="stochastic"``), so a
    request's tokens depend on its own seed only, never on the batch or the depths.
 4. Features: ``Prefill.hidden`` and ``StepResult.hidden`` are the target's final-norm hidden
-   states of the rows it just ran (what Medusa heads and EAGLE read), or the layers' streams a strategy
-   asked for in ``attach`` (``LlamaModel.output_layer_features``: EAGLE-3); they stay on the device.
+   states of the rows it just ran (what Medusa heads and EAGLE read), or, for a strategy whose
+   ``feature_layers`` names target layers (EAGLE-3), those layers' incoming residual streams concatenated
+   (``LlamaModel.output_layer_features``, set by the engine before each of its target forwards); they stay
+   on the device.
 5. No host synchronisation: build tensors on the host from the host lists the engine gives
    (``StepContext``), send them with ``specdec._transfer.to_device``, and never read a device
    value back (no ``.item()``, ``.tolist()``, ``.cpu()``, ``nonzero()``, ``bool(tensor)``).
@@ -208,6 +210,8 @@ class BaseStrategy:
     # None: the strategy cannot say a tree's size before proposing it; a subclass may define the method
     # ``draft_nodes(depth) -> int`` instead.
     draft_nodes: Callable[[int], int] | None = None
+    # None: the target's final-norm hidden states as features; a tuple of layer indices: their streams (item 4).
+    feature_layers: tuple[int, ...] | None = None
     # None: requests cannot join a running batch (the engine admits whole batches); a subclass may define the
     # method ``join(prefill: Prefill) -> None`` instead (module docstring, item 8).
     join: Callable[[Prefill], None] | None = None

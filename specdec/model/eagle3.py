@@ -52,6 +52,13 @@ EMBEDDING = "embed_tokens.weight"
 VOCABULARY_MAP = ("d2t", "t2d")
 
 
+def is_eagle3_checkpoint(path: str | Path) -> bool:
+    """Whether the head checkpoint at ``path`` is an EAGLE-3 head (its config names the EAGLE-3 architecture or a
+    draft vocabulary): how ``--eagle DIR`` tells EAGLE-3 from EAGLE-1/2 heads."""
+    hf = read_config_json(Path(path))
+    return hf.get("architectures") == ["LlamaForCausalLMEagle3"] or "draft_vocab_size" in hf
+
+
 def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
     """The authors' feature layers of a target of ``num_layers`` layers: the streams entering layers 2, L // 2
     and L - 3 (low, middle, high)."""
@@ -173,8 +180,7 @@ class Eagle3Head(nn.Module):
             raise ValueError(
                 f"the target's hidden states have shape {tuple(hidden.shape)}; this EAGLE-3 head reads its layers "
                 f"{self.feature_layers} concatenated ({width} wide): call "
-                "target.output_layer_features(head.feature_layers) (EagleStrategy.attach does; another decoder on "
-                "the same target may have changed it since)"
+                "target.output_layer_features(head.feature_layers) first (the engine does before its steps)"
             )
         return linear_for(hidden)(hidden, self.fc.weight)
 
