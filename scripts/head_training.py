@@ -188,3 +188,23 @@ class TrainingData:
                 seq = self.window()
             rows.append(seq)
         return torch.tensor(rows, dtype=torch.long)
+
+
+def report_header(script: str, argv, args, corpus: Corpus, greedy, prompt_lens, heldout: HeldOut) -> dict:
+    """The fields every training report opens with: the command, seed, threads, torch, corpus, training data and
+    held-out set (a script adds its own fields after them)."""
+    return {
+        "command": f"python scripts/{script}" + (" " + " ".join(argv or sys.argv[1:])).rstrip(),
+        "seed": args.seed,
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "corpus": corpus.summary(),
+        "training_data": {
+            "greedy_sequences": len(greedy),
+            "greedy_tokens_generated": sum(len(s) - p for s, p in zip(greedy, prompt_lens)),
+            "greedy_share_of_rows": args.greedy_share,
+            "seq_len": args.seq_len,
+            "batch": args.batch,
+        },
+        "heldout": {"sequences": len(heldout.sequences), "generated_tokens": heldout.generated_tokens},
+    }

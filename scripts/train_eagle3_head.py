@@ -67,6 +67,7 @@ from head_training import (
     load_corpus,
     load_targets,
     prepare_data,
+    report_header,
     specdec_features,
 )
 from torch import nn
@@ -416,20 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     ratio = taus["eagle3"]["tau"] / taus["eagle2 (eagle_row)"]["tau"]
     eval_minutes = (time.perf_counter() - t_eval) / 60
     steps_run = len(step_times)
-    report = {
-        "command": "python scripts/train_eagle3_head.py" + (" " + " ".join(argv or sys.argv[1:])).rstrip(),
-        "seed": args.seed,
-        "threads": args.threads,
-        "torch": torch.__version__,
-        "corpus": corpus.summary(),
-        "training_data": {
-            "greedy_sequences": len(greedy),
-            "greedy_tokens_generated": sum(len(s) - p for s, p in zip(greedy, prompt_lens)),
-            "greedy_share_of_rows": args.greedy_share,
-            "seq_len": args.seq_len,
-            "batch": args.batch,
-        },
-        "heldout": {"sequences": len(heldout.sequences), "generated_tokens": heldout.generated_tokens},
+    report = report_header("train_eagle3_head.py", argv, args, corpus, greedy, prompt_lens, heldout)
+    report |= {
         "features": {
             "target_layers": list(layers),
             "max_abs_gap_transformers_vs_output_layer_features": feature_gap,

@@ -54,6 +54,7 @@ from head_training import (
     load_corpus,
     load_targets,
     prepare_data,
+    report_header,
 )
 from torch import nn
 from train_embedded_pair import lr_at
@@ -310,20 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     shipped = shipped_head_agreement(out, target, heldout, depth=5, stride=1)
     eval_minutes = (time.perf_counter() - t_eval) / 60
     steps_run = len(step_times)
-    report = {
-        "command": "python scripts/train_eagle_head.py" + (" " + " ".join(argv or sys.argv[1:])).rstrip(),
-        "seed": args.seed,
-        "threads": args.threads,
-        "torch": torch.__version__,
-        "corpus": corpus.summary(),
-        "training_data": {
-            "greedy_sequences": len(greedy),
-            "greedy_tokens_generated": sum(len(s) - p for s, p in zip(greedy, prompt_lens)),
-            "greedy_share_of_rows": args.greedy_share,
-            "seq_len": args.seq_len,
-            "batch": args.batch,
-        },
-        "heldout": {"sequences": len(heldout.sequences), "generated_tokens": heldout.generated_tokens},
+    report = report_header("train_eagle_head.py", argv, args, corpus, greedy, prompt_lens, heldout)
+    report |= {
         "head": {
             "parameters_trained": sum(p.numel() for p in params),
             "intermediate_size": args.intermediate,

@@ -40,6 +40,7 @@ from head_training import (
     load_corpus,
     load_targets,
     prepare_data,
+    report_header,
 )
 from train_embedded_pair import lr_at
 
@@ -164,20 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     heads.to(torch.bfloat16).save_pretrained(out)
     shipped = agreement(MedusaHeads.from_pretrained(out, target), heldout)
     steps_run = len(step_times)
-    report = {
-        "command": "python scripts/train_medusa_heads.py" + (" " + " ".join(argv or sys.argv[1:])).rstrip(),
-        "seed": args.seed,
-        "threads": args.threads,
-        "torch": torch.__version__,
-        "corpus": corpus.summary(),
-        "training_data": {
-            "greedy_sequences": len(greedy),
-            "greedy_tokens_generated": sum(len(s) - p for s, p in zip(greedy, prompt_lens)),
-            "greedy_share_of_rows": args.greedy_share,
-            "seq_len": args.seq_len,
-            "batch": args.batch,
-        },
-        "heldout": {"sequences": len(heldout.sequences), "generated_tokens": heldout.generated_tokens},
+    report = report_header("train_medusa_heads.py", argv, args, corpus, greedy, prompt_lens, heldout)
+    report |= {
         "heads": {
             "num_heads": args.heads,
             "num_layers": 1,

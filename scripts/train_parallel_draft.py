@@ -50,7 +50,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from head_training import ROOT, TARGET_DIR, HeldOut, TrainingData, load_corpus, load_targets, prepare_data
+from head_training import (
+    ROOT,
+    TARGET_DIR,
+    HeldOut,
+    TrainingData,
+    load_corpus,
+    load_targets,
+    prepare_data,
+    report_header,
+)
 from torch import nn
 from train_embedded_pair import lr_at
 
@@ -380,21 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     ar = heldout_metrics(load_draft(AR_DRAFT_DIR), heldout, None, K)
     eval_minutes = (time.perf_counter() - t_eval) / 60
     steps_run = len(step_times)
-    report = {
-        "command": "python scripts/train_parallel_draft.py" + (" " + " ".join(argv or sys.argv[1:])).rstrip(),
-        "seed": args.seed,
-        "threads": args.threads,
-        "torch": torch.__version__,
-        "corpus": corpus.summary(),
-        "training_data": {
-            "greedy_sequences": len(greedy),
-            "greedy_tokens_generated": sum(len(s) - p for s, p in zip(greedy, prompt_lens)),
-            "greedy_share_of_rows": args.greedy_share,
-            "seq_len": args.seq_len,
-            "batch": args.batch,
-            "anchors_per_window": args.anchors,
-        },
-        "heldout": {"sequences": len(heldout.sequences), "generated_tokens": heldout.generated_tokens},
+    report = report_header("train_parallel_draft.py", argv, args, corpus, greedy, prompt_lens, heldout)
+    report["training_data"]["anchors_per_window"] = args.anchors
+    report |= {
         "draft": {
             "initialised_from": "specdec/assets/pair/draft (mask row: the mean embedding)",
             "parameters": sum(p.numel() for p in params),
