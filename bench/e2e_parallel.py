@@ -37,9 +37,8 @@ def load_parallel(target) -> ParallelDraft:
                                          device=target.device)  # fmt: skip
 
 
-def parallel_plan(target, draft, *, chains=True, eagle=True) -> list[tuple[str, object]]:
-    """(label, strategy) rows: the draft chain, EAGLE-2, the parallel draft's chains and trees."""
-    parallel = load_parallel(target)
+def parallel_plan(target, draft, parallel, *, chains=True, eagle=True) -> list[tuple[str, object]]:
+    """(label, strategy) rows: the draft chain, EAGLE-2, the parallel draft's (``parallel``) chains and trees."""
     plan = [(f"draft chain K={CHAIN}", DraftModelStrategy(draft, (1,) * CHAIN))]
     if eagle:
         plan.append(eagle_row(target))
@@ -63,11 +62,23 @@ def decode_batch(target, strategy, label: str, prompts: list[list[int]], new_tok
     return Run(label, result.tokens, seconds, totals[0], steps * len(prompts), totals[1], totals[2])
 
 
+def ratio_table(title: str, runs: list[Run], tau_column: str, identical_column: str, differs: str) -> Table:
+    """A table of ``runs`` (autoregressive first, the draft chain second): tokens/s, both ratios, tau, and whether each
+    row's tokens equal the first row's (``differs`` marks those that do not)."""
+    base, chain = runs[0], runs[1]
+    table = Table(title, ["decoding", "tokens/s", "vs AR", "vs draft chain K=5", tau_column, identical_column])
+    for r in runs:
+        same = all(first_difference(a, b) is None for a, b in zip(r.tokens, base.tokens))
+        ratios = (f"{r.tokens_per_s / base.tokens_per_s:.2f}x", f"{r.tokens_per_s / chain.tokens_per_s:.2f}x")
+        table.add(r.label, r.tokens_per_s, *ratios, f"{r.tau:.2f}", "yes" if same else differs)
+    return table
+
+
 def parallel_tables(target, draft, prompts, batch_prompts, new_tokens: int, device: str, repeats: int) -> list:
     """The three tables (module docstring); returns them as ``(Table, file name)`` pairs."""
     tables = []
-    plan = [(label, s, False) for label, s in [("autoregressive", NoDraft()), *parallel_plan(target, draft)]]
     parallel = load_parallel(target)
+    plan = [(label, s, False) for label, s in [("autoregressive", NoDraft()), *parallel_plan(target, draft, parallel)]]
     plan += [("draft chain adaptive (K<=8)", DraftModelStrategy(draft, (1,) * 8), True),
              ("parallel tree adaptive (<=16 nodes)", ParallelDraftStrategy(parallel, max_nodes=16), True)]  # fmt: skip
     for _, strategy, adaptive in plan:  # warm-up: first calls pay one-off costs
@@ -75,17 +86,9 @@ def parallel_tables(target, draft, prompts, batch_prompts, new_tokens: int, devi
     methods = [lambda ps, s=s, label=label, a=a: decode_all(target, s, label, ps, new_tokens, adaptive=a)
                for label, s, a in plan]  # fmt: skip
     runs = interleaved(methods, prompts, device, repeats)
-    base, chain = runs[0], runs[1]
-    table = Table(
-        f"Parallel drafting, greedy, embedded pair, {device}, batch 1, {len(prompts)} held-out prompts x {new_tokens} "
-        f"tokens, fastest of {repeats} (interleaved)",
-        ["decoding", "tokens/s", "vs AR", "vs draft chain K=5", "tau", "identical to AR"],
-    )
-    for r in runs:
-        same = all(first_difference(a, b) is None for a, b in zip(r.tokens, base.tokens))
-        table.add(r.label, r.tokens_per_s, f"{r.tokens_per_s / base.tokens_per_s:.2f}x",
-                  f"{r.tokens_per_s / chain.tokens_per_s:.2f}x", f"{r.tau:.2f}", "yes" if same else "NO")  # fmt: skip
-    tables.append((table, "e2e_parallel"))
+    title = (f"Parallel drafting, greedy, embedded pair, {device}, batch 1, {len(prompts)} held-out prompts x "
+             f"{new_tokens} tokens, fastest of {repeats} (interleaved)")  # fmt: skip
+    tables.append((ratio_table(title, runs, "tau", "identical to AR", "NO"), "e2e_parallel"))
 
     plan = [
         ("autoregressive", NoDraft(), False),
@@ -101,30 +104,14 @@ def parallel_tables(target, draft, prompts, batch_prompts, new_tokens: int, devi
     methods = [lambda ps, s=s, label=label, a=a: decode_all(target, s, label, ps, new_tokens, temperature=1.0,
                                                             adaptive=a) for label, s, a in plan]  # fmt: skip
     runs = interleaved(methods, prompts, device, repeats)
-    base, chain = runs[0], runs[1]
-    table = Table(
-        f"Parallel drafting, temperature 1 (seeded), embedded pair, {device}, batch 1, {len(prompts)} prompts x "
-        f"{new_tokens} tokens, fastest of {repeats} (interleaved)",
-        ["decoding", "tokens/s", "vs AR", "vs draft chain K=5", "tau", "identical to AR (seeded)"],
-    )
-    for r in runs:
-        same = all(first_difference(a, b) is None for a, b in zip(r.tokens, base.tokens))
-        table.add(r.label, r.tokens_per_s, f"{r.tokens_per_s / base.tokens_per_s:.2f}x",
-                  f"{r.tokens_per_s / chain.tokens_per_s:.2f}x", f"{r.tau:.2f}", "yes" if same else "no")  # fmt: skip
-    tables.append((table, "e2e_parallel_t1"))
+    title = (f"Parallel drafting, temperature 1 (seeded), embedded pair, {device}, batch 1, {len(prompts)} prompts x "
+             f"{new_tokens} tokens, fastest of {repeats} (interleaved)")  # fmt: skip
+    tables.append((ratio_table(title, runs, "tau", "identical to AR (seeded)", "no"), "e2e_parallel_t1"))
 
-    plan = [("autoregressive", NoDraft()), *parallel_plan(target, draft, chains=False, eagle=False)]
+    plan = [("autoregressive", NoDraft()), *parallel_plan(target, draft, parallel, chains=False, eagle=False)]
     methods = [lambda ps, s=s, label=label: decode_batch(target, s, label, ps[0], new_tokens) for label, s in plan]
     runs = interleaved(methods, [batch_prompts], device, repeats)
-    base, chain = runs[0], runs[1]
-    table = Table(
-        f"Parallel drafting, greedy, embedded pair, {device}, batch {len(batch_prompts)}, {new_tokens} tokens each, "
-        f"fastest of {repeats} (interleaved)",
-        ["decoding", "tokens/s", "vs AR", "vs draft chain K=5", "tokens per request-step", "identical to AR"],
-    )
-    for r in runs:
-        same = all(first_difference(a, b) is None for a, b in zip(r.tokens, base.tokens))
-        table.add(r.label, r.tokens_per_s, f"{r.tokens_per_s / base.tokens_per_s:.2f}x",
-                  f"{r.tokens_per_s / chain.tokens_per_s:.2f}x", f"{r.tau:.2f}", "yes" if same else "NO")  # fmt: skip
-    tables.append((table, "e2e_parallel_batch"))
+    title = (f"Parallel drafting, greedy, embedded pair, {device}, batch {len(batch_prompts)}, {new_tokens} tokens "
+             f"each, fastest of {repeats} (interleaved)")  # fmt: skip
+    tables.append((ratio_table(title, runs, "tokens per request-step", "identical to AR", "NO"), "e2e_parallel_batch"))
     return tables
