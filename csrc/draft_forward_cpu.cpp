@@ -1,6 +1,6 @@
-// A small LLaMA-style draft model's forwards on the CPU without leaving C++ (specdec/model/draft_forward_cpu.py is
-// the Python side): a greedy chain's K forwards with their argmax feedback in one call, or one forward of causal
-// rows or of a token tree's newest level.
+// A small LLaMA-style draft's forwards on the CPU without leaving C++ (specdec/model/draft_forward_cpu.py is the
+// Python side): a greedy chain's K forwards with their argmax feedback in one call, one forward of causal rows or of
+// a token tree's newest level, and the same forward for an EAGLE head, whose rows enter as feature rows, not tokens.
 //
 // Why: a 1-layer draft's forward is a few small GEMMs and ~40 tiny ops; from Python each op costs more to
 // dispatch than to compute, and the step around each forward (positions, the attention plan, the cache's
@@ -8,7 +8,7 @@
 // skinny-GEMM kernel where the caller packed a weight for it (the model's own policy, cpu_linear.py), and the
 // rest -- RMSNorm, RoPE, the K/V write, attention over the cache, SwiGLU, the argmax feedback -- are
 // plain loops over rows, in float arithmetic, rounded to the model dtype where the PyTorch path rounds.
-// The results equal LlamaModel.forward's up to float rounding, not bit for bit: drafts only propose, the
+// The results equal the PyTorch forward's up to float rounding, not bit for bit: drafts only propose, the
 // target's verification decides, so the output of speculative decoding is the same either way.
 //
 // Shared arguments:
@@ -34,6 +34,12 @@
 //   the rows are a token tree's newest level: each sees every position before tree_start and, after it, the ones
 //   its mask row marks (bit k: tree_start + k), rotated by positions. logits [R * kept, V]: the last `kept` rows of
 //   each request.
+// head_forward_cpu(residual [R * n, H] in/out, first_input? [R * n, Din], first_norm, slots, positions [R, n] int64,
+//   tree_mask?, tree_start?, kept, layer_weights, layer_biases, final_norm?, lm_head, ..., logits out): the same
+//   forward for an EAGLE head: its rows enter as the residual stream (the head's fc output), updated in place to the
+//   stream after the last layer (the predicted features). Layer 0's q/k/v read first_input where given (EAGLE-3's
+//   [embedding, feature] rows), else the residual, normalised by layer 0's input norm if first_norm (else its
+//   layer_weights entry is not read). The kept rows pass the final norm where given, then the LM head.
 
 #include "skinny_linear.h"
 
@@ -174,32 +180,43 @@ void rotate_head(scalar_t* x, const scalar_t* cos, const scalar_t* sin, int64_t 
   }
 }
 
-// One forward of `rows_in.n` rows per request (Rows) through every layer; returns the final-normed last `kept` rows
-// of each request ([R * kept, H]).
+// The stream's input to one forward: the residual rows [T, H] (updated in place through every layer) and what
+// layer 0's q/k/v read. A draft model's rows are its token embeddings, normalised by layer 0's input norm; an
+// EAGLE head's rows come from its fc, read as they are (EAGLE-1) or beside the normalised embedding (EAGLE-3's
+// [T, 2 H] first_input).
+struct Stream {
+  at::Tensor residual;
+  const at::Tensor* first_input = nullptr;  // [T, Din]: layer 0's attention input, in place of the normalised rows
+  bool first_norm = true;                   // without first_input: layer 0 normalises the residual (else reads it)
+  const at::Tensor* final_norm = nullptr;   // the kept rows' norm; none: they leave as the residual stream
+};
+
+// One forward of `rows_in.n` rows per request (Rows) through every layer; returns the last `kept` rows of each
+// request ([R * kept, H]) after the final norm, or as the residual stream without one.
 template <typename scalar_t>
-at::Tensor forward_rows(const at::Tensor& tokens, const Rows& rows_in, int64_t kept, const std::vector<int64_t>& slots,
-                        const at::Tensor& embed,
+at::Tensor forward_rows(Stream& in, const Rows& rows_in, int64_t kept, const std::vector<int64_t>& slots,
                         const std::vector<at::Tensor>& weights, const std::vector<c10::optional<at::Tensor>>& biases,
-                        const Packs& packs, const at::Tensor& final_norm, const at::Tensor& rotary, scalar_t* cache,
-                        const CacheRows& rows, const Geometry& g, double eps, double scale) {
+                        const Packs& packs, const at::Tensor& rotary, scalar_t* cache, const CacheRows& rows,
+                        const Geometry& g, double eps, double scale) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t n = rows_in.n, R = static_cast<int64_t>(slots.size()), T = R * n, H = g.hidden, D = g.head_dim;
   const int64_t Hq = g.heads, Hkv = g.kv_heads, group = Hq / Hkv, width = (Hq + 2 * Hkv) * D;
-  at::Tensor residual = at::embedding(embed, tokens).contiguous();  // [T, H], a new tensor
+  at::Tensor& residual = in.residual;
   at::Tensor normed = at::empty_like(residual);
   at::Tensor attn = at::empty({T, Hq * D}, residual.options());
   at::Tensor act = at::empty({T, g.inter}, residual.options());
   scalar_t* res = residual.data_ptr<scalar_t>();
   scalar_t* nrm = normed.data_ptr<scalar_t>();
   const scalar_t* table = rotary.data_ptr<scalar_t>();  // [P, 2, D]
-  rms_norm_rows(res, weights[0].data_ptr<scalar_t>(), nrm, T, H, eps);
+  if (in.first_input == nullptr && in.first_norm) rms_norm_rows(res, weights[0].data_ptr<scalar_t>(), nrm, T, H, eps);
+  const at::Tensor& first_input = in.first_input != nullptr ? *in.first_input : in.first_norm ? normed : residual;
   int64_t max_context = 0;
   for (int64_t t = 0; t < T; ++t) max_context = std::max(max_context, rows_in.context(t));
   for (int64_t l = 0; l < g.layers; ++l) {
     const at::Tensor* w = weights.data() + l * kWeightsPerLayer;
     const c10::optional<at::Tensor>* b = biases.data() + l * kBiasesPerLayer;
     const int64_t li = l * kLinearsPerLayer;
-    at::Tensor qkv = linear(normed, w[1], b[0], packs, li);  // [T, (Hq + 2 Hkv) D]
+    at::Tensor qkv = linear(l == 0 ? first_input : normed, w[1], b[0], packs, li);  // [T, (Hq + 2 Hkv) D]
     scalar_t* qkv_p = qkv.data_ptr<scalar_t>();
     scalar_t* k_plane = cache + (l * 2) * g.plane;
     scalar_t* v_plane = k_plane + g.plane;
@@ -277,18 +294,26 @@ at::Tensor forward_rows(const at::Tensor& tokens, const Rows& rows_in, int64_t k
   std::vector<int64_t> kept_rows;
   for (int64_t r = 0; r < R; ++r)
     for (int64_t i = n - kept; i < n; ++i) kept_rows.push_back(r * n + i);
-  rms_norm_rows(res, final_norm.data_ptr<scalar_t>(), last.data_ptr<scalar_t>(), R * kept, H, eps, kept_rows.data());
+  if (in.final_norm != nullptr) {
+    rms_norm_rows(res, in.final_norm->data_ptr<scalar_t>(), last.data_ptr<scalar_t>(), R * kept, H, eps,
+                  kept_rows.data());
+  } else {
+    scalar_t* out = last.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < R * kept; ++i) std::copy(res + kept_rows[i] * H, res + (kept_rows[i] + 1) * H, out + i * H);
+  }
   return last;
 }
 
-void check_model(const at::Tensor& embed, const std::vector<at::Tensor>& weights,
-                 const std::vector<c10::optional<at::Tensor>>& biases, const at::Tensor& final_norm,
+// The layers' weights against the stream's geometry: `like` gives the dtype and the hidden size, `first_width` the
+// width of what layer 0's q/k/v read (the hidden size, or EAGLE-3's 2 H), `first_norm` whether layer 0's input norm
+// is read (else its entry may be any tensor, e.g. empty: EAGLE's layer 0 has none).
+void check_model(const at::Tensor& like, int64_t first_width, bool first_norm, const std::vector<at::Tensor>& weights,
+                 const std::vector<c10::optional<at::Tensor>>& biases, const at::Tensor* final_norm,
                  const at::Tensor& lm_head, const at::Tensor& rotary, const at::Tensor& cache, int64_t heads,
                  Geometry& g) {
-  const auto dtype = embed.scalar_type();
+  const auto dtype = like.scalar_type();
   TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
-                   "draft_chain_greedy_cpu: the model must be float32, float16 or bfloat16, got ", dtype);
-  TORCH_CHECK_VALUE(embed.dim() == 2 && embed.is_contiguous(), "embed must be a contiguous [V, H] tensor");
+                   "the model must be float32, float16 or bfloat16, got ", dtype);
   TORCH_CHECK_VALUE(!weights.empty() && weights.size() % kWeightsPerLayer == 0,
                     "layer_weights must hold 6 tensors per layer, got ", weights.size());
   g.layers = static_cast<int64_t>(weights.size()) / kWeightsPerLayer;
@@ -296,7 +321,7 @@ void check_model(const at::Tensor& embed, const std::vector<at::Tensor>& weights
                     "layer_biases must hold 4 entries per layer, got ", biases.size());
   TORCH_CHECK_VALUE(cache.dim() == 6 && cache.is_contiguous() && cache.size(0) == g.layers && cache.size(1) == 2,
                     "cache must be a contiguous [L, 2, ., ., Hkv, D] tensor of the model's layers");
-  g.hidden = embed.size(1);
+  g.hidden = like.size(1);
   g.kv_heads = cache.size(4);
   g.head_dim = cache.size(5);
   g.heads = heads;
@@ -307,16 +332,17 @@ void check_model(const at::Tensor& embed, const std::vector<at::Tensor>& weights
   const int64_t H = g.hidden, D = g.head_dim, width = (heads + 2 * g.kv_heads) * D;
   for (int64_t l = 0; l < g.layers; ++l) {
     const at::Tensor* w = weights.data() + l * kWeightsPerLayer;
-    const std::vector<std::vector<int64_t>> shapes = {{H}, {width, H}, {H, heads * D}, {H}, {2 * g.inter, H},
-                                                      {H, g.inter}};
-    for (int64_t i = 0; i < kWeightsPerLayer; ++i) {
+    const std::vector<std::vector<int64_t>> shapes = {{H}, {width, l == 0 ? first_width : H}, {H, heads * D}, {H},
+                                                      {2 * g.inter, H}, {H, g.inter}};
+    for (int64_t i = l == 0 && !first_norm ? 1 : 0; i < kWeightsPerLayer; ++i) {
       TORCH_CHECK_VALUE(w[i].sizes() == at::IntArrayRef(shapes[i]) && w[i].scalar_type() == dtype &&
                             w[i].is_cpu() && w[i].is_contiguous(),
                         "layer_weights[", l * kWeightsPerLayer + i, "] must be a contiguous CPU ", dtype, " tensor of ",
                         at::IntArrayRef(shapes[i]), ", got ", w[i].sizes(), " ", w[i].scalar_type());
     }
   }
-  TORCH_CHECK_VALUE(final_norm.sizes() == at::IntArrayRef({H}) && final_norm.scalar_type() == dtype,
+  TORCH_CHECK_VALUE(final_norm == nullptr ||
+                        (final_norm->sizes() == at::IntArrayRef({H}) && final_norm->scalar_type() == dtype),
                     "final_norm must be a [hidden] tensor of the model dtype");
   TORCH_CHECK_VALUE(lm_head.dim() == 2 && lm_head.size(1) == H && lm_head.scalar_type() == dtype,
                     "lm_head must be a [vocab, hidden] tensor of the model dtype");
@@ -367,25 +393,27 @@ Packs check_packs(const c10::List<c10::optional<at::Tensor>>& packs_in, at::IntA
   return packs;
 }
 
-Call prepare(const at::Tensor& tokens, const at::Tensor& slots_in, int64_t written, const at::Tensor& embed,
-             at::TensorList layer_weights, const c10::List<c10::optional<at::Tensor>>& layer_biases,
-             const at::Tensor& final_norm, const at::Tensor& lm_head,
-             const c10::List<c10::optional<at::Tensor>>& packs, at::IntArrayRef pack_rows,
+// `rows` [R, n] int64 (named `rows_name` in errors: the tokens fed, or the positions of a head's rows) gives the
+// forward's shape; `written` cache rows per request from seq_lens[slot] on.
+Call prepare(const at::Tensor& rows, const char* rows_name, const at::Tensor& slots_in, int64_t written,
+             const at::Tensor& like, int64_t first_width, bool first_norm, at::TensorList layer_weights,
+             const c10::List<c10::optional<at::Tensor>>& layer_biases, const at::Tensor* final_norm,
+             const at::Tensor& lm_head, const c10::List<c10::optional<at::Tensor>>& packs, at::IntArrayRef pack_rows,
              const at::Tensor& rotary_table, const at::Tensor& cache, const at::Tensor& seq_lens_in,
              const c10::optional<at::Tensor>& block_tables_in, int64_t num_heads) {
   Call c;
   c.weights.assign(layer_weights.begin(), layer_weights.end());
   for (const c10::optional<at::Tensor> b : layer_biases) c.biases.push_back(b);
-  check_model(embed, c.weights, c.biases, final_norm, lm_head, rotary_table, cache, num_heads, c.g);
+  check_model(like, first_width, first_norm, c.weights, c.biases, final_norm, lm_head, rotary_table, cache, num_heads,
+              c.g);
   c.packs = check_packs(packs, pack_rows, c.weights, lm_head, c.g);
-  TORCH_CHECK_TYPE(tokens.scalar_type() == at::kLong && slots_in.scalar_type() == at::kLong,
-                   "tokens and slots must be int64");
-  TORCH_CHECK_VALUE(tokens.dim() == 2 && tokens.size(1) >= 1 && slots_in.dim() == 1 &&
-                        slots_in.size(0) == tokens.size(0),
-                    "tokens must be [R, n >= 1] and slots [R], got ", tokens.sizes(), " and ", slots_in.sizes());
+  TORCH_CHECK_TYPE(rows.scalar_type() == at::kLong && slots_in.scalar_type() == at::kLong, rows_name,
+                   " and slots must be int64");
+  TORCH_CHECK_VALUE(rows.dim() == 2 && rows.size(1) >= 1 && slots_in.dim() == 1 && slots_in.size(0) == rows.size(0),
+                    rows_name, " must be [R, n >= 1] and slots [R], got ", rows.sizes(), " and ", slots_in.sizes());
   TORCH_CHECK_TYPE(seq_lens_in.scalar_type() == at::kInt, "seq_lens must be int32");
   c.seq_lens = seq_lens_in.contiguous();
-  const int64_t batch = c.seq_lens.size(0), R = tokens.size(0);
+  const int64_t batch = c.seq_lens.size(0), R = rows.size(0);
   if (block_tables_in.has_value()) {
     c.block_tables = block_tables_in->contiguous();
     TORCH_CHECK_VALUE(c.block_tables.scalar_type() == at::kInt && c.block_tables.dim() == 2 &&
@@ -406,6 +434,8 @@ Call prepare(const at::Tensor& tokens, const at::Tensor& slots_in, int64_t writt
   for (int64_t r = 0; r < R; ++r) {
     const int64_t slot = slot_p[r];
     TORCH_CHECK_VALUE(slot >= 0 && slot < batch, "slots[", r, "] = ", slot, " is not a request slot");
+    TORCH_CHECK_VALUE(std::find(c.slots.begin(), c.slots.end(), slot) == c.slots.end(), "slots[", r, "] = ", slot,
+                      " appears twice: each running request has one slot");
     const int64_t first = lens[slot], last = first + written - 1;  // the positions written
     TORCH_CHECK_VALUE(first >= 0 && last < capacity, "request ", slot, " would write position ", last,
                       " past the cache's capacity of ", capacity);
@@ -438,6 +468,11 @@ void check_positions(const Rows& rows, const at::Tensor& rotary_table) {
                       " is outside the rotary table's ", rotary_table.size(0), " positions");
 }
 
+// A draft model's stream: its token embeddings, normalised by layer 0's input norm, and its final norm.
+void check_embed(const at::Tensor& embed) {
+  TORCH_CHECK_VALUE(embed.dim() == 2 && embed.is_contiguous(), "embed must be a contiguous [V, H] tensor");
+}
+
 void draft_chain_greedy_cpu(const at::Tensor& first_tokens, const at::Tensor& slots, int64_t num_drafts,
                             const at::Tensor& embed, at::TensorList layer_weights,
                             const c10::List<c10::optional<at::Tensor>>& layer_biases, const at::Tensor& final_norm,
@@ -447,9 +482,11 @@ void draft_chain_greedy_cpu(const at::Tensor& first_tokens, const at::Tensor& sl
                             double eps, double softmax_scale, int64_t num_heads, at::Tensor& drafts,
                             at::Tensor& logits) {
   TORCH_CHECK_VALUE(num_drafts >= 1, "num_drafts must be >= 1, got ", num_drafts);
+  check_embed(embed);
   const int64_t first_rows = first_tokens.dim() == 2 ? first_tokens.size(1) : 0;
-  Call c = prepare(first_tokens, slots, first_rows + num_drafts - 1, embed, layer_weights, layer_biases, final_norm,
-                   lm_head, packs, pack_rows, rotary_table, cache, seq_lens, block_tables, num_heads);
+  Call c = prepare(first_tokens, "first_tokens", slots, first_rows + num_drafts - 1, embed, embed.size(1), true,
+                   layer_weights, layer_biases, &final_norm, lm_head, packs, pack_rows, rotary_table, cache, seq_lens,
+                   block_tables, num_heads);
   const int64_t R = first_tokens.size(0);
   TORCH_CHECK_VALUE(drafts.scalar_type() == at::kLong && drafts.sizes() == at::IntArrayRef({R, num_drafts}),
                     "drafts must be int64 [R, num_drafts]");
@@ -469,8 +506,10 @@ void draft_chain_greedy_cpu(const at::Tensor& first_tokens, const at::Tensor& sl
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, embed.scalar_type(), "draft_chain_greedy_cpu", [&] {
     scalar_t* cache_p = cache.data_ptr<scalar_t>();
     for (int64_t j = 0; j < num_drafts; ++j) {
-      at::Tensor last = forward_rows<scalar_t>(feed, forwards[j], 1, c.slots, embed, c.weights, c.biases, c.packs,
-                                               final_norm, rotary_table, cache_p, c.rows, c.g, eps, softmax_scale);
+      Stream in{at::embedding(embed, feed).contiguous()};
+      in.final_norm = &final_norm;
+      at::Tensor last = forward_rows<scalar_t>(in, forwards[j], 1, c.slots, c.weights, c.biases, c.packs,
+                                               rotary_table, cache_p, c.rows, c.g, eps, softmax_scale);
       at::Tensor step_logits = logits.select(0, j);
       lm_head_into(step_logits, last, lm_head, c.packs, c.g.layers);
       at::Tensor next = drafts.select(1, j);
@@ -480,27 +519,17 @@ void draft_chain_greedy_cpu(const at::Tensor& first_tokens, const at::Tensor& sl
   });
 }
 
-void draft_forward_cpu(const at::Tensor& tokens, const at::Tensor& slots, const c10::optional<at::Tensor>& positions,
-                       const c10::optional<at::Tensor>& tree_mask, const c10::optional<at::Tensor>& tree_start,
-                       int64_t kept, const at::Tensor& embed, at::TensorList layer_weights,
-                       const c10::List<c10::optional<at::Tensor>>& layer_biases, const at::Tensor& final_norm,
-                       const at::Tensor& lm_head, const c10::List<c10::optional<at::Tensor>>& packs,
-                       at::IntArrayRef pack_rows, const at::Tensor& rotary_table, at::Tensor& cache,
-                       const at::Tensor& seq_lens, const c10::optional<at::Tensor>& block_tables, double eps,
-                       double softmax_scale, int64_t num_heads, at::Tensor& logits) {
-  const int64_t n = tokens.dim() == 2 ? tokens.size(1) : 0;
-  Call c = prepare(tokens, slots, n, embed, layer_weights, layer_biases, final_norm, lm_head, packs, pack_rows,
-                   rotary_table, cache, seq_lens, block_tables, num_heads);
-  const int64_t R = tokens.size(0), T = R * n;
-  TORCH_CHECK_VALUE(kept >= 1 && kept <= n, "kept must be in [1, ", n, "], got ", kept);
-  TORCH_CHECK_VALUE(logits.scalar_type() == embed.scalar_type() &&
-                        logits.sizes() == at::IntArrayRef({R * kept, c.g.vocab}) && logits.is_contiguous(),
-                    "logits must be a contiguous [R * kept, vocab] tensor of the model dtype");
+// The rows of one forward of n rows per request: causal from seq_lens[slot] on, rotated by `positions` [R, n] where
+// given; with tree_mask [R * n, words] and tree_start [B], the newest level of token trees (struct Rows). `mask`
+// keeps the contiguous mask the rows point into.
+Rows forward_layout(const Call& c, int64_t n, const c10::optional<at::Tensor>& positions,
+                    const c10::optional<at::Tensor>& tree_mask, const c10::optional<at::Tensor>& tree_start,
+                    const at::Tensor& rotary_table, at::Tensor& mask) {
+  const int64_t T = static_cast<int64_t>(c.slots.size()) * n;
   Rows rows = causal_rows(n, c.start);
-  at::Tensor mask;
   if (positions.has_value()) {
-    TORCH_CHECK_VALUE(positions->scalar_type() == at::kLong && positions->sizes() == tokens.sizes(),
-                      "positions must be int64 shaped like tokens, got ", positions->sizes());
+    TORCH_CHECK_VALUE(positions->scalar_type() == at::kLong && positions->numel() == T,
+                      "positions must be int64 [R, n] (", T, " entries), got ", positions->sizes());
     const at::Tensor pos = positions->contiguous();
     rows.position.assign(pos.data_ptr<int64_t>(), pos.data_ptr<int64_t>() + T);
   }
@@ -518,11 +547,76 @@ void draft_forward_cpu(const at::Tensor& tokens, const at::Tensor& slots, const 
     for (const int64_t slot : c.slots) rows.tree_start.push_back(starts.data_ptr<int32_t>()[slot]);
   }
   check_positions(rows, rotary_table);
+  return rows;
+}
+
+void check_logits(const at::Tensor& logits, const at::Tensor& like, int64_t rows, int64_t vocab) {
+  TORCH_CHECK_VALUE(logits.scalar_type() == like.scalar_type() && logits.sizes() == at::IntArrayRef({rows, vocab}) &&
+                        logits.is_contiguous(),
+                    "logits must be a contiguous [R * kept, vocab] tensor of the model dtype");
+}
+
+void draft_forward_cpu(const at::Tensor& tokens, const at::Tensor& slots, const c10::optional<at::Tensor>& positions,
+                       const c10::optional<at::Tensor>& tree_mask, const c10::optional<at::Tensor>& tree_start,
+                       int64_t kept, const at::Tensor& embed, at::TensorList layer_weights,
+                       const c10::List<c10::optional<at::Tensor>>& layer_biases, const at::Tensor& final_norm,
+                       const at::Tensor& lm_head, const c10::List<c10::optional<at::Tensor>>& packs,
+                       at::IntArrayRef pack_rows, const at::Tensor& rotary_table, at::Tensor& cache,
+                       const at::Tensor& seq_lens, const c10::optional<at::Tensor>& block_tables, double eps,
+                       double softmax_scale, int64_t num_heads, at::Tensor& logits) {
+  check_embed(embed);
+  const int64_t n = tokens.dim() == 2 ? tokens.size(1) : 0;
+  Call c = prepare(tokens, "tokens", slots, n, embed, embed.size(1), true, layer_weights, layer_biases, &final_norm,
+                   lm_head, packs, pack_rows, rotary_table, cache, seq_lens, block_tables, num_heads);
+  const int64_t R = tokens.size(0), T = R * n;
+  TORCH_CHECK_VALUE(kept >= 1 && kept <= n, "kept must be in [1, ", n, "], got ", kept);
+  check_logits(logits, embed, R * kept, c.g.vocab);
+  at::Tensor mask;
+  const Rows rows = forward_layout(c, n, positions, tree_mask, tree_start, rotary_table, mask);
   if (T == 0) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, embed.scalar_type(), "draft_forward_cpu", [&] {
-    at::Tensor out = forward_rows<scalar_t>(tokens.contiguous().view({-1}), rows, kept, c.slots, embed, c.weights,
-                                            c.biases, c.packs, final_norm, rotary_table, cache.data_ptr<scalar_t>(),
-                                            c.rows, c.g, eps, softmax_scale);
+    Stream in{at::embedding(embed, tokens.contiguous().view({-1})).contiguous()};
+    in.final_norm = &final_norm;
+    at::Tensor out = forward_rows<scalar_t>(in, rows, kept, c.slots, c.weights, c.biases, c.packs, rotary_table,
+                                            cache.data_ptr<scalar_t>(), c.rows, c.g, eps, softmax_scale);
+    lm_head_into(logits, out, lm_head, c.packs, c.g.layers);
+  });
+}
+
+void head_forward_cpu(at::Tensor& residual, const c10::optional<at::Tensor>& first_input, bool first_norm,
+                      const at::Tensor& slots, const at::Tensor& positions, const c10::optional<at::Tensor>& tree_mask,
+                      const c10::optional<at::Tensor>& tree_start, int64_t kept, at::TensorList layer_weights,
+                      const c10::List<c10::optional<at::Tensor>>& layer_biases,
+                      const c10::optional<at::Tensor>& final_norm, const at::Tensor& lm_head,
+                      const c10::List<c10::optional<at::Tensor>>& packs, at::IntArrayRef pack_rows,
+                      const at::Tensor& rotary_table, at::Tensor& cache, const at::Tensor& seq_lens,
+                      const c10::optional<at::Tensor>& block_tables, double eps, double softmax_scale,
+                      int64_t num_heads, at::Tensor& logits) {
+  TORCH_CHECK_VALUE(positions.dim() == 2, "positions must be int64 [R, n], got shape ", positions.sizes());
+  const int64_t n = positions.size(1), R = positions.size(0), T = R * n;
+  TORCH_CHECK_VALUE(residual.dim() == 2 && residual.size(0) == T && residual.is_contiguous() && residual.is_cpu(),
+                    "residual must be a contiguous CPU [R * n, hidden] tensor, one row per position; got ",
+                    residual.sizes());
+  const at::Tensor* first = first_input.has_value() ? &*first_input : nullptr;
+  if (first != nullptr) {
+    TORCH_CHECK_VALUE(first->dim() == 2 && first->size(0) == T && first->is_contiguous() &&
+                          first->scalar_type() == residual.scalar_type(),
+                      "first_input must be a contiguous [R * n, width] tensor of the residual's dtype, got ",
+                      first->sizes());
+  }
+  const int64_t first_width = first != nullptr ? first->size(1) : residual.size(1);
+  Call c = prepare(positions, "positions", slots, n, residual, first_width, first_norm && first == nullptr,
+                   layer_weights, layer_biases, final_norm.has_value() ? &*final_norm : nullptr, lm_head, packs,
+                   pack_rows, rotary_table, cache, seq_lens, block_tables, num_heads);
+  TORCH_CHECK_VALUE(kept >= 1 && kept <= n, "kept must be in [1, ", n, "], got ", kept);
+  check_logits(logits, residual, R * kept, c.g.vocab);
+  at::Tensor mask;
+  const Rows rows = forward_layout(c, n, positions, tree_mask, tree_start, rotary_table, mask);
+  if (T == 0) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, residual.scalar_type(), "head_forward_cpu", [&] {
+    Stream in{residual, first, first_norm, final_norm.has_value() ? &*final_norm : nullptr};
+    at::Tensor out = forward_rows<scalar_t>(in, rows, kept, c.slots, c.weights, c.biases, c.packs, rotary_table,
+                                            cache.data_ptr<scalar_t>(), c.rows, c.g, eps, softmax_scale);
     lm_head_into(logits, out, lm_head, c.packs, c.g.layers);
   });
 }
@@ -540,11 +634,17 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
       "int kept, Tensor embed, Tensor[] layer_weights, Tensor?[] layer_biases, Tensor final_norm, Tensor lm_head, "
       "Tensor?[] packs, int[] pack_rows, Tensor rotary_table, Tensor(a!) cache, Tensor seq_lens, "
       "Tensor? block_tables, float eps, float softmax_scale, int num_heads, Tensor(b!) logits) -> ()");
+  m.def(
+      "head_forward_cpu(Tensor(a!) residual, Tensor? first_input, bool first_norm, Tensor slots, Tensor positions, "
+      "Tensor? tree_mask, Tensor? tree_start, int kept, Tensor[] layer_weights, Tensor?[] layer_biases, "
+      "Tensor? final_norm, Tensor lm_head, Tensor?[] packs, int[] pack_rows, Tensor rotary_table, Tensor(b!) cache, "
+      "Tensor seq_lens, Tensor? block_tables, float eps, float softmax_scale, int num_heads, Tensor(c!) logits) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("draft_chain_greedy_cpu", &draft_chain_greedy_cpu);
   m.impl("draft_forward_cpu", &draft_forward_cpu);
+  m.impl("head_forward_cpu", &head_forward_cpu);
 }
 
 }  // namespace specdec

@@ -1,5 +1,5 @@
 """A draft model's forwards in C++ on the CPU: a greedy chain in one call, or one forward of causal rows or of a
-token tree's newest level.
+token tree's newest level; and an EAGLE head's forward of one tree level (``head_forward``).
 
 A small draft's forward on the CPU is mostly per-op cost: a 1-layer, 128-wide model spends more time
 dispatching its ~40 small ops, planning the forward and keeping the cache's books than in its GEMMs,
@@ -16,11 +16,17 @@ choosing once, when built, between these ops (``fused_available``) and ``LlamaMo
 chain step is one call; a sampled chain calls ``fused_forward`` once per draft and samples from its
 logits in Python (the draft's ``q`` as before); a tree calls it once per level and expands the nodes in
 Python. ``SPECDEC_BACKEND=torch`` keeps every draft forward on the PyTorch path.
+
+EAGLE heads (``EagleHead``, ``Eagle3Head``) call ``head_forward`` from their ``forward``: their rows enter as the
+head's fc output instead of token embeddings, and the op runs the decoder layer, the norm and the LM head. It takes
+the forwards with the same number of rows for every request (a tree level, a batch-1 catch-up; ``head_rows``
+decides); the rest, and forwards under autograd or ``torch.compile``, run in PyTorch.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -38,6 +44,7 @@ UNAVAILABLE = (
 
 
 OPS = ("draft_chain_greedy_cpu", "draft_forward_cpu")
+HEAD_OP = "head_forward_cpu"
 
 
 @functools.cache
@@ -46,8 +53,14 @@ def _has_op() -> bool:
     return all(_backend.extension_has_op(op) for op in OPS)
 
 
-if _has_op():  # the ops only write their output buffers: what torch.compile and torch.library.opcheck need
-    for _op in OPS:
+@functools.cache
+def _has_head_op() -> bool:
+    return _backend.extension_has_op(HEAD_OP)
+
+
+# the ops only write their output buffers (and the head's residual): what torch.compile and opcheck need
+for _op in (*OPS, HEAD_OP):
+    if _backend.extension_has_op(_op):
         torch.library.register_fake(f"specdec::{_op}")(lambda *args: None)
 
 
@@ -198,4 +211,91 @@ def model_arguments(model, cache) -> tuple:
         model.model.embed_tokens.weight, weights, biases, model.model.norm.weight, model.lm_head_weight, packs,
         pack_rows, table, cache.data, cache.seq_lens, cache.block_tables, config.rms_norm_eps, config.head_dim**-0.5,
         config.num_heads,
+    )  # fmt: skip
+
+
+class HeadRows(NamedTuple):
+    """A head forward's rows as ``head_forward_cpu`` takes them: ``n`` per running request (cache ``slots``), the
+    logits of each one's last ``kept``."""
+
+    slots: torch.Tensor
+    n: int
+    kept: int
+
+
+def head_rows(
+    head, metadata: AttentionMetadata, cache, num_rows: int, logits_rows: torch.Tensor | None
+) -> HeadRows | None:
+    """The rows of an EAGLE head's forward if ``head_forward`` can run it, else None (the head runs it in PyTorch):
+    not a CPU head in a supported dtype with the op built and the backend not forced to ``torch``, autograd
+    recording, ``torch.compile``, a different row count per request, or ``logits_rows`` other than each request's
+    last rows, or Triton's interpreter standing in for a GPU. Admits the forward's K/V write in ``cache``
+    (``KVCache.begin_forward``) when it returns rows."""
+    if not (
+        head.device.type == "cpu"
+        and head.dtype in DTYPES
+        and _backend.forced_backend() != "torch"
+        and _has_head_op()
+        and not torch.compiler.is_compiling()
+        and not (torch.is_grad_enabled() and head._layer_params[0].qkv["weight"].requires_grad)
+        and (metadata.tree_mask is None or metadata.tree_start is not None)
+        and metadata.batch_size == cache.batch_size
+        and cache.device.type == "cpu"
+        and not _backend.interpreter_enabled()  # Triton's interpreter stands in for a GPU: the GPU's forward
+    ):
+        return None
+    counts = metadata.q_offsets.diff().tolist()  # a CPU tensor: no device read
+    slots = [b for b, c in enumerate(counts) if c]
+    n = counts[slots[0]] if slots else 0
+    if not slots or any(counts[b] != n for b in slots) or n * len(slots) != num_rows:
+        return None
+    kept = n if logits_rows is None else logits_rows.numel() // len(slots)
+    if logits_rows is not None:
+        last = (torch.arange(len(slots))[:, None] * n + torch.arange(n - kept, n)).flatten()
+        if kept < 1 or logits_rows.numel() != len(slots) * kept or not torch.equal(logits_rows.cpu(), last):
+            return None
+    cache.begin_forward(metadata.q_offsets, num_rows)  # admits the K/V write, as ``plan_forward`` would
+    return HeadRows(torch.tensor(slots, dtype=torch.int64), n, kept)
+
+
+def head_forward(head, rows: HeadRows, residual: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                 cache, *, lm_head: torch.Tensor, first_input: torch.Tensor | None = None, first_norm: bool = False,
+                 final_norm: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """An EAGLE head's forward of ``rows`` (``head_rows``) through ``head_forward_cpu``; returns the logits
+    ``[R * kept, vocab]``.
+
+    ``residual [T, H]``: the rows' residual stream as the head's fc made it, updated in place to the stream after
+    the last layer (the predicted features). ``first_input`` / ``first_norm``: what layer 0's q/k/v read (EAGLE-3's
+    ``[T, 2 H]`` rows; else the residual, normalised by layer 0's input norm if ``first_norm``). ``final_norm``:
+    the norm before ``lm_head``, if the head has one. ``positions``, ``metadata``, ``cache``: as the head's
+    ``forward`` takes them.
+    """
+    count = rows.slots.numel()
+    logits = torch.empty(count * rows.kept, lm_head.shape[0], dtype=head.dtype)
+    torch.ops.specdec.head_forward_cpu(
+        residual, first_input, first_norm, rows.slots, positions.view(count, rows.n).long(), metadata.tree_mask,
+        metadata.tree_start, rows.kept, *_head_arguments(head, cache, final_norm, lm_head), logits,
+    )  # fmt: skip
+    return logits
+
+
+def _head_arguments(head, cache, final_norm, lm_head) -> tuple:
+    """``head_forward_cpu``'s arguments from ``layer_weights`` to ``num_heads`` (``model_arguments``' for a head; layer
+    0 of an EAGLE-1 head has no input norm: an empty tensor stands in, never read)."""
+    config, weights, biases, linears = head.config, [], [], []
+    for p in head._layer_params:
+        norm = p.input_norm.get("weight")
+        weights += [head.fc.weight.new_empty(0) if norm is None else norm, p.qkv["weight"], p.o["weight"],
+                    p.post_norm["weight"], p.gate_up["weight"], p.down["weight"]]  # fmt: skip
+        biases += [p.qkv["bias"], p.o["bias"], p.gate_up["bias"], p.down["bias"]]
+        linears += [p.qkv["weight"], p.o["weight"], p.gate_up["weight"], p.down["weight"]]
+    linears.append(lm_head)
+    packs, pack_rows = [], []
+    if head.dtype == torch.float32 and cpu_linear.skinny_available():  # the model layer's GEMM policy, in C++
+        packs = [cpu_linear.skinny_pack(w) for w in linears]
+        pack_rows = [n for w in linears for n in cpu_linear.skinny_row_range(w)]
+    table = head._rotary.table(cache.position_bound, head.rope_inv_freq, head.dtype)
+    return (
+        weights, biases, final_norm, lm_head, packs, pack_rows, table, cache.data, cache.seq_lens,
+        cache.block_tables, config.rms_norm_eps, config.head_dim**-0.5, config.num_heads,
     )  # fmt: skip

@@ -35,6 +35,7 @@ from specdec.model.attention_metadata import AttentionMetadata
 from specdec.model.block import RotaryRows, layer_params, run_layers
 from specdec.model.config import ModelConfig
 from specdec.model.cpu_linear import linear_for
+from specdec.model.draft_forward_cpu import head_forward, head_rows
 from specdec.model.forward_plan import INDEX_DTYPES, plan_forward
 from specdec.model.head_loading import check_fits_target, head_checkpoint_files, read_config_json
 from specdec.model.hf_layout import checkpoint_shapes, fuse
@@ -159,8 +160,11 @@ class EagleHead(nn.Module):
             raise TypeError(f"metadata must be an AttentionMetadata, got {type(metadata).__name__}")
         if logits_rows is not None:
             check_tensor("logits_rows", logits_rows, dtype=INDEX_DTYPES, ndim=1, device=device)
-        plan = plan_forward(self, tokens, positions, metadata, cache)  # checks the rest, once
+        fused = head_rows(self, metadata, cache, num_rows, logits_rows)  # C++ on the CPU where it can
+        plan = None if fused else plan_forward(self, tokens, positions, metadata, cache)  # checks the rest, once
         x = self.fc(torch.cat((F.embedding(tokens, self.embedding_weight), features), dim=-1))  # [Tq, H]
+        if fused:
+            return x, head_forward(self, fused, x, positions, metadata, cache, lm_head=self.lm_head_weight)
         x = run_layers(self._layer_params, x, plan, self.config, self.rope_inv_freq, first_norm=False)
         rows = x if logits_rows is None else x.index_select(0, logits_rows)
         return x, linear_for(rows)(rows, self.lm_head_weight)

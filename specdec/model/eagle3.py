@@ -40,6 +40,7 @@ from specdec.model.attention_metadata import AttentionMetadata
 from specdec.model.block import RotaryRows, layer_params, run_layers
 from specdec.model.config import ModelConfig
 from specdec.model.cpu_linear import linear_for
+from specdec.model.draft_forward_cpu import head_forward, head_rows
 from specdec.model.forward_plan import INDEX_DTYPES, LAYER_OPS, plan_forward
 from specdec.model.head_loading import check_fits_target, head_checkpoint_files, read_config_json
 from specdec.model.hf_layout import checkpoint_shapes, fuse
@@ -218,14 +219,20 @@ class Eagle3Head(nn.Module):
             raise TypeError(f"metadata must be an AttentionMetadata, got {type(metadata).__name__}")
         if logits_rows is not None:
             check_tensor("logits_rows", logits_rows, dtype=INDEX_DTYPES, ndim=1, device=device)
-        plan = plan_forward(self, tokens, positions, metadata, cache)  # checks the rest, once
+        fused = head_rows(self, metadata, cache, num_rows, logits_rows)  # C++ on the CPU where it can
+        plan = None if fused else plan_forward(self, tokens, positions, metadata, cache)  # checks the rest, once
         layer = self.midlayer
-        ops, eps = LAYER_OPS[plan.backend, torch.compiler.is_compiling()], self.config.rms_norm_eps
+        backend, eps = "torch" if fused else plan.backend, self.config.rms_norm_eps
+        ops = LAYER_OPS[backend, torch.compiler.is_compiling()]
         normed = features.new_empty(2, num_rows, hidden)  # [embedding, feature], each normalised
         ops.rms_norm(F.embedding(tokens, self.embedding_weight), layer.input_layernorm.weight, eps, normed[0])
         ops.rms_norm(features.contiguous(), layer.hidden_norm.weight, eps, normed[1])
         residual = (normed[1] if self.norm_before_residual else features).clone()  # run_layers adds to it in place
         first_input = torch.cat((normed[0], normed[1]), dim=-1)  # [T, 2 * hidden]: what q/k/v read
+        if fused:
+            logits = head_forward(self, fused, residual, positions, metadata, cache, lm_head=self.lm_head.weight,
+                                  first_input=first_input, final_norm=self.norm.weight)  # fmt: skip
+            return residual, logits
         x = run_layers(self._layer_params, residual, plan, self.config, self.rope_inv_freq, first_input=first_input,
                        final_norm=self.norm._parameters)  # fmt: skip
         rows = x if logits_rows is None else x.index_select(0, logits_rows)
