@@ -30,23 +30,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.kernels._checks import check_tensor
 from specdec.model.attention_metadata import AttentionMetadata
 from specdec.model.block import RotaryRows, layer_params, run_layers
 from specdec.model.config import ModelConfig
 from specdec.model.cpu_linear import linear_for
 from specdec.model.draft_forward_cpu import head_forward, head_rows
-from specdec.model.forward_plan import INDEX_DTYPES, plan_forward
+from specdec.model.draft_head import DraftHead
+from specdec.model.forward_plan import plan_forward
 from specdec.model.head_loading import check_fits_target, head_checkpoint_files, read_config_json
 from specdec.model.hf_layout import checkpoint_shapes, fuse
 from specdec.model.kv_cache import KVCache
-from specdec.model.llama import DecoderLayer, LlamaModel, config_cache
+from specdec.model.llama import DecoderLayer, LlamaModel
 from specdec.model.loader import SINGLE_FILE, load_tensors
 
 EMBEDDING = "embed_tokens.weight"
 
 
-class EagleHead(nn.Module):
+class EagleHead(DraftHead):
     """EAGLE-1 draft head over a target ``LlamaModel`` (see the module docstring).
 
     Parameters
@@ -97,14 +97,6 @@ class EagleHead(nn.Module):
     def features_from_target(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden  # the target's final-norm hidden states, read as they are
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.fc.weight.device
-
     def forward(
         self,
         features: torch.Tensor,
@@ -149,17 +141,7 @@ class EagleHead(nn.Module):
         >>> feats.shape, logits.shape                                  # logits of x_{t+2} for t = 0..4
         (torch.Size([5, 256]), torch.Size([5, 4096]))
         """
-        device, hidden = self.device, self.config.hidden_size
-        check_tensor("features", features, dtype=self.dtype, ndim=2, device=device)
-        num_rows = features.shape[0]
-        if features.shape[1] != hidden:
-            raise ValueError(f"features must have shape ({num_rows}, {hidden}), got {tuple(features.shape)}")
-        check_tensor("tokens", tokens, dtype=INDEX_DTYPES, shape=(num_rows,), device=device)
-        check_tensor("positions", positions, dtype=INDEX_DTYPES, shape=(num_rows,), device=device)
-        if not isinstance(metadata, AttentionMetadata):
-            raise TypeError(f"metadata must be an AttentionMetadata, got {type(metadata).__name__}")
-        if logits_rows is not None:
-            check_tensor("logits_rows", logits_rows, dtype=INDEX_DTYPES, ndim=1, device=device)
+        num_rows = self.check_forward(features, tokens, positions, metadata, logits_rows)
         fused = head_rows(self, metadata, cache, num_rows, logits_rows)  # C++ on the CPU where it can
         plan = None if fused else plan_forward(self, tokens, positions, metadata, cache)  # checks the rest, once
         x = self.fc(torch.cat((F.embedding(tokens, self.embedding_weight), features), dim=-1))  # [Tq, H]
@@ -168,14 +150,6 @@ class EagleHead(nn.Module):
         x = run_layers(self._layer_params, x, plan, self.config, self.rope_inv_freq, first_norm=False)
         rows = x if logits_rows is None else x.index_select(0, logits_rows)
         return x, linear_for(rows)(rows, self.lm_head_weight)
-
-    def rotary_rows(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[T, 1, D]`` of ``positions`` below ``max_position`` (the forward plan asks for them)."""
-        return self._rotary(positions, max_position, self.rope_inv_freq, self.dtype)
-
-    def new_cache(self, batch_size: int, max_len: int, **layout) -> KVCache:
-        """The head's own ``KVCache`` (``layout``: layout=, block_size=, num_blocks=, as for the target's)."""
-        return config_cache(self.config, batch_size, max_len, self.dtype, self.device, **layout)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target: LlamaModel) -> EagleHead:

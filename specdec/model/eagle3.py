@@ -35,17 +35,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.kernels._checks import check_tensor
 from specdec.model.attention_metadata import AttentionMetadata
 from specdec.model.block import RotaryRows, layer_params, run_layers
 from specdec.model.config import ModelConfig
 from specdec.model.cpu_linear import linear_for
 from specdec.model.draft_forward_cpu import head_forward, head_rows
-from specdec.model.forward_plan import INDEX_DTYPES, LAYER_OPS, plan_forward
+from specdec.model.draft_head import DraftHead
+from specdec.model.forward_plan import LAYER_OPS, plan_forward
 from specdec.model.head_loading import check_fits_target, head_checkpoint_files, read_config_json
 from specdec.model.hf_layout import checkpoint_shapes, fuse
 from specdec.model.kv_cache import KVCache
-from specdec.model.llama import DecoderLayer, LlamaModel, RMSNorm, config_cache
+from specdec.model.llama import DecoderLayer, LlamaModel, RMSNorm
 from specdec.model.loader import SINGLE_FILE, load_tensors
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "LlamaForCausalLM")
@@ -77,7 +77,7 @@ def vocabulary_map(target_ids, vocab_size: int) -> tuple[torch.Tensor, torch.Ten
     return ids - torch.arange(ids.numel()), t2d
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(DraftHead):
     """EAGLE-3 draft head over a target ``LlamaModel`` (see the module docstring).
 
     Parameters
@@ -153,14 +153,6 @@ class Eagle3Head(nn.Module):
     def embedding_weight(self) -> torch.Tensor:
         return self.target.model.embed_tokens.weight if self.embed_tokens is None else self.embed_tokens.weight
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.fc.weight.device
-
     def set_vocabulary_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         """Use ``d2t [draft_vocab_size]`` (draft id i -> target id ``i + d2t[i]``) and ``t2d [vocab]`` (bool: the
         target ids with a draft id); refused unless d2t maps the draft ids one to one onto the ids t2d marks."""
@@ -208,23 +200,13 @@ class Eagle3Head(nn.Module):
         features ``[Tq, hidden]`` (the pre-norm prediction, fed back when drafting deeper) and logits
         ``[R or Tq, draft_vocab_size]`` over draft ids (``target_ids`` maps them), both in the head's dtype.
         """
-        device, hidden = self.device, self.config.hidden_size
-        check_tensor("features", features, dtype=self.dtype, ndim=2, device=device)
-        num_rows = features.shape[0]
-        if features.shape[1] != hidden:
-            raise ValueError(f"features must have shape ({num_rows}, {hidden}), got {tuple(features.shape)}")
-        check_tensor("tokens", tokens, dtype=INDEX_DTYPES, shape=(num_rows,), device=device)
-        check_tensor("positions", positions, dtype=INDEX_DTYPES, shape=(num_rows,), device=device)
-        if not isinstance(metadata, AttentionMetadata):
-            raise TypeError(f"metadata must be an AttentionMetadata, got {type(metadata).__name__}")
-        if logits_rows is not None:
-            check_tensor("logits_rows", logits_rows, dtype=INDEX_DTYPES, ndim=1, device=device)
+        num_rows = self.check_forward(features, tokens, positions, metadata, logits_rows)
         fused = head_rows(self, metadata, cache, num_rows, logits_rows)  # C++ on the CPU where it can
         plan = None if fused else plan_forward(self, tokens, positions, metadata, cache)  # checks the rest, once
         layer = self.midlayer
         backend, eps = "torch" if fused else plan.backend, self.config.rms_norm_eps
         ops = LAYER_OPS[backend, torch.compiler.is_compiling()]
-        normed = features.new_empty(2, num_rows, hidden)  # [embedding, feature], each normalised
+        normed = features.new_empty(2, num_rows, self.config.hidden_size)  # [embedding, feature], each normalised
         ops.rms_norm(F.embedding(tokens, self.embedding_weight), layer.input_layernorm.weight, eps, normed[0])
         ops.rms_norm(features.contiguous(), layer.hidden_norm.weight, eps, normed[1])
         residual = (normed[1] if self.norm_before_residual else features).clone()  # run_layers adds to it in place
@@ -237,14 +219,6 @@ class Eagle3Head(nn.Module):
                        final_norm=self.norm._parameters)  # fmt: skip
         rows = x if logits_rows is None else x.index_select(0, logits_rows)
         return residual, linear_for(rows)(rows, self.lm_head.weight)
-
-    def rotary_rows(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[T, 1, D]`` of ``positions`` below ``max_position`` (the forward plan asks for them)."""
-        return self._rotary(positions, max_position, self.rope_inv_freq, self.dtype)
-
-    def new_cache(self, batch_size: int, max_len: int, **layout) -> KVCache:
-        """The head's own ``KVCache`` (``layout``: layout=, block_size=, num_blocks=, as for the target's)."""
-        return config_cache(self.config, batch_size, max_len, self.dtype, self.device, **layout)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target: LlamaModel) -> Eagle3Head:
