@@ -19,8 +19,8 @@ Three parts, each a function printing a markdown table (``--out`` saves each as 
 3. ``coupled_vs_optimal``: draft chains with the coupled, stochastic (optimal rejection) and deterministic
    (argmax, the fused C++ chain) rules and NoDraft, at T 0.7 and 1.0, fixed depths and adaptive, interleaved:
    tokens/s, ratios, tau, acceptance; and ``coupling_acceptance``: the one-draft acceptance each rule has on the
-   models' own distributions along held-out text, beside two couplings not built (inverse CDF in each
-   distribution's descending order, Gumbel-max).
+   models' own distributions along held-out text, the coupled rule as built (the keyed exponential race) beside
+   the Gumbel-max coupling's exact value and the inverse-CDF coupling the rule used before.
 
 One intra-op thread; times are thread CPU time (``common.clock``), methods interleaved prompt by prompt, each
 (method, prompt) keeping its fastest of ``--repeats`` runs. The CPU path only: with ``TRITON_INTERPRET=1`` the
@@ -50,6 +50,7 @@ from seeded_rows import (
     invariance_cost,
     linear_paths,
     path_tree,
+    race_agreement,
     row_invariance,
     run_forward,
     target_gemms,
@@ -58,6 +59,8 @@ from seeded_rows import (
 from specdec import _backend, use_backend
 from specdec.cli.demo import CHAIN, TREE, Run, eagle_row, first_difference, medusa_row
 from specdec.decoding import DraftModelStrategy, NgramStrategy, NoDraft, SpeculativeDecoder
+from specdec.kernels import SamplingParams, filtered_probs, sample, sample_probs
+from specdec.kernels.uniforms import ROLE_TARGET
 from specdec.testing import heldout_token_ids, load_pair
 
 RULES = ("coupled", "stochastic", "deterministic")
@@ -222,15 +225,18 @@ def coupled_vs_optimal(target, draft, prompts: list[list[int]], *, ks: tuple[int
     return table
 
 
-def coupling_acceptance(target, draft, texts: list[list[int]], verify_from: int, gumbel_draws: int) -> Table:
+def coupling_acceptance(target, draft, texts: list[list[int]], verify_from: int, draws: int) -> Table:
     """The probability that one draft token is accepted, per rule, from the target's and the draft's distributions
-    at each position of ``texts`` past ``verify_from`` (exact, float64; Gumbel-max by ``gumbel_draws`` draws)."""
+    at each position of ``texts`` past ``verify_from``, exact in float64 (the Gumbel-max coupling by
+    ``race_agreement``), beside the coupled rule as built, measured with ``draws`` keys per position through the
+    package's own draws (``sample`` from the target's logits, ``sample_probs`` with ``ROLE_TARGET`` from the
+    draft's filtered q), and the inverse-CDF coupling the rule used before."""
     table = Table(
         f"One draft's acceptance probability by rule, the models' distributions along {len(texts)} held-out texts "
-        f"(top-k 0, top-p 1): the optimal rule, argmax drafts, the coupled rule as built (one uniform, inverse CDF "
-        f"in vocab order) and two couplings not built",
-        ["T", "positions", "optimal rule: 1 - TV", "argmax draft: p(argmax q)", "coupled (inverse CDF, vocab order)",
-         "inverse CDF, descending order", f"Gumbel-max ({gumbel_draws} draws)"],
+        f"(top-k 0, top-p 1): the optimal rule, argmax drafts, the coupled rule as built (the keyed exponential "
+        f"race, {draws} keys per position) and its exact value, and the inverse CDF the rule used before",
+        ["T", "positions", "optimal rule: 1 - TV", "argmax draft: p(argmax q)", "coupled as built (race)",
+         "Gumbel-max coupling, exact", "inverse CDF, vocab order (before)"],
     )  # fmt: skip
     with torch.inference_mode():
         logits = [
@@ -238,34 +244,24 @@ def coupling_acceptance(target, draft, texts: list[list[int]], verify_from: int,
             for model in (target, draft)
         ]
     target_logits, draft_logits = (x[:, verify_from:].reshape(-1, x.shape[-1]).double() for x in logits)
-    generator = torch.Generator().manual_seed(0)
+    rows = target_logits.shape[0]
     for temperature in (0.7, 1.0):
-        log_p, log_q = (torch.log_softmax(x / temperature, -1) for x in (target_logits, draft_logits))
-        p, q = log_p.exp(), log_q.exp()
+        p, q = (torch.softmax(x / temperature, -1) for x in (target_logits, draft_logits))
         optimal = torch.minimum(p, q).sum(-1)
         argmax = p.gather(-1, q.argmax(-1, keepdim=True)).squeeze(-1)
-        vocab_order = interval_overlap(p, q, p.cumsum(-1) - p, q.cumsum(-1) - q)
-        descending = interval_overlap(p, q, sorted_starts(p), sorted_starts(q))
-        agree = 0.0
-        for _ in range(gumbel_draws):
-            g = -torch.log(-torch.log(torch.rand(p.shape, dtype=torch.float64, generator=generator).clamp_min(1e-300)))
-            agree += ((log_p + g).argmax(-1) == (log_q + g).argmax(-1)).double().mean().item()
+        start_p, start_q = p.cumsum(-1) - p, q.cumsum(-1) - q
+        inverse_cdf = (torch.minimum(start_p + p, start_q + q) - torch.maximum(start_p, start_q)).clamp(min=0).sum(-1)
+        built = 0.0
+        for k in range(draws):
+            params = SamplingParams.make(rows, temperature=temperature, seed=SEED_BASE + k, offset=torch.arange(rows))
+            drawn = sample(target_logits.float(), params).tokens
+            q_rows = filtered_probs(draft_logits.float(), params).probs
+            built += (drawn == sample_probs(q_rows, params, counter=ROLE_TARGET)).double().mean().item()
         table.add(
-            temperature, p.shape[0], *[f"{x.mean().item():.3f}" for x in (optimal, argmax, vocab_order, descending)],
-            f"{agree / gumbel_draws:.3f}",
+            temperature, rows, *[f"{x.mean().item():.3f}" for x in (optimal, argmax)], f"{built / draws:.3f}",
+            *[f"{x.mean().item():.3f}" for x in (race_agreement(p, q), inverse_cdf)],
         )  # fmt: skip
     return table
-
-
-def interval_overlap(p: torch.Tensor, q: torch.Tensor, start_p: torch.Tensor, start_q: torch.Tensor) -> torch.Tensor:
-    """``[n]``: the measure of u in [0, 1) landing on the same token in both, token k owning [start, start + mass)."""
-    return (torch.minimum(start_p + p, start_q + q) - torch.maximum(start_p, start_q)).clamp(min=0).sum(-1)
-
-
-def sorted_starts(p: torch.Tensor) -> torch.Tensor:
-    """Where each token's interval starts when the tokens are laid out by descending probability."""
-    mass, order = p.sort(-1, descending=True)
-    return torch.empty_like(p).scatter_(-1, order, mass.cumsum(-1) - mass)
 
 
 # ----------------------------------------------------------------------------- the script
@@ -281,7 +277,7 @@ class Sizes:
     text_context: int | None  # of each prompt, the last tokens kept (None: all)
     text_tokens: int
     draws: int
-    gumbel_draws: int
+    coupling_keys: int  # part 3's coupling table: keys per position for the coupled rule as built
     chain_prompts: int
     chain_tokens: int
     ks: tuple[int, ...]
@@ -355,7 +351,7 @@ def main() -> None:
                 coupled_vs_optimal(target, draft, pool[: sizes.chain_prompts], ks=tuple(args.ks or sizes.ks),
                                    new_tokens=sizes.chain_tokens, repeats=repeats, note=note).write(
                     args.out, "seeded_rules")  # fmt: skip
-            coupling_acceptance(target, draft, texts, verify_from, sizes.gumbel_draws).write(
+            coupling_acceptance(target, draft, texts, verify_from, sizes.coupling_keys).write(
                 args.out, "seeded_coupling_acceptance"
             )
             print(f"\n(part 3: {now() - start:.0f} s thread time)")

@@ -160,15 +160,26 @@ def forward_pairs(target, texts: list[list[int]], verify_from: int, k: int, sibl
     return kinds
 
 
+def race_agreement(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """float64 ``[n]``: the probability that the exponential race with shared clocks (``argmax_i w_i / E_i``, how
+    ``sample`` and ``sample_probs`` draw) picks the same token from row n of ``p`` and of ``q``, exactly.
+
+    Token i wins both races when every other clock E_j exceeds E_i max(p_j / p_i, q_j / q_i), with probability
+    1 / sum_j max(p_j / p_i, q_j / q_i) = 1 / (A_i / p_i + B_i / q_i), A_i the mass of p on the tokens whose
+    ratio q_j / p_j is at most q_i / p_i and B_i the mass of q on the rest: one sort by the ratio per row."""
+    p, q = p.double(), q.double()
+    order = torch.where(p > 0, q / p, float("inf")).argsort(-1)
+    p, q = p.gather(-1, order), q.gather(-1, order)
+    a, b = p.cumsum(-1), q.sum(-1, keepdim=True) - q.cumsum(-1)
+    both = (p > 0) & (q > 0)
+    return torch.where(both, 1 / (a / torch.where(both, p, 1.0) + b / torch.where(both, q, 1.0)), 0.0).sum(-1)
+
+
 def flip_probability(one: torch.Tensor, multi: torch.Tensor, sampling: dict) -> torch.Tensor:
-    """float64 ``[n]``: the measure of the uniforms u for which ``sample``'s inverse CDF (vocab order) over the
-    two rows' filtered distributions (``filtered_probs``: the sampler's own filter) gives different tokens."""
+    """float64 ``[n]``: the probability over the seeds that ``sample``'s race over the two rows' filtered
+    distributions (``filtered_probs``: the sampler's own filter) gives different tokens."""
     params = SamplingParams.make(one.shape[0], **sampling)
-    cdf_a, cdf_b = (filtered_probs(x, params).probs.double().cumsum(-1) for x in (one, multi))
-    lo, hi = torch.minimum(cdf_a, cdf_b), torch.maximum(cdf_a, cdf_b)
-    # u in [lo_k, hi_k) picks token k under one CDF and not the other; both ends grow with k, so the union of
-    # these intervals is their lengths past the previous upper end
-    return (hi - torch.maximum(lo, F.pad(hi[:, :-1], (1, 0)))).clamp(min=0).sum(-1)
+    return 1 - race_agreement(*(filtered_probs(x, params).probs for x in (one, multi)))
 
 
 def sampled_flips(one: torch.Tensor, multi: torch.Tensor, positions: torch.Tensor, sampling: dict, draws: int) -> int:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from bench_seeded import GEMMS
 from helpers import run_bench
+from seeded_rows import race_agreement
 
 AGREEMENT = ["NoDraft (control: batched)", "n-gram K=5", "draft tree 3,2,1,1,1 top-k", "draft tree 3,2,1,1,1 coupled",
              "draft chain K=5 coupled", "draft chain K=5 argmax", "Medusa", "EAGLE-2", "EAGLE-1"]  # fmt: skip
@@ -60,8 +62,9 @@ def test_the_quick_run_reports_every_strategy_forward_and_rule(tmp_path):
     assert [r["T"] for r in coupling] == ["0.7", "1.0"]
     for r in coupling:  # no coupling accepts more than the optimal rule's 1 - TV (the exact columns)
         optimal = float(r["optimal rule: 1 - TV"])
-        exact = ["argmax draft: p(argmax q)", "coupled (inverse CDF, vocab order)", "inverse CDF, descending order"]
+        exact = ["argmax draft: p(argmax q)", "Gumbel-max coupling, exact", "inverse CDF, vocab order (before)"]
         assert all(0.0 <= float(r[c]) <= optimal + 1e-9 for c in exact), r
+        assert 0.0 <= float(r["coupled as built (race)"]) <= 1.0
 
 
 def test_the_agreement_reports_divergence_against_other_seeds(tmp_path):
@@ -82,3 +85,18 @@ def test_the_agreement_reports_divergence_against_other_seeds(tmp_path):
 def test_the_benchmark_refuses_what_it_does_not_measure(args, code, message):
     done = run_bench("bench_seeded.py", *args, cpu_path=True, timeout=120)
     assert done.returncode == code and message in done.stderr, done.stderr
+
+
+def test_race_agreement_is_the_gumbel_coupling_exactly():
+    """The bench's O(V log V) agreement of two races with shared clocks against the definition's O(V^2) sum
+    (token i wins both with probability 1 / sum_j max(p_j / p_i, q_j / q_i)), zero entries included."""
+    p, q = (torch.softmax(torch.randn(40, 30, dtype=torch.float64) * 2, -1) for _ in range(2))
+    p[:10, :5], q[5:15, 3:9] = 0.0, 0.0
+    q[20] = p[20]
+    p, q = p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True)
+    both = (p > 0) & (q > 0)
+    ratio = torch.maximum(p[:, None, :] / p[:, :, None], q[:, None, :] / q[:, :, None])
+    expected = torch.where(both, 1 / ratio.sum(-1), 0.0).sum(-1)
+    got = race_agreement(p, q)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    assert got[20] == pytest.approx(1.0)  # equal rows: always the same token

@@ -1,5 +1,6 @@
-"""The sampling ops: counter-based uniforms, the temperature / top-k / top-p filter, filtered_probs,
-sample_probs and sample(); and every sampling / verification op through torch.library.opcheck."""
+"""The sampling ops: counter-based uniforms and race clocks, the temperature / top-k / top-p filter,
+filtered_probs, sample_probs and sample() (the keyed exponential race: exact, Triton equal to torch, and
+coupling a draft to the target's draw); and every sampling / verification op through torch.library.opcheck."""
 
 import math
 
@@ -19,7 +20,7 @@ from specdec.kernels import (
     sample,
     sample_probs,
 )
-from specdec.kernels.sample_probs import sample_probs_reference
+from specdec.kernels.sample_probs import race_reference, sample_probs_reference
 from specdec.kernels.target_stats import target_probs_reference
 from specdec.kernels.top_k_top_p import (
     filter_thresholds_reference,
@@ -27,7 +28,14 @@ from specdec.kernels.top_k_top_p import (
     filter_thresholds_triton,
     scaled_logits,
 )
-from specdec.kernels.uniforms import counter_uniform_reference, counter_uniform_tl
+from specdec.kernels.uniforms import (
+    ROLE_TARGET,
+    counter_uniform_reference,
+    counter_uniform_tl,
+    race_clock_tl,
+    race_clocks,
+    race_key_tl,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -98,6 +106,54 @@ def test_uniform_bad_inputs():
             counter_uniform(ids, ids, counter)
     with pytest.raises(TypeError, match="counter must be an integer tensor, got float32"):
         counter_uniform(ids, ids, torch.tensor([1.5, 2.0]))
+
+
+@triton.jit
+def _race_clock_kernel(seed_ptr, offset_ptr, counter_ptr, out_ptr, V: tl.constexpr):
+    i = tl.program_id(0)
+    key = race_key_tl(tl.load(seed_ptr + i), tl.load(offset_ptr + i), tl.load(counter_ptr + i))
+    cols = tl.arange(0, V)
+    tl.store(out_ptr + i * V + cols, race_clock_tl(key, cols))
+
+
+def test_race_clocks_are_the_counter_hash_with_the_index_folded_in():
+    seed, offset, counter = extreme_uniform_inputs()
+    clocks = race_clocks(seed, offset, counter, 64)
+    assert clocks.shape == (48, 64) and clocks.dtype == torch.float32
+    # entry 0 folds a sixth word of 0, as counter_uniform does: the same 24 bits, with the lowest one set
+    bits = (counter_uniform_reference(seed, offset, counter) * 2**24).long()
+    assert torch.equal(clocks[:, 0], -torch.log((bits | 1).float() * 2**-24))
+    # u in [2**-24, 1 - 2**-24]: every clock finite and positive, whatever the key
+    assert torch.isfinite(clocks).all() and (clocks > 0).all()
+    lo, hi = -math.log1p(-(2**-24)), 24 * math.log(2)
+    assert clocks.min() >= lo * 0.99 and clocks.max() <= hi * 1.0001
+    # broadcasting over keys; each entry its own clock
+    assert torch.equal(race_clocks(seed[:3], offset[:1], 7, 5), race_clocks(seed[:3], offset[:1].expand(3), 7, 5))
+    assert len(set(clocks[5].tolist())) == 64
+
+
+def test_race_clocks_are_exponential_and_independent():
+    n = 1 << 18
+    seeds = torch.arange(n)
+    e = race_clocks(seeds, torch.zeros(n, dtype=torch.int64), ROLE_TARGET, 2)
+    u = torch.exp(-e.double())  # Exp(1) clocks <=> u uniform
+    for x in (u[:, 0], u[:, 1]):
+        counts = torch.histc(x, bins=64, min=0, max=1)
+        chi2 = ((counts - n / 64) ** 2 / (n / 64)).sum().item()
+        assert chi2 < 63 + 6 * math.sqrt(2 * 63)
+    assert abs(torch.corrcoef(u.T.float())[0, 1]) < 5 / math.sqrt(n)
+    assert abs(e.double().mean().item() - 1) < 6 / math.sqrt(n)
+
+
+@pytest.mark.interpreter
+def test_race_clocks_triton_match_torch():
+    seed, offset, counter = extreme_uniform_inputs(12)
+    vocab = 256
+    out = torch.full((12, vocab), float("nan"), device=DEVICE)
+    _race_clock_kernel[(12,)](seed.to(DEVICE), offset.to(DEVICE), counter.to(DEVICE), out, V=vocab)
+    expected = race_clocks(seed, offset, counter, vocab)
+    # the same hash bits; the logarithm is each backend's own (within an ulp)
+    torch.testing.assert_close(out.cpu(), expected, rtol=2.5e-7, atol=0)
 
 
 # ----------------------------------------------------------------------------- filter
@@ -266,8 +322,8 @@ def test_sample_probs_takes_the_counter_per_row_or_for_all(backend, device):
     by_int = sample_probs(probs, p, counter=9)
     by_rows = sample_probs(probs, p, counter=torch.full((5,), 9, device=device))
     assert torch.equal(by_int, by_rows)
-    u = counter_uniform_reference(p.seed.cpu(), p.offset.cpu(), 9)
-    assert torch.equal(by_int.cpu(), (probs.cpu().cumsum(-1) <= (u * probs.cpu().sum(-1))[:, None]).sum(-1).int())
+    clocks = race_clocks(p.seed.cpu(), p.offset.cpu(), 9, 40)
+    assert torch.equal(by_int.cpu(), (probs.cpu() / clocks).argmax(-1).int())
 
 
 def test_sample_probs_bad_inputs():
@@ -347,6 +403,113 @@ def test_sample_bad_inputs():
         sample(logits, params(2)._replace(seed=torch.zeros(3, dtype=torch.long)))
     with pytest.raises(ValueError, match="out.tokens must have shape"):
         sample(logits, params(2), out=SampleResult(torch.empty(3, dtype=torch.int32), torch.empty(2, dtype=torch.bool)))
+
+
+# ----------------------------------------------------------------------------- the race: exactness, paths, coupling
+
+
+def race_keys(n, per_seed=40) -> tuple[torch.Tensor, torch.Tensor]:
+    """(seeds, offsets) of n draws whose keys vary in both: ``per_seed`` positions per seed."""
+    i = torch.arange(n)
+    return i // per_seed, (i % per_seed) * 977 + 5
+
+
+@pytest.mark.parametrize("temp, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.9, 7, 0.9)])
+def test_race_draw_is_distributed_as_p(temp, top_k, top_p):
+    """Chi-square over seeds and positions: the target's draw follows the filtered p, zero entries never drawn."""
+    n, vocab = 120_000, 12
+    logits = torch.randn(1, vocab) * 1.5
+    logits[0, 4] = float("-inf")  # p = 0 before any filter
+    seeds, offsets = race_keys(n)
+    p = SamplingParams.make(n, temperature=temp, top_k=top_k, top_p=top_p, seed=seeds, offset=offsets)
+    with _backend.use_backend("torch"):
+        tokens, _ = sample(logits.expand(n, vocab), p)
+    counts = torch.bincount(tokens.long(), minlength=vocab).double()
+
+    def chi2(exact):
+        support = exact > 0
+        expected = n * exact[support]
+        return ((counts[support] - expected) ** 2 / expected).sum().item(), int(support.sum()) - 1
+
+    exact = exact_probs(logits, temp, top_k, top_p)[0].double()
+    stat, dof = chi2(exact)
+    assert stat < dof + 6 * math.sqrt(2 * dof)
+    assert counts[exact == 0].sum() == 0  # nothing outside the filtered support
+    hotter, _ = chi2(exact_probs(logits, temp * 1.1, top_k, top_p)[0].double())
+    assert hotter > dof + 6 * math.sqrt(2 * dof)  # the test can fail
+
+
+def test_sample_probs_race_is_exact_on_weights_with_zeros():
+    n, vocab = 120_000, 9
+    w = torch.rand(vocab) * 3
+    w[[0, 5]] = 0.0  # never drawn, including the first index (ties never fall to a zero entry)
+    seeds, offsets = race_keys(n)
+    with _backend.use_backend("torch"):
+        tokens = sample_probs(w.expand(n, vocab), SamplingParams.make(n, seed=seeds, offset=offsets), counter=3)
+    exact = (w / w.sum()).double()
+    assert tv_distance(tokens.long(), exact) < tv_bound(exact, n)
+    assert not ((tokens == 0) | (tokens == 5)).any()
+
+
+def test_race_takes_the_lowest_index_on_ties_and_never_a_zero_entry():
+    clocks = torch.tensor([[1.0, 2.0, 1.0, 0.5], [1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
+    w = torch.tensor([[0.0, 2.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0], [0.0, 3.0, 0.0, 3.0]])
+    assert race_reference(w, clocks).tolist() == [1, -1, 1]  # 2/2 == 1/1: index 1; no mass: -1
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("vocab", [37, 300, 1000])
+def test_race_triton_equals_torch_token_for_token(vocab):
+    rows = 48
+    logits = torch.randn(rows, vocab) * 3
+    logits[::7, : vocab // 3] = float("-inf")  # zero entries, some of them first
+    seeds, offsets = race_keys(rows, per_seed=4)
+    p = SamplingParams.make(rows, temperature=[1.0, 0.7, 1.3, 0.0] * 12, top_k=[0, 0, 9, 0, 20, 0] * 8,
+                            top_p=[1.0, 0.9, 1.0, 1.0, 1.0, 0.6] * 8, seed=seeds, offset=offsets)  # fmt: skip
+    q = torch.softmax(torch.randn(rows, vocab) * 2, -1)
+    q[::5, 1::2] = 0.0
+    results = {}
+    for name in ("torch", "triton"):
+        with _backend.use_backend(name):
+            results[name] = (sample(logits, p).tokens, sample_probs(q, p, counter=ROLE_TARGET))
+    assert torch.equal(results["torch"][0], results["triton"][0])
+    assert torch.equal(results["torch"][1], results["triton"][1])
+
+
+def gumbel_agreement(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``[...]``: P(argmax p_i / E_i == argmax q_i / E_i) for shared Exp(1) clocks, exactly, per row of p and q:
+    sum over i of 1 / sum_j max(p_j / p_i, q_j / q_i) (given E_i = t, i wins both when every E_j > t max(...))."""
+    both = (p > 0) & (q > 0)
+    ratio = torch.maximum(p[..., None, :] / p[..., :, None], q[..., None, :] / q[..., :, None])
+    return torch.where(both, 1 / ratio.sum(-1), 0.0).sum(-1)
+
+
+@pytest.mark.parametrize("vocab, spread, noise", [(16, 1.5, 0.5), (64, 2.0, 0.5), (64, 2.0, 1.0), (256, 2.0, 0.7)])
+def test_coupled_draw_agrees_with_the_target_as_the_gumbel_coupling_predicts(vocab, spread, noise):
+    """A coupled draft (sample_probs with ROLE_TARGET) equals the target's draw (sample) as often as the exact
+    Gumbel-max coupling says, at least (1 - TV) / (1 + TV), and more often than the inverse CDF in vocabulary
+    order did on the same random nearby p and q; with q = p it always equals it."""
+    pairs, keys = 400, 100
+    logits = torch.randn(pairs, vocab, dtype=torch.float64) * spread
+    p = torch.softmax(logits, -1)
+    q = torch.softmax(logits + torch.randn(pairs, vocab, dtype=torch.float64) * noise, -1)
+    n = pairs * keys
+    seeds, offsets = race_keys(n, per_seed=8)
+    params = SamplingParams.make(n, temperature=1.0, seed=seeds, offset=offsets)
+    rows = logits.float().repeat_interleave(keys, 0)
+    with _backend.use_backend("torch"):
+        target = sample(rows, params).tokens
+        coupled = sample_probs(q.float().repeat_interleave(keys, 0), params, counter=ROLE_TARGET)
+        itself = sample_probs(filtered_probs(rows, params).probs, params, counter=ROLE_TARGET)
+    rate = (target == coupled).double().mean().item()
+    theory = gumbel_agreement(p, q)
+    assert abs(rate - theory.mean().item()) < 5 * math.sqrt(0.25 / n)
+    tv = 0.5 * (p - q).abs().sum(-1)
+    assert (theory >= (1 - tv) / (1 + tv) - 1e-12).all()
+    start_p, start_q = p.cumsum(-1) - p, q.cumsum(-1) - q
+    inverse_cdf = (torch.minimum(start_p + p, start_q + q) - torch.maximum(start_p, start_q)).clamp(min=0).sum(-1)
+    assert rate > inverse_cdf.mean().item() + 0.1
+    assert torch.equal(itself, target)
 
 
 # ----------------------------------------------------------------------------- registered ops

@@ -14,10 +14,12 @@ children -- the top-k tokens of ``q`` (deterministic rule), k i.i.d. samples fro
 levels are cut from the cache once the tree is drafted.
 
 Random numbers, keyed on the position a draft token would take (``specdec.kernels.uniforms``):
-the coupled rule draws the draft's token at a position with the target's own uniform there, by
-the same inverse CDF, so the draft agrees with the target's draw whenever q and p put that
-uniform on the same token; verification then accepts the draft equal to the target's draw
-(the deterministic rule), and a seeded request emits plain sampling's tokens whatever the depths.
+the coupled rule draws the draft's token at a position by the target's own exponential race there,
+``argmax_i q_i / E_i`` with the clocks E_i of the target's draw ``argmax_i p_i / E_i``, so the draft
+agrees with the target's token whenever the two races have the same winner (a Gumbel-max coupling:
+with probability at least (1 - TV) / (1 + TV), TV the total variation between p and q, against the
+optimal rule's 1 - TV); verification then accepts the draft equal to the target's draw (the
+deterministic rule), and a seeded request emits plain sampling's tokens whatever the depths.
 The stochastic rule (the optimal rejection rule, the highest acceptance) draws from the
 request's seed mixed with a salt, so its draws are independent of the verification's; its
 tokens depend on the depths chosen, so they are not reproducible under adaptive depths.
@@ -52,7 +54,7 @@ class DraftModelStrategy(DraftCacheStrategy):
         or ``(4, 2, 2, 1)`` for a 4-level tree.
     max_nodes : node budget per tree, root included (the template is cut in BFS order).
     rule : "coupled" (the default: each node's first child drawn from q with the target's own
-        uniform at that position, further children the next most likely tokens of q; verified by
+        race clocks at that position, further children the next most likely tokens of q; verified by
         "sample, then compare", so a seed gives plain sampling's tokens whatever the depths),
         "stochastic" (children sampled i.i.d. from q, verified by the optimal rejection rule:
         Leviathan/Chen chains, SpecInfer's multi-step speculative sampling for trees; the highest
@@ -278,8 +280,8 @@ class DraftModelStrategy(DraftCacheStrategy):
 
 
 def _coupled_draw(q: torch.Tensor, params: SamplingParams, position: int) -> torch.Tensor:
-    """int64 ``[R]``: from each row of q, the token the target's own uniform at ``offset + position`` picks, by the
-    inverse CDF the target's draw uses -- so the draft equals the target's token wherever q and p agree there."""
+    """int64 ``[R]``: from each row of q, the winner of the race with the target's own clocks at ``offset + position``
+    (``argmax_i q_i / E_i``) -- so the draft equals the target's token wherever the races over q and p agree."""
     return run_sample_probs(q, params._replace(offset=params.offset + position), counter=ROLE_TARGET).long()
 
 

@@ -6,7 +6,7 @@ root's row, q_{j+1} from mask row j, each conditioned on the committed text only
 are cut from the draft cache right after the forward, so it keeps committed text only. Two shapes:
 
 - a chain: token j is drafted from q_j -- its argmax (``rule="deterministic"``, and every greedy
-  request), a draw with the target's own uniform at that position (``"coupled"``, the default:
+  request), a draw with the target's own race clocks at that position (``"coupled"``, the default:
   verified by "sample, then compare", so a seed gives plain sampling's tokens), or an independent
   draw verified by the optimal rejection rule (``"stochastic"``: row j of ``draft_probs`` is q_{j+1},
   the distribution node j's child was drawn from, whatever the drafts before it);
@@ -157,7 +157,7 @@ class ParallelDraftStrategy(DraftCacheStrategy):
             params = params.repeat_rows(k, rows * k)
             params = params._replace(offset=params.offset + torch.arange(k, device=roots.device).repeat(rows))
             q = run_filtered_probs(logits.reshape(rows * k, vocab), params).probs
-            counter = ROLE_TARGET if self.rule == "coupled" else 0  # coupled: the target's own uniform there
+            counter = ROLE_TARGET if self.rule == "coupled" else 0  # coupled: the target's own clocks there
             drafts = run_sample_probs(q, params, counter=counter).long().view(rows, k)
             if self.rule == "stochastic":
                 probs = torch.cat((q.view(rows, k, vocab), q.new_zeros(rows, 1, vocab)), dim=1)  # the last: no child

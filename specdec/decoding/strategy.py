@@ -38,8 +38,8 @@ defaults of the hooks it lacks (``StrategyHooks.of``).
    (top-k, n-gram, top-1 heads). Either way the emitted tokens are distributed exactly as the
    target's own sampling; greedy requests get the target's greedy tokens.
 3. Random numbers: key every draw on the position of the token it drafts, never on the step:
-   ``counter_uniform(seed, params.offset + depth - 1, ROLE_TARGET)`` to draw the target's own
-   uniform there (a coupled draft: verify it with ``rule="deterministic"``), or ``seed ^ salt``
+   ``sample_probs(q, params at offset + depth - 1, counter=ROLE_TARGET)`` to draw with the target's own
+   race clocks there (a coupled draft: verify it with ``rule="deterministic"``), or ``seed ^ salt``
    with a salt of your own for draws independent of verification (``rule="stochastic"``), so a
    request's tokens depend on its own seed only, never on the batch or the depths.
 4. Features: ``Prefill.hidden`` and ``StepResult.hidden`` are the target's final-norm hidden

@@ -1,15 +1,16 @@
-"""Sampling from given probabilities by a two-level inverse CDF; the pieces every sampling op
-uses to turn one uniform into one token.
+"""Sampling from given weights by the keyed exponential race (``uniforms``), and the race pieces
+every sampling op uses to turn one key into one token.
 
-Inverse CDF: with unnormalised non-negative mass ``w`` and ``u`` uniform in [0, 1), the token
-is the first index whose running sum of ``w`` exceeds ``u * sum(w)``; it has probability
-``w_i / sum(w)``. Over vocabulary tiles this takes two levels: the tile whose running tile
-mass passes the target (``pick_tile_tl``), then the column inside it (``pick_in_tile_tl``).
-Only entries with positive mass can be picked; when rounding leaves a running sum short of
-the target, the last positive entry is taken, so no id past the vocabulary ever comes out.
+The race: with non-negative weights ``w`` and the key's clocks ``E_i`` (independent Exp(1)), the
+token is ``argmax_i w_i / E_i`` among the entries with ``w_i > 0``, the lowest index on ties; it
+has probability ``w_i / sum(w)``. Over vocabulary tiles it folds block by block: each block's
+best score and its first column (``race_block_tl``), kept by a later block only when strictly
+higher, so the lowest index wins a tie on every path. An entry with no weight scores -1 and
+never wins; a row without positive weight draws -1.
 
 ``sample_probs`` is this sampler on probability rows the caller holds (a draft strategy's
-``q``), so the draft token is drawn exactly from the row it hands to verification.
+``q``), so the draft token is drawn exactly from the row it hands to verification; with the
+counter ``ROLE_TARGET`` its clocks are the target's at that position (a coupled draft).
 """
 
 from __future__ import annotations
@@ -22,28 +23,21 @@ from specdec.kernels._triton import INT32_MAX, cdiv, jit, next_power_of_2, tl
 from specdec.kernels.sampling_params import SamplingParams, check_params
 from specdec.kernels.top_k_top_p import FLOAT_DTYPES, vocab_block
 from specdec.kernels.tuning import TuningSpace, candidates, launch
-from specdec.kernels.uniforms import counter_uniform_reference, counter_uniform_tl
+from specdec.kernels.uniforms import race_clock_tl, race_clocks, race_key_tl
 
 # ----------------------------------------------------------------------------- Triton
 
 
 @jit
-def pick_tile_tl(tile_mass, t_idx, target):
-    """Level 1: (tile, mass of the tiles before it) for the first tile, among tiles with mass, whose
-    running mass exceeds ``target``; the last tile with mass when rounding leaves the total short."""
-    cum = tl.cumsum(tile_mass, 0)
-    first = tl.min(tl.where((cum > target) & (tile_mass > 0), t_idx, INT32_MAX), 0)
-    tile = tl.where(first < INT32_MAX, first, tl.max(tl.where(tile_mass > 0, t_idx, 0), 0))
-    return tile, tl.sum(tl.where(t_idx == tile, cum - tile_mass, 0.0), 0)
-
-
-@jit
-def pick_in_tile_tl(mass, cols, before, target):
-    """Level 2: the first column, among those with mass, whose running mass (``before`` + the tile's
-    own) exceeds ``target``; else the tile's last column with mass; -1 when the tile has none."""
-    hit = ((before + tl.cumsum(mass, 0)) > target) & (mass > 0)
-    found = tl.min(tl.where(hit, cols, INT32_MAX), 0)
-    return tl.where(found < INT32_MAX, found, tl.max(tl.where(mass > 0, cols, -1), 0))
+def race_block_tl(w, cols, e, best, arg):
+    """Fold a 2-D block of weights ``w`` at columns ``cols`` with clocks ``e`` (``race_clock_tl``) into the
+    running race (best score, its column): the block's best replaces it only when strictly higher, so of equal
+    scores the first folded (the lowest column, blocks folded in column order) stays."""
+    score = tl.where(w > 0, tl.math.div_rn(w, e), -1.0)  # no weight: never wins
+    top = tl.max(tl.max(score, 1), 0)
+    at = tl.min(tl.min(tl.where(score == top, cols, INT32_MAX), 1), 0)
+    take = top > best
+    return tl.where(take, top, best), tl.where(take, at, arg)
 
 
 @jit
@@ -56,48 +50,49 @@ def probs_tile_tl(row_ptr, start, V, BLOCK: tl.constexpr):
 
 
 @jit
-def _tile_mass_kernel(
+def _race_tile_kernel(
     probs_ptr,  # [R, V] fp32/fp16/bf16, unit column stride
-    mass_ptr,  # [R, n_tiles] fp32 out: sum of w per tile
+    seed_ptr,  # [R] int64
+    offset_ptr,  # [R] int64
+    counter_ptr,  # [R] int64
+    score_ptr,  # [R, n_tiles] fp32 out: the tile's best w / E (-1: no weight)
+    arg_ptr,  # [R, n_tiles] int32 out: its first column (-1: no weight)
     V,
     n_tiles,
     stride_row,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(0)
     tile = tl.program_id(1)
-    _cols, w = probs_tile_tl(probs_ptr + row * stride_row, tile * BLOCK, V, BLOCK)
-    tl.store(mass_ptr + row * n_tiles + tile, tl.sum(w, 0))
+    key = race_key_tl(tl.load(seed_ptr + row), tl.load(offset_ptr + row), tl.load(counter_ptr + row))
+    cols, w = probs_tile_tl(probs_ptr + row.to(tl.int64) * stride_row, tile * BLOCK, V, BLOCK)
+    best, arg = race_block_tl(w[None, :], cols[None, :], race_clock_tl(key, cols)[None, :], -1.0, -1)
+    out = row.to(tl.int64) * n_tiles + tile
+    tl.store(score_ptr + out, best)
+    tl.store(arg_ptr + out, arg)
 
 
 @jit
-def _pick_token_kernel(
-    probs_ptr,  # [R, V]
-    mass_ptr,  # [R, n_tiles] fp32 from _tile_mass_kernel
-    seed_ptr,  # [R] int64
-    offset_ptr,  # [R] int64
-    counter_ptr,  # [R] int64
+def _race_pick_kernel(
+    score_ptr,  # [R, n_tiles] fp32 from _race_tile_kernel
+    arg_ptr,  # [R, n_tiles] int32 from _race_tile_kernel
     out_ptr,  # [R] int32 out
-    V,
     n_tiles,
-    stride_row,
-    BLOCK: tl.constexpr,
     T_PAD: tl.constexpr,
 ):
     row = tl.program_id(0)
     t_idx = tl.arange(0, T_PAD)
-    at = row.to(tl.int64) * n_tiles + tl.minimum(t_idx, n_tiles - 1)
-    tiles = tl.where(t_idx < n_tiles, tl.load(mass_ptr + at), 0.0)
-    u = counter_uniform_tl(tl.load(seed_ptr + row), tl.load(offset_ptr + row), tl.load(counter_ptr + row))
-    target = u * tl.sum(tiles, 0)
-    tile, before = pick_tile_tl(tiles, t_idx, target)
-    cols, w = probs_tile_tl(probs_ptr + row.to(tl.int64) * stride_row, tile * BLOCK, V, BLOCK)
-    tl.store(out_ptr + row, pick_in_tile_tl(w, cols, before, target))
+    at = row.to(tl.int64) * n_tiles + tl.minimum(t_idx, n_tiles - 1)  # clamped: lanes past n_tiles stay in the row
+    score = tl.where(t_idx < n_tiles, tl.load(score_ptr + at), -1.0)
+    top = tl.max(score, 0)
+    # tiles hold ascending columns: the lowest column among the best tiles is the lowest index overall
+    arg = tl.min(tl.where((t_idx < n_tiles) & (score == top), tl.load(arg_ptr + at), INT32_MAX), 0)
+    tl.store(out_ptr + row, tl.where(top >= 0, arg, -1))
 
 
-# The two kernels share the tile (one writes per-tile mass, the other reads it): warps only.
-TILE_MASS_SPACE = TuningSpace(candidates(num_warps=(2, 4, 8)), key=("V",))
-PICK_TOKEN_SPACE = TuningSpace(candidates(num_warps=(2, 4, 8)), key=("V",))
+# The two kernels share the tile (one writes per-tile winners, the other reads them): warps only.
+RACE_TILE_SPACE = TuningSpace(candidates(num_warps=(2, 4, 8)), key=("V",))
+RACE_PICK_SPACE = TuningSpace(candidates(num_warps=(2, 4, 8)), key=("n_tiles",))
 
 
 def _sample_probs_triton(probs, seed, offset, counter, out) -> None:
@@ -108,17 +103,17 @@ def _sample_probs_triton(probs, seed, offset, counter, out) -> None:
         probs = probs.contiguous()
     block = vocab_block(vocab)
     n_tiles = cdiv(vocab, block)
-    mass = torch.empty(rows, n_tiles, dtype=torch.float32, device=probs.device)
-    mass_args = (probs, mass, vocab, n_tiles, probs.stride(0))
-    launch(_tile_mass_kernel, (rows, n_tiles), mass_args, dict(BLOCK=block), dict(num_warps=4), TILE_MASS_SPACE)
-    pick_args = (probs, mass, seed, offset, counter, out, vocab, n_tiles, probs.stride(0))
-    pick_meta = dict(BLOCK=block, T_PAD=next_power_of_2(n_tiles))
-    launch(_pick_token_kernel, (rows,), pick_args, pick_meta, dict(num_warps=4), PICK_TOKEN_SPACE)
+    score = torch.empty(rows, n_tiles, dtype=torch.float32, device=probs.device)
+    arg = torch.empty(rows, n_tiles, dtype=torch.int32, device=probs.device)
+    tile_args = (probs, seed, offset, counter, score, arg, vocab, n_tiles, probs.stride(0))
+    launch(_race_tile_kernel, (rows, n_tiles), tile_args, dict(BLOCK=block), dict(num_warps=4), RACE_TILE_SPACE)
+    pick_meta = dict(T_PAD=next_power_of_2(n_tiles))
+    launch(_race_pick_kernel, (rows,), (score, arg, out, n_tiles), pick_meta, dict(num_warps=4), RACE_PICK_SPACE)
 
 
 def _sample_probs_torch(probs, seed, offset, counter, out) -> None:
     w = sanitize_probs(probs)
-    out.copy_(inverse_cdf_reference(w, counter_uniform_reference(seed, offset, counter) * w.sum(-1)))
+    out.copy_(race_reference(w, race_clocks(seed, offset, counter, w.shape[-1])))
 
 
 # ----------------------------------------------------------------------------- registered op
@@ -137,15 +132,18 @@ def _sample_probs_op(
 def sample_probs(
     probs: torch.Tensor, params: SamplingParams, *, counter: torch.Tensor | int, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Draw one token per row from the given probabilities, by inverse CDF on ``counter_uniform``.
+    """Draw one token per row from the given probabilities, by the exponential race on ``race_clocks``.
 
     Parameters
     ----------
     probs : fp32/fp16/bf16 ``[R, V]``; row r's (unnormalised) weights. Negative, NaN and infinite
-        entries count as 0; rows need not sum to 1 (the target is ``u * sum``).
+        entries count as 0; rows need not sum to 1 (weights so large that ``w / E`` overflows, above
+        about 1e31, tie at +inf and the lowest index among them wins).
     params : ``SamplingParams`` with one entry per row; only ``seed`` and ``offset`` are read (the
         distribution is given: temperature, top-k and top-p were applied by whoever built it).
-    counter : int, or int32/int64 ``[R]``; row r uses ``u = counter_uniform(seed[r], offset[r], counter[r])``.
+    counter : int, or int32/int64 ``[R]``; row r draws ``argmax_i w_i / E_i`` with the clocks
+        ``race_clocks(seed[r], offset[r], counter[r], V)``. With ``ROLE_TARGET`` and a request's seed and
+        a position, these are the clocks of the target's own draw there (a coupled draft).
     out : optional int32 ``[R]`` contiguous buffer to write into.
 
     Returns
@@ -192,19 +190,15 @@ def sanitize_probs(probs: torch.Tensor) -> torch.Tensor:
     return torch.where((probs >= 0) & (probs < float("inf")), probs, 0.0)
 
 
-def inverse_cdf_reference(mass: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """int64 ``[R]``: per row of ``mass [R, V]``, the first index, among positive entries, whose running
-    sum exceeds ``target [R]``; the last positive entry when rounding leaves the sum short; -1 if none."""
-    positive = mass > 0
-    hit = (mass.cumsum(-1) > target[:, None]) & positive
-    idx = torch.arange(mass.shape[-1], device=mass.device)
-    first = torch.where(hit, idx, mass.shape[-1]).min(-1).values
-    last = torch.where(positive, idx, -1).max(-1).values
-    return torch.where(first < mass.shape[-1], first, last)
+def race_reference(weights: torch.Tensor, clocks: torch.Tensor) -> torch.Tensor:
+    """int64 ``[R]``: per row of ``weights [R, V]`` (non-negative), ``argmax_i w_i / E_i`` over its positive
+    entries with ``clocks [R, V]`` the E_i (the lowest index on ties, as ``torch.argmax``); -1 if none."""
+    score = torch.where(weights > 0, weights / clocks, -1.0)
+    top, arg = score.max(-1)
+    return torch.where(top >= 0, arg, -1)
 
 
 def sample_probs_reference(probs: torch.Tensor, params: SamplingParams, *, counter: torch.Tensor | int) -> torch.Tensor:
     """Readable PyTorch implementation of ``sample_probs`` (int32 ``[R]``)."""
     w = sanitize_probs(probs)
-    u = counter_uniform_reference(params.seed, params.offset, counter)
-    return inverse_cdf_reference(w, u * w.sum(-1)).to(torch.int32)
+    return race_reference(w, race_clocks(params.seed, params.offset, counter, w.shape[-1])).to(torch.int32)

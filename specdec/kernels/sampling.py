@@ -1,7 +1,7 @@
 """sample: one token per row of logits under temperature, top-k and top-p.
 
 It is verification with no drafts (``verify_chain`` with K = 0 for every request): the same
-filter, the same uniform (the target's draw at position ``offset``) and the same edge cases, so a
+filter, the same draw (the race keyed on position ``offset``, ``uniforms``) and the same edge cases, so a
 request's first token and its later tokens follow one rule. On the Triton path it runs the
 verification pipeline in chain mode without draft tokens.
 """
@@ -13,11 +13,11 @@ from typing import NamedTuple
 import torch
 
 from specdec.kernels._op import register_op
-from specdec.kernels.sample_probs import inverse_cdf_reference
+from specdec.kernels.sample_probs import race_reference
 from specdec.kernels.sampling_params import SamplingParams, check_params
 from specdec.kernels.target_stats import target_probs_reference
 from specdec.kernels.top_k_top_p import filter_thresholds_torch, scaled_logits
-from specdec.kernels.uniforms import ROLE_TARGET, counter_uniform_reference
+from specdec.kernels.uniforms import ROLE_TARGET, race_clocks
 from specdec.kernels.verification import check_logits, result_buffers, verify_triton, zero_offsets
 
 
@@ -69,9 +69,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, *, out: SampleResult | 
     ----------
     logits : fp32/fp16/bf16 ``[B, V]``.
     params : ``SamplingParams`` of ``[B]`` tensors; temperature <= 0 takes the argmax (no softmax,
-        no random number); row b draws the token at position ``offset[b]`` with
-        ``counter_uniform(seed[b], offset[b], ROLE_TARGET)``: the token every verification op
-        emits there for a deterministic draft, whatever it drafted.
+        no random number); row b draws the token at position ``offset[b]``, ``argmax_i p_i / E_i``
+        with the clocks ``race_clocks(seed[b], offset[b], ROLE_TARGET, V)``: the token every
+        verification op emits there for a deterministic draft, whatever it drafted.
     out : optional ``SampleResult`` to write into.
 
     Returns
@@ -108,10 +108,10 @@ def run_sample(logits: torch.Tensor, params: SamplingParams) -> SampleResult:
 
 
 def sample_reference(logits: torch.Tensor, params: SamplingParams) -> SampleResult:
-    """Readable PyTorch implementation of ``sample``: inverse CDF over the filtered target row."""
+    """Readable PyTorch implementation of ``sample``: the keyed race over the filtered target row."""
     temperature, top_k, top_p, seed, offset = params
     s = scaled_logits(logits, temperature)
     p, argmax, bad = target_probs_reference(s, filter_thresholds_torch(s, temperature, top_k, top_p))
-    u = counter_uniform_reference(seed, offset, ROLE_TARGET)
-    tokens = torch.where(temperature <= 0, argmax, inverse_cdf_reference(p, u))
+    drawn = race_reference(p, race_clocks(seed, offset, ROLE_TARGET, p.shape[-1]))
+    tokens = torch.where(temperature <= 0, argmax, drawn)
     return SampleResult(torch.where(bad, -1, tokens).to(torch.int32), bad)

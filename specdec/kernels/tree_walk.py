@@ -27,13 +27,14 @@ S costs one pass over the row, and only when another sibling follows a rejection
 a chain). A residual with mass below RESIDUAL_EPS is p == q up to rounding: p is used.
 
 Deterministic rule (any children not drawn i.i.d. from a draft distribution the verifier is
-given: top-k of a draft head, n-gram continuations, or a draft sampled with the target's own
-uniforms, which couples it to the target): sample, then compare. At the current node draw the
-target's token t from p with that position's ``ROLE_TARGET`` uniform -- exactly the draw plain
-sampling (``sample``) makes there -- and accept the first child equal to t; when none is, t is
-the final token. The emitted tokens are therefore plain sampling's tokens, whatever the tree,
-and a child c is accepted with probability p(c) (the mass of the children, as with the
-sequential test-and-renormalise rule).
+given: top-k of a draft head, n-gram continuations, or a draft drawn from q with the target's own
+race clocks, which couples it to the target): sample, then compare. At the current node draw the
+target's token t from p by the race keyed on that position and ``ROLE_TARGET`` (``uniforms``) --
+exactly the draw plain sampling (``sample``) makes there -- and accept the first child equal to t;
+when none is, t is the final token. The emitted tokens are therefore plain sampling's tokens,
+whatever the tree, and a child c is accepted with probability p(c) (the mass of the children, as
+with the sequential test-and-renormalise rule). A coupled draft, ``argmax_i q_i / E_i`` with the
+same clocks E, equals t exactly when the two races have the same winner.
 
 Greedy (temperature <= 0): follow the first child equal to argmax p; at a node without
 such a child emit argmax p. No softmax, no random number. Under the other rules a greedy request
@@ -44,8 +45,9 @@ and drawing nothing.
 
 Uniforms and edge cases. A node at depth d decides the token at position ``offset + d`` of its
 request: the test of the k-th child tried there uses ``counter_uniform(seed, offset + d,
-ROLE_TEST + k)``, the draw there ``ROLE_TARGET`` (``uniforms``). Nothing depends on a node's
-index, so the same position gets the same uniforms in any tree. u lies in [0, 1) and the
+ROLE_TEST + k)``, the draw there (from p, or the stochastic rule's residual) the race clocks keyed
+``(seed, offset + d, ROLE_TARGET)`` (``uniforms``), independent of the tests. Nothing depends on a
+node's index, so the same position gets the same uniforms in any tree. u lies in [0, 1) and the
 stochastic test is ``u * q * S < max(0, p - C q)``, so p = 0 is never accepted and p >= q always
 is. A child token outside [0, V) is rejected and never used as an index; q(x) = 0, NaN, inf or
 > 1 is never accepted; negative or non-finite q count as 0 in the residual. A request with any
@@ -72,7 +74,7 @@ from specdec.kernels.target_stats import (
 )
 from specdec.kernels.top_k_top_p import inverse_temperature_tl
 from specdec.kernels.tuning import TuningSpace, candidates, launch
-from specdec.kernels.uniforms import ROLE_TARGET, ROLE_TEST, counter_uniform_tl
+from specdec.kernels.uniforms import ROLE_TARGET, ROLE_TEST, counter_uniform_tl, race_key_tl
 
 _ROLE_TARGET, _ROLE_TEST = tl.constexpr(ROLE_TARGET), tl.constexpr(ROLE_TEST)
 
@@ -113,12 +115,12 @@ def _stochastic_test(q_row, tok, valid, px, u, c, s):
 
 @jit
 def _target_draw(logits_ptr, thr_ptr, row, stride_l, seed, position, inv_t, m, z, V, n_tiles, RULE: tl.constexpr,
-                 BLOCK: tl.constexpr, T_PAD: tl.constexpr, EPS: tl.constexpr, TILES: tl.constexpr):  # fmt: skip
+                 BLOCK: tl.constexpr, EPS: tl.constexpr, TILES: tl.constexpr):  # fmt: skip
     # Deterministic rule: the token the target draws from p at node row `row`, at `position` (sample's draw).
     row = row.to(tl.int64)
-    u = counter_uniform_tl(seed, position, _ROLE_TARGET)
-    token = final_draw_tl(logits_ptr + row * stride_l, logits_ptr, FINAL_TARGET, inv_t * 0.0, u, inv_t,
-                          tl.load(thr_ptr + row), m, z, V, n_tiles, RULE, BLOCK, T_PAD, EPS, TILES)  # fmt: skip
+    key = race_key_tl(seed, position, _ROLE_TARGET)
+    token = final_draw_tl(logits_ptr + row * stride_l, logits_ptr, FINAL_TARGET, inv_t * 0.0, key, inv_t,
+                          tl.load(thr_ptr + row), m, z, V, n_tiles, RULE, BLOCK, EPS, TILES)  # fmt: skip
     return token.to(tl.int32)
 
 
@@ -159,7 +161,7 @@ def _tree_walk_kernel(
     T_PAD: tl.constexpr,
     W_PAD: tl.constexpr,
     EPS: tl.constexpr,
-    TILES: tl.constexpr,  # vocabulary tiles the final draw sums a step (unread by the greedy rule: no draw)
+    TILES: tl.constexpr,  # vocabulary tiles the final draw streams a step (unread by the greedy rule: no draw)
 ):
     b = tl.program_id(0)
     start, n, tok_base = request_nodes_tl(offsets_ptr, b, CHAIN)
@@ -187,7 +189,7 @@ def _tree_walk_kernel(
         if RULE == "deterministic":
             if draws:
                 drawn = _target_draw(logits_ptr, thr_ptr, start, stride_l, seed, off, inv_t, m, z, V, n_tiles, RULE,
-                                     BLOCK, T_PAD, EPS, TILES)  # fmt: skip
+                                     BLOCK, EPS, TILES)  # fmt: skip
         c_res = zero  # stochastic: p_j = max(0, p - C q) / S
         s_res = zero + 1.0
         pending = n < 0  # S not yet summed for the current C (needed only if another sibling is tried)
@@ -234,7 +236,7 @@ def _tree_walk_kernel(
                     if RULE == "deterministic":
                         if draws:
                             drawn = _target_draw(logits_ptr, thr_ptr, start + j, stride_l, seed, off + depth, inv_t,
-                                                 m, z, V, n_tiles, RULE, BLOCK, T_PAD, EPS, TILES)  # fmt: skip
+                                                 m, z, V, n_tiles, RULE, BLOCK, EPS, TILES)  # fmt: skip
             elif RULE != "greedy":
                 if not greedy:
                     tried += 1
@@ -253,9 +255,9 @@ def _tree_walk_kernel(
             row = (start + cur).to(tl.int64)
             q_row = q_ptr + (row - b if CHAIN else row) * stride_q  # read only for a residual
             mode = tl.where(pending, FINAL_RESIDUAL, FINAL_TARGET)  # pending <=> a rejection at the final node
-            u = counter_uniform_tl(seed, off + depth, _ROLE_TARGET)
-            token = final_draw_tl(logits_ptr + row * stride_l, q_row, mode, c_res, u, inv_t, tl.load(thr_ptr + row),
-                                  m, z, V, n_tiles, RULE, BLOCK, T_PAD, EPS, TILES)  # fmt: skip
+            key = race_key_tl(seed, off + depth, _ROLE_TARGET)
+            token = final_draw_tl(logits_ptr + row * stride_l, q_row, mode, c_res, key, inv_t, tl.load(thr_ptr + row),
+                                  m, z, V, n_tiles, RULE, BLOCK, EPS, TILES)  # fmt: skip
             toks = tl.where(lanes == depth, token, toks)
 
     # ---- write back

@@ -2,7 +2,8 @@
 ``(seed, offset, counter)``, so results depend on neither batch size, row order nor replay.
 
 A 32-bit integer hash (shift-xor-multiply mixing) is folded over six 32-bit words: the low
-and high halves of the request's seed and offset, the counter, and 0. The top 24 bits of the
+and high halves of the request's seed and offset, the counter, and a sixth word (0 for
+``counter_uniform``, the vocabulary index for the race clocks below). The top 24 bits of the
 result give ``u = h / 2**24`` in [0, 1). Every value lives in int64 and every product stays
 below 2**63 (a 32-bit value times a multiplier below 2**31), so PyTorch and Triton (compiled
 or interpreted) compute the same bits: the kernels and the references see identical uniforms
@@ -15,6 +16,22 @@ verification emits there, and what a coupled draft draws with -- and ``ROLE_TEST
 stochastic rule's test of the k-th child tried at a node. Nothing is keyed on the step or on a
 node's index, so neither the drafter, the draft depth nor the batch changes a seeded request's
 tokens (``tree_walk`` derives the rules). ``sample_probs`` takes the counter from its caller.
+
+Race clocks: every draw of a token is an exponential race (Gumbel-max). For the key
+``(seed, offset, counter)`` vocabulary entry i gets the clock ``E_i = -log(u_i)`` with
+
+    u_i = ((h_i >> 8) | 1) / 2**24,   h_i = the hash of (seed, offset, counter, i)
+
+(``race_clocks``; in the kernels ``race_key_tl`` once per key, then ``race_clock_tl`` per
+entry): the top 24 bits with the lowest one set, an odd multiple of 2**-24, so u_i lies in
+[2**-24, 1 - 2**-24], never 0 or 1, and E_i is finite and positive. The token drawn from weights
+w is ``argmax_i w_i / E_i`` over the entries with w_i > 0 (the lowest index on ties; none when
+no entry is positive): E_i are independent Exp(1), so entry i wins with probability
+w_i / sum(w). The target's draw at a position is the race keyed ``(seed, position,
+ROLE_TARGET)``; a coupled draft draws from its own q with the same clocks, so it equals the
+target's token exactly when both races have the same winner. Every path computes the same hash
+bits; the logarithm is each backend's own, so a clock can differ in its last bit between PyTorch
+and Triton, which changes a draw only where two scores tie to that precision.
 """
 
 from __future__ import annotations
@@ -37,7 +54,7 @@ _U24 = 1.0 / 16777216.0  # 2**-24
 _HASH_START_TL, _MUL1_TL, _MUL2_TL, _MASK32_TL, _U24_TL = map(tl.constexpr, (_HASH_START, _MUL1, _MUL2, _MASK32, _U24))
 _BLOCK = 256
 
-ROLE_TARGET = 0  # the target's draw at a position (plain sampling's token there)
+ROLE_TARGET = 0  # the target's draw at a position (plain sampling's token there): the counter of its race clocks
 ROLE_TEST = 1  # + k: the stochastic rule's test of the k-th child tried at a node
 
 
@@ -70,6 +87,46 @@ def counter_uniform_tl(seed, offset, counter):
         h = (h * _MUL2_TL) & _MASK32_TL
         h = h ^ (h >> 16)
     return (h >> 8).to(tl.float32) * _U24_TL
+
+
+@jit
+def race_key_tl(seed, offset, counter):
+    """The hash of the race key (seed, offset, counter) before its sixth word, for int64 scalars or blocks:
+    made once per race, then ``race_clock_tl`` gives every vocabulary entry's clock."""
+    seed = seed.to(tl.int64)
+    offset = offset.to(tl.int64)
+    counter = offset * 0 + counter  # (a plain int counter becomes a tensor)
+    h = seed * 0 + _HASH_START_TL
+    for i in tl.static_range(5):
+        if i == 0:
+            h = h ^ (seed & _MASK32_TL)
+        if i == 1:
+            h = h ^ ((seed >> 32) & _MASK32_TL)
+        if i == 2:
+            h = h ^ (offset & _MASK32_TL)
+        if i == 3:
+            h = h ^ ((offset >> 32) & _MASK32_TL)
+        if i == 4:
+            h = h ^ (counter & _MASK32_TL)
+        h = h ^ (h >> 16)
+        h = (h * _MUL1_TL) & _MASK32_TL
+        h = h ^ (h >> 15)
+        h = (h * _MUL2_TL) & _MASK32_TL
+        h = h ^ (h >> 16)
+    return h
+
+
+@jit
+def race_clock_tl(key, index):
+    """fp32 clocks E = -log(u), u in [2**-24, 1 - 2**-24], of vocabulary entries ``index`` (any shape, int32)
+    in the race whose ``race_key_tl`` is ``key`` (a scalar): what ``race_clocks`` computes."""
+    h = key ^ index.to(tl.int64)
+    h = h ^ (h >> 16)
+    h = (h * _MUL1_TL) & _MASK32_TL
+    h = h ^ (h >> 15)
+    h = (h * _MUL2_TL) & _MASK32_TL
+    h = h ^ (h >> 16)
+    return -tl.log(((h >> 8) | 1).to(tl.float32) * _U24_TL)
 
 
 @jit
@@ -186,3 +243,17 @@ def uniform_from_key(key: torch.Tensor, counter: torch.Tensor | int) -> torch.Te
 def counter_uniform_reference(seed: torch.Tensor, offset: torch.Tensor, counter: torch.Tensor | int) -> torch.Tensor:
     """Readable PyTorch implementation of ``counter_uniform`` (broadcasting, no ``out``)."""
     return uniform_from_key(request_key(seed, offset), counter)
+
+
+def race_clocks(seed: torch.Tensor, offset: torch.Tensor, counter: torch.Tensor | int, vocab: int) -> torch.Tensor:
+    """fp32 ``[..., vocab]``: the clocks ``E_i = -log(u_i)`` of the races keyed by broadcast ``seed``, ``offset``
+    and ``counter`` (the module docstring): ``race_clock_tl``'s hash bits, through PyTorch's ``log``."""
+    counter = torch.as_tensor(counter, dtype=torch.int64, device=seed.device)
+    key = _mix32(request_key(seed, offset) ^ (counter & _MASK32))
+    h = key[..., None] ^ torch.arange(vocab, device=key.device)
+    h ^= h >> 16  # _mix32 in place: a [..., vocab] int64 temporary less per step
+    h.mul_(_MUL1).bitwise_and_(_MASK32)
+    h ^= h >> 15
+    h.mul_(_MUL2).bitwise_and_(_MASK32)
+    h ^= h >> 16
+    return ((h >> 8) | 1).to(torch.float32).mul_(_U24).log_().neg_()

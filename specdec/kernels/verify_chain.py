@@ -21,12 +21,12 @@ import torch
 
 from specdec.kernels._checks import check_offsets, check_tensor
 from specdec.kernels._op import register_op
-from specdec.kernels.sample_probs import inverse_cdf_reference, sanitize_probs
+from specdec.kernels.sample_probs import race_reference, sanitize_probs
 from specdec.kernels.sampling_params import SamplingParams, check_params, check_rule
 from specdec.kernels.target_stats import target_probs_reference
 from specdec.kernels.top_k_top_p import filter_thresholds_torch, scaled_logits
 from specdec.kernels.tree_walk import RESIDUAL_EPS
-from specdec.kernels.uniforms import ROLE_TARGET, ROLE_TEST, counter_uniform_reference
+from specdec.kernels.uniforms import ROLE_TARGET, ROLE_TEST, counter_uniform_reference, race_clocks
 from specdec.kernels.verification import (
     check_draft_probs,
     check_logits,
@@ -136,12 +136,12 @@ def verify_chain(
         (K_b = 0 allowed, for any or every request: that request draws one token).
     params : ``SamplingParams`` of ``[B]`` tensors (temperature <= 0 = greedy, no softmax; top-k /
         top-p filter the target). ``offset`` is the position of the request's first token here:
-        the token at output index i is decided by ``counter_uniform(seed, offset + i, role)``
+        the token at output index i is decided by random numbers keyed on ``(seed, offset + i, role)``
         (``uniforms``), so the same seed gives the same tokens alone or in any batch and row order,
         and with the deterministic rule the tokens ``sample`` draws at those positions.
     rule : "stochastic" (drafts sampled from ``draft_probs``: the optimal rejection rule) or
-        "deterministic" (any other drafts: n-gram, top-1 heads, or drafts sampled with the target's
-        own uniforms (coupled); no ``draft_probs``: each draft is accepted when it equals the
+        "deterministic" (any other drafts: n-gram, top-1 heads, or drafts drawn with the target's
+        own race clocks (coupled); no ``draft_probs``: each draft is accepted when it equals the
         target's draw there).
     draft_probs : float ``[T, V]``, stochastic rule only: row t is exactly the distribution draft
         token t was drawn from (after the draft's own filtering, e.g. ``filtered_probs``).
@@ -237,7 +237,8 @@ def verify_chain_reference(
     stochastic = rule == "stochastic"
     # Row i of a request decides the token at position offset + i; its target draw there (plain sampling's).
     row_pos = offset[row_req] + torch.arange(target_logits.shape[0], device=device) - row_start[row_req]
-    drawn = inverse_cdf_reference(p, counter_uniform_reference(seed[row_req], row_pos, ROLE_TARGET))
+    clocks = race_clocks(seed[row_req], row_pos, ROLE_TARGET, vocab)  # the race at each row's position
+    drawn = race_reference(p, clocks)
     tokens = torch.full((batch, max_draft_len + 1), -1, dtype=torch.long, device=device)
     accepted = torch.zeros(batch, dtype=torch.long, device=device)
     rejected = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -266,14 +267,11 @@ def verify_chain_reference(
         rejected |= now_rejected
     row = row_start + stop
     final = drawn[row]  # the target's draw where the walk stopped (a rejected deterministic draft is not it)
-    if stochastic and bool(rejected.any()):  # after a rejection: the residual, drawn with the same uniform
+    if stochastic and bool(rejected.any()):  # after a rejection: the residual, drawn with the same clocks
         p_row = p[row]
         residual = (p_row - sanitize_probs(draft_probs[rejected_draft])).clamp_min(0.0)
-        mass_total = residual.sum(-1)
-        use_residual = rejected & (mass_total > RESIDUAL_EPS)  # else: draw from p
-        mass = torch.where(use_residual[:, None], residual, p_row)
-        u = counter_uniform_reference(seed, offset + stop, ROLE_TARGET)
-        final = inverse_cdf_reference(mass, u * torch.where(use_residual, mass_total, 1.0))
+        use_residual = rejected & (residual.sum(-1) > RESIDUAL_EPS)  # else: draw from p
+        final = torch.where(use_residual, race_reference(residual, clocks[row]), final)
     final = torch.where(greedy, argmax[row], final)
     tokens[every, accepted] = final
     tokens[invalid] = -1

@@ -12,12 +12,12 @@ import torch
 
 from specdec.kernels._checks import check_offsets, check_tensor
 from specdec.kernels._op import register_op
-from specdec.kernels.sample_probs import inverse_cdf_reference, sanitize_probs
+from specdec.kernels.sample_probs import race_reference, sanitize_probs
 from specdec.kernels.sampling_params import SamplingParams, check_params, check_rule
 from specdec.kernels.target_stats import target_probs_reference
 from specdec.kernels.top_k_top_p import filter_thresholds_torch, scaled_logits
 from specdec.kernels.tree_walk import RESIDUAL_EPS
-from specdec.kernels.uniforms import ROLE_TARGET, ROLE_TEST, counter_uniform_reference
+from specdec.kernels.uniforms import ROLE_TARGET, ROLE_TEST, counter_uniform_reference, race_clocks
 from specdec.kernels.verification import (
     check_draft_probs,
     check_logits,
@@ -129,12 +129,12 @@ def verify_tree(
     params : ``SamplingParams`` of ``[B]`` tensors. Temperature <= 0 is greedy (follow the child equal
         to the argmax, no softmax); top-k / top-p filter the target only. ``offset`` is the
         position of the token the root's row decides: row i decides position ``offset + depth(i)``
-        with ``counter_uniform(seed, offset + depth(i), role)`` (``uniforms``), so a request gets the
+        with random numbers keyed on ``(seed, offset + depth(i), role)`` (``uniforms``), so a request gets the
         same tokens alone, in any batch and in any row order, and with the deterministic rule the
         tokens ``sample`` draws at those positions, whatever the tree.
     rule : "stochastic" (children drawn i.i.d. from ``draft_probs``; SpecInfer's optimal rule) or
-        "deterministic" (any other children: top-k of a draft head, n-gram, or drafts sampled with
-        the target's own uniforms (coupled); no ``draft_probs``: the child equal to the target's draw
+        "deterministic" (any other children: top-k of a draft head, n-gram, or drafts drawn with
+        the target's own race clocks (coupled); no ``draft_probs``: the child equal to the target's draw
         at its node is accepted).
     draft_probs : float ``[N, V]``, stochastic rule only: row i is the distribution node i's
         children were drawn from.
@@ -247,8 +247,7 @@ def verify_tree_reference(
         node_depth = torch.zeros(rows, dtype=torch.long, device=device)
         for _ in range(max_depth):  # one more level settles per pass (deeper nodes are never reached)
             node_depth = torch.where(is_root, 0, node_depth[parent_row] + 1)
-        u = counter_uniform_reference(seed[row_req], offset[row_req] + node_depth, ROLE_TARGET)
-        drawn = inverse_cdf_reference(p, u)
+        drawn = race_reference(p, race_clocks(seed[row_req], offset[row_req] + node_depth, ROLE_TARGET, vocab))
     every = torch.arange(batch, device=device)
     cur = torch.zeros(batch, dtype=torch.long, device=device)
     depth = torch.zeros_like(cur)
@@ -293,10 +292,9 @@ def verify_tree_reference(
             s_res = torch.where(rejected, torch.where(reset, 1.0, s_next), s_res)
     # the final token where each walk stopped: the target's draw there (stochastic: from the residual)
     row = starts + cur
-    if stochastic:
+    if stochastic:  # (c_res is 0 where no rejection, or a residual of rounding noise, left p itself)
         mass = (p[row] - c_res[:, None] * q_clean[q_rows[row]]).clamp_min(0.0)
-        u = counter_uniform_reference(seed, offset + depth, ROLE_TARGET)
-        final = inverse_cdf_reference(mass, u * s_res)
+        final = race_reference(mass, race_clocks(seed, offset + depth, ROLE_TARGET, vocab))
     else:
         final = drawn[row]
     final = torch.where(greedy, argmax[row], final)
