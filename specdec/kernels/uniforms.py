@@ -120,11 +120,13 @@ def race_key_tl(seed, offset, counter):
 def race_clock_tl(key, index):
     """fp32 clocks E = -log(u), u in [2**-24, 1 - 2**-24], of vocabulary entries ``index`` (any shape, int32)
     in the race whose ``race_key_tl`` is ``key`` (a scalar): what ``race_clocks`` computes."""
-    h = key ^ index.to(tl.int64)
+    # uint32 arithmetic: a wrapping 32-bit product is the low half of the int64 one, so the bits equal the int64
+    # hash's while each entry costs 32-bit instructions (this runs once per vocabulary entry)
+    h = key.to(tl.uint32) ^ index.to(tl.uint32)
     h = h ^ (h >> 16)
-    h = (h * _MUL1_TL) & _MASK32_TL
+    h = h * tl.full([], _MUL1_TL, tl.uint32)
     h = h ^ (h >> 15)
-    h = (h * _MUL2_TL) & _MASK32_TL
+    h = h * tl.full([], _MUL2_TL, tl.uint32)
     h = h ^ (h >> 16)
     return -tl.log(((h >> 8) | 1).to(tl.float32) * _U24_TL)
 
