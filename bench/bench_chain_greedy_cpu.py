@@ -1,5 +1,5 @@
 """The CPU body of greedy chain verification: the extension's C++ pass against the PyTorch body, as the vLLM
-plugin calls it (``run_verify_chain_greedy``: fresh result buffers, no argument checks).
+plugin calls it (``verify_chain_greedy(..., check=False)``: fresh result buffers, no argument checks).
 
     PYTHONPATH=. python bench/bench_chain_greedy_cpu.py [--vocab 4096] [--k 5] [--batches 1 6]
 
@@ -16,7 +16,7 @@ import torch
 from common import Table, bench_args, cpu_threads, measure_many_us
 
 from specdec import _backend
-from specdec.kernels import run_verify_chain_greedy
+from specdec.kernels import verify_chain_greedy
 from specdec.kernels.verify_greedy import _has_cpp_greedy
 
 
@@ -42,7 +42,7 @@ def main() -> None:
     cpu_threads("cpu")
     gen = torch.Generator().manual_seed(0)
     table = Table(
-        f"run_verify_chain_greedy on the CPU, K={args.k}, vocab {args.vocab}, one thread, interleaved",
+        f"verify_chain_greedy(check=False) on the CPU, K={args.k}, vocab {args.vocab}, one thread, interleaved",
         ["batch", "dtype", "C++ us (p20-p80)", "PyTorch body us (p20-p80)", "PyTorch / C++"],
     )
     for batch in args.batches:
@@ -51,7 +51,7 @@ def main() -> None:
 
             def run(backend: str, inputs=inputs):
                 with _backend.use_backend(backend):  # "auto": the C++ body; "torch": the PyTorch body
-                    return run_verify_chain_greedy(*inputs, max_draft_len=args.k)
+                    return verify_chain_greedy(*inputs, None, max_draft_len=args.k, check=False)
 
             for a, b in zip(run("auto"), run("torch")):
                 assert torch.equal(a, b), "the two bodies disagree"

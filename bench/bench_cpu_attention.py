@@ -1,5 +1,6 @@
 """CPU tree attention on the padded batch: SDPA (torch's CPU flash-attention kernel) against the extension's kernel
-(``specdec.kernels.cpu_attention``), both through ``run_attention`` with one plan, interleaved, one thread, float32.
+(``specdec.kernels.cpu_attention``), both through ``tree_attention(..., plan=, check=False)`` with one plan,
+interleaved, one thread, float32.
 
 Shapes: the embedded target's heads (8 query heads, 4 KV heads, head dim 32) at batch 1 and 6, 1 query per
 request (decode) and 6 (a K=5 chain's verification), contexts of 64, 256 and 512 positions, and an 8B-like head
@@ -23,7 +24,7 @@ import torch
 from common import Table, bench_args, clock, cpu_threads
 
 from specdec import use_backend
-from specdec.kernels import cpu_attention, plan_attention, run_attention
+from specdec.kernels import cpu_attention, plan_attention, tree_attention
 
 # (batch, queries per request, context, query heads, KV heads, head dim)
 EMBEDDED = [(b, n, c, 8, 4, 32) for b in (1, 6) for n in (1, 6) for c in (64, 256, 512)]
@@ -64,6 +65,11 @@ def measure(fns, cold: tuple[torch.Tensor, torch.Tensor] | None, min_runs: int, 
     return [common._quantiles(s) for s in times]
 
 
+def planned(q, k_cache, v_cache, plan, out):
+    """One layer's attention under ``plan``, unchecked (as a model's forward runs it)."""
+    tree_attention(q, k_cache, v_cache, plan=plan, out=out, check=False)
+
+
 def main() -> None:
     args = bench_args(__doc__.splitlines()[0])
     if not cpu_attention.available():
@@ -82,10 +88,10 @@ def main() -> None:
 
             def sdpa(operands=operands):
                 with use_backend("torch"):  # the PyTorch backend forced: SDPA
-                    run_attention(*operands)
+                    planned(*operands)
 
             def kernel(operands=operands):
-                run_attention(*operands)
+                planned(*operands)
 
             expected = torch.empty_like(out)
             sdpa()

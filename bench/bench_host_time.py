@@ -1,7 +1,7 @@
-"""Host time of the public ops and of their unchecked entries: microseconds a call, batch 1.
+"""Host time of the public ops and of their unchecked calls: microseconds a call, batch 1.
 
 A public call checks its arguments, picks the backend, allocates its results and plans its
-launches; the unchecked entry (``run_*``, or a model op's ``<op>.run``) skips the checks. On the
+launches; the unchecked call (``check=False``, or a model op's registered ``<op>_op.run``) skips the checks. On the
 CPU the Triton bodies run with their launches captured (``tuning.capture_launches``): every line of
 host code a GPU call runs is run, no kernel is. TRITON_INTERPRET=1 is set only so that the Triton
 bodies are chosen for CPU tensors; with the launches captured the interpreter never runs. On CUDA
@@ -47,11 +47,6 @@ from specdec.kernels import (  # noqa: E402
     add_rms_norm,
     apply_rotary,
     rms_norm,
-    run_sample,
-    run_verify_chain,
-    run_verify_chain_greedy,
-    run_verify_tree,
-    run_verify_tree_greedy,
     sample,
     silu_mul,
     tuning,  # noqa: E402
@@ -73,7 +68,7 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 4096, 32, 8, 128, 14336  # an 8B-shap
 @dataclass
 class Case:
     op: str
-    entry: str  # "public" or the unchecked entry's name
+    entry: str  # "public", or the unchecked call: "check=False" or the registered op's "<op>_op.run"
     fn: Callable[[], object]
 
     @property
@@ -110,19 +105,19 @@ def cases(device: str) -> list[Case]:
     return [
         Case("verify_chain", "public", lambda: verify_chain(
             *chain_args, params, rule="stochastic", draft_probs=draft_probs, max_draft_len=K)),
-        Case("verify_chain", "run_verify_chain", lambda: run_verify_chain(
-            *chain_args, params, rule="stochastic", draft_probs=draft_probs, max_draft_len=K)),
+        Case("verify_chain", "check=False", lambda: verify_chain(
+            *chain_args, params, rule="stochastic", draft_probs=draft_probs, max_draft_len=K, check=False)),
         Case("verify_tree", "public", lambda: verify_tree(*tree_args, params, rule="deterministic", max_depth=depth)),
-        Case("verify_tree", "run_verify_tree", lambda: run_verify_tree(
-            *tree_args, params, rule="deterministic", draft_probs=None, max_depth=depth)),
+        Case("verify_tree", "check=False", lambda: verify_tree(
+            *tree_args, params, rule="deterministic", max_depth=depth, check=False)),
         Case("sample", "public", lambda: sample(row, params)),
-        Case("sample", "run_sample", lambda: run_sample(row, params)),
+        Case("sample", "check=False", lambda: sample(row, params, check=False)),
         Case("verify_chain_greedy", "public", lambda: verify_chain_greedy(*chain_args, greedy, max_draft_len=K)),
-        Case("verify_chain_greedy", "run_verify_chain_greedy", lambda: run_verify_chain_greedy(
-            *chain_args, max_draft_len=K)),
+        Case("verify_chain_greedy", "check=False", lambda: verify_chain_greedy(
+            *chain_args, greedy, max_draft_len=K, check=False)),
         Case("verify_tree_greedy", "public", lambda: verify_tree_greedy(*tree_args, greedy, max_depth=depth)),
-        Case("verify_tree_greedy", "run_verify_tree_greedy", lambda: run_verify_tree_greedy(
-            *tree_args, max_depth=depth)),
+        Case("verify_tree_greedy", "check=False", lambda: verify_tree_greedy(
+            *tree_args, greedy, max_depth=depth, check=False)),
         Case("rms_norm", "public", lambda: rms_norm(x, weight, 1e-5, out=normed)),
         Case("rms_norm", "rms_norm_op.run", lambda: rms_norm_op.run(x, weight, 1e-5, normed)),
         Case("add_rms_norm", "public", lambda: add_rms_norm(x, residual, weight, 1e-5, out=normed)),

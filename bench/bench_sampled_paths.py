@@ -2,10 +2,10 @@
 
 1. Roots alone: ``specdec.decoding.verification.verify`` sends a sampled batch without drafts (plain decoding,
    a step whose controller drafts nothing, the prefill) to the ``sample`` op, verify_tree without drafts by
-   construction; the peer routes that call through ``run_verify_tree`` on the same roots (plain decoding, T=1).
-2. The draft's token sampling: a draft chain draws each token through ``run_filtered_probs`` and
-   ``run_sample_probs`` (no argument checks, no dispatcher); the peer through the public ``filtered_probs`` and
-   ``sample_probs`` (a fixed draft chain K=5, T=1).
+   construction; the peer routes that call through ``verify_tree`` on the same roots (plain decoding, T=1).
+2. The draft's token sampling: a draft chain draws each token through ``filtered_probs`` and ``sample_probs``
+   with ``check=False`` (no argument checks, no dispatcher); the peer through the same ops checked (a fixed
+   draft chain K=5, T=1).
 
 Embedded pair, one thread on the CPU, per-thread CPU time; ratios are medians of paired rounds (the order
 alternates every round).
@@ -22,36 +22,41 @@ import torch
 from common import Table, bench_args, clock, cpu_threads
 
 from specdec.decoding import DraftModelStrategy, NoDraft, SpeculativeDecoder, draft_model, verification
-from specdec.kernels import SampleResult, filtered_probs, run_verify_tree, sample_probs
+from specdec.kernels import SampleResult, filtered_probs, sample_probs, verify_tree
 from specdec.testing import heldout_token_ids, load_pair
 
 
-def through_verify_tree(logits: torch.Tensor, params) -> SampleResult:
-    """The general path on roots alone: what ``verify`` ran before the sample route."""
+def through_verify_tree(logits: torch.Tensor, params, *, check: bool) -> SampleResult:
+    """The general path on roots alone (unchecked, as ``verify`` calls ``sample``): what it ran before the sample
+    route."""
     rows, device = logits.shape[0], logits.device
     roots = torch.full((rows,), -1, dtype=torch.int32, device=device)
     offsets = torch.arange(rows + 1, dtype=torch.int32, device=device)
-    result = run_verify_tree(logits, torch.zeros(rows, dtype=torch.int32, device=device), roots, offsets, params,
-                             rule="deterministic", draft_probs=None, max_depth=0)  # fmt: skip
+    result = verify_tree(logits, torch.zeros(rows, dtype=torch.int32, device=device), roots, offsets, params,
+                         rule="deterministic", max_depth=0, check=check)  # fmt: skip
     return SampleResult(result.output_tokens[:, 0], result.invalid)
 
 
-def public_sample_probs(probs, params, *, counter):
+def checked_filtered_probs(logits, params, *, check: bool):
+    return filtered_probs(logits, params)  # (``check`` is the hot path's False: checked regardless)
+
+
+def checked_sample_probs(probs, params, *, counter, check: bool):
     return sample_probs(probs, params, counter=counter)
 
 
 # title -> (module whose names are swapped, {name: (new, old)}, decoder(target, draft), (new label, old label))
 COMPARISONS = {
     "roots alone, plain decoding": (
-        verification, {"run_sample": (verification.run_sample, through_verify_tree)},
+        verification, {"sample": (verification.sample, through_verify_tree)},
         lambda target, draft: SpeculativeDecoder(target, NoDraft()), ("sample", "verify_tree"),
     ),
     "the draft's token sampling, draft chain K=5": (
         draft_model,
-        {"run_filtered_probs": (draft_model.run_filtered_probs, filtered_probs),
-         "run_sample_probs": (draft_model.run_sample_probs, public_sample_probs)},
+        {"filtered_probs": (draft_model.filtered_probs, checked_filtered_probs),
+         "sample_probs": (draft_model.sample_probs, checked_sample_probs)},
         lambda target, draft: SpeculativeDecoder(target, DraftModelStrategy(draft, (1,) * 5), adaptive=False),
-        ("runners", "public ops"),
+        ("check=False", "checked"),
     ),
 }  # fmt: skip
 

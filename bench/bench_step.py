@@ -23,7 +23,7 @@ from common import Table, bench_args, clock, copy_bandwidth_gbs, cpu_threads
 
 from specdec._transfer import offsets_to_device, read_back, to_device
 from specdec.decoding.proposal import tree_metadata_on
-from specdec.kernels import run_verify_tree_greedy
+from specdec.kernels import verify_tree_greedy
 from specdec.model import AttentionMetadata, LlamaModel, ModelConfig, causal_positions, tree_positions
 
 SHAPE_8B = dict(
@@ -97,7 +97,9 @@ def make_step(model: LlamaModel, batch: int, parents: list[int], device: str):
             positions = tree_positions(q_offsets, cache.seq_lens, depth)
             metadata = AttentionMetadata(q_offsets, mask)
         logits, _ = model(tokens, positions, metadata, cache)
-        result = run_verify_tree_greedy(logits, tokens.int(), node_parents, q_offsets, max_depth=max_depth)
+        result = verify_tree_greedy(
+            logits, tokens.int(), node_parents, q_offsets, None, max_depth=max_depth, check=False
+        )
         read_back(result.num_accepted)  # the step's one host sync
         cache.discard()
 

@@ -12,17 +12,17 @@ gather is not timed, which favours them) and a dense boolean mask.
     python bench/bench_tree_attention.py --out DIR    # GPU: full grid, < 120 s
 
 "specdec" times the public op (argument checks, plan, run: CUDA events, host time included);
-"planned" times one ``run_attention`` under a plan built once, which is what each layer of a
-model's forward pays, inside a CUDA graph from a cold L2 (``common.measure_many_us``), as are
-SDPA and FlexAttention. GB/s counts the bytes that must move (K and V of every context token
-once, q and out once) over the planned median time; "% copy" is that over the device-to-device
-copy bandwidth this script measures; TFLOP/s counts the attention's useful multiply-adds (each
-query against its prefix and its tree ancestors, QK and PV) against the dense 16-bit peak. The
-"x peer" ratios compare the planned time too. After the table, a fixed cost and a streaming rate
-are fitted per shape and batch over the contexts. FlexAttention is a peer (compiled, with a
-block mask of the ancestor-or-self mask over prefix + tree); when it fails, its whole error is
-printed and saved in the JSON (``flex_errors``). On the CPU (no TRITON_INTERPRET) specdec runs its
-padded-batch PyTorch path, so CPU rows compare PyTorch implementations only.
+"planned" times one unchecked ``tree_attention(..., plan=plan, check=False)`` under a plan built
+once, which is what each layer of a model's forward pays, inside a CUDA graph from a cold L2
+(``common.measure_many_us``), as are SDPA and FlexAttention. GB/s counts the bytes that must move (K
+and V of every context token once, q and out once) over the planned median time; "% copy" is that
+over the device-to-device copy bandwidth this script measures; TFLOP/s counts the attention's useful
+multiply-adds (each query against its prefix and its tree ancestors, QK and PV) against the dense
+16-bit peak. The "x peer" ratios compare the planned time too. After the table, a fixed cost and a
+streaming rate are fitted per shape and batch over the contexts. FlexAttention is a peer (compiled,
+with a block mask of the ancestor-or-self mask over prefix + tree); when it fails, its whole error
+is printed and saved in the JSON (``flex_errors``). On the CPU (no TRITON_INTERPRET) specdec runs
+its padded-batch PyTorch path, so CPU rows compare PyTorch implementations only.
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ from common import (
 from specdec.kernels import (
     build_tree_metadata,
     plan_attention,
-    run_attention,
     tree_attention,
     unpack_mask_rows,
 )
@@ -172,7 +171,8 @@ def bench_row(batch, context, shape, dtype, device, timing, flex_mode, flex_erro
     out = torch.empty_like(c["q"])
     plan = plan_specdec(c)
     fns = [
-        lambda: run_attention(c["q"], c["k_cache"], c["v_cache"], plan, out), lambda: run_specdec(c, out),
+        lambda: tree_attention(c["q"], c["k_cache"], c["v_cache"], plan=plan, out=out, check=False),
+        lambda: run_specdec(c, out),
         lambda: run_sdpa(c), lambda: run_eager(c),
     ]  # fmt: skip
     methods = ["graph", "events", "graph", "events"]  # bodies in graphs; the public op and eager call by call

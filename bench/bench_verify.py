@@ -2,7 +2,7 @@
 implementation of the same math (the readable references in specdec.kernels), measured in one run.
 
 Columns: "specdec" is the public call (checks, result buffers, launches; CUDA events, host time
-included); "in graph" is the unchecked ``run_*`` entry inside a CUDA graph from a cold L2, the
+included); "in graph" is the unchecked call (``check=False``) inside a CUDA graph from a cold L2, the
 GPU time a planned step pays (``common.measure_many_us``); "eager" is the reference call by call.
 Bytes that must move: every target logit once, the draft distribution row of the first
 rejection per request (stochastic drafts) and the outputs; the floor is those bytes over the
@@ -30,15 +30,7 @@ import torch
 from common import Table, bench_args, copy_bandwidth_gbs, cpu_threads, fit_table, measure_many_us
 
 from specdec import _backend
-from specdec.kernels import (
-    SamplingParams,
-    run_verify_chain,
-    run_verify_chain_greedy,
-    run_verify_tree,
-    verify_chain,
-    verify_chain_greedy,
-    verify_tree,
-)
+from specdec.kernels import SamplingParams, verify_chain, verify_chain_greedy, verify_tree
 from specdec.kernels.verify_chain import verify_chain_reference
 from specdec.kernels.verify_tree import verify_tree_reference
 
@@ -76,19 +68,19 @@ def run_case(kind, batch, size, vocab, dtype, device, top_p=1.0):
         inputs, nbytes = tree_case(batch, size, vocab, dtype, device)
         p = sampling_params(batch, device)
         fast = lambda: verify_tree(*inputs, p, rule="deterministic", max_depth=size - 1)
-        body = lambda: run_verify_tree(*inputs, p, rule="deterministic", draft_probs=None, max_depth=size - 1)
+        body = lambda: verify_tree(*inputs, p, rule="deterministic", max_depth=size - 1, check=False)
         eager = lambda: verify_tree_reference(*inputs, p, rule="deterministic", max_depth=size - 1)
     elif kind == "greedy chain":  # the peer: the general op's reference at temperature 0, as an engine would call it
         inputs, _q, nbytes = chain_case(batch, size, vocab, dtype, device, top_p)
         p = sampling_params(batch, device, temperature=0.0)
         fast = lambda: verify_chain_greedy(*inputs, p, max_draft_len=size)
-        body = lambda: run_verify_chain_greedy(*inputs, max_draft_len=size)
+        body = lambda: verify_chain_greedy(*inputs, p, max_draft_len=size, check=False)
         eager = lambda: verify_chain_reference(*inputs, p, rule="deterministic", max_draft_len=size)
     else:
         inputs, q, nbytes = chain_case(batch, size, vocab, dtype, device, top_p)
         p = sampling_params(batch, device, top_p)
         fast = lambda: verify_chain(*inputs, p, rule="stochastic", draft_probs=q, max_draft_len=size)
-        body = lambda: run_verify_chain(*inputs, p, rule="stochastic", draft_probs=q, max_draft_len=size)
+        body = lambda: verify_chain(*inputs, p, rule="stochastic", draft_probs=q, max_draft_len=size, check=False)
         eager = lambda: verify_chain_reference(*inputs, p, rule="stochastic", draft_probs=q, max_draft_len=size)
 
     def peer():

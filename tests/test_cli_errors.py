@@ -326,7 +326,7 @@ def test_unexpected_errors_are_one_line_unless_debug_is_asked_for(capsys, monkey
     def broken(args):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(specdec.cli.generate, "run_generate", broken)
+    monkeypatch.setattr(specdec.cli.generate, "main", broken)
     args = ["--target", TARGET, "--prompt", PROMPT]
     status, _, err = run(capsys, *args)
     assert status == 1

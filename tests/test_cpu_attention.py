@@ -9,7 +9,7 @@ import torch
 from helpers import assert_close, generic_version_runs, run_bench, table_rows
 
 from specdec import use_backend
-from specdec.kernels import build_tree_metadata, cpu_attention, plan_attention, run_attention
+from specdec.kernels import build_tree_metadata, cpu_attention, plan_attention, tree_attention
 from specdec.kernels.tree_attention_torch import tree_attention_reference
 
 needs_kernel = pytest.mark.skipif(not cpu_attention.available(), reason="the extension (padded_attention) is not built")
@@ -150,7 +150,7 @@ def test_tree_attention_takes_the_kernel_for_views(cpu_default, kernel_calls, tr
         mask = build_tree_metadata(parents, offsets).ancestor_mask
     plan = _plan(prefixes, n, k_cache, tree_mask=mask)
     assert plan.backend == "torch" and plan.query_rows is None and plan.kv_rows is None
-    out = run_attention(q, k_cache, v_cache, plan, torch.full_like(q, math.nan))
+    out = tree_attention(q, k_cache, v_cache, plan=plan, out=torch.full_like(q, math.nan), check=False)
     assert kernel_calls == [q.shape]
     offsets = torch.arange(0, len(prefixes) * n + 1, n, dtype=torch.int32)
     expected, _ = tree_attention_reference(q, k_cache, v_cache, offsets, torch.tensor(prefixes, dtype=torch.int32),
@@ -182,7 +182,7 @@ def test_ragged_query_counts_take_the_kernel_too(cpu_default, kernel_calls, tree
         cache_shape=cache_shape, dtype=torch.float32, tree_mask=mask, causal=mask is None, finite_cache=True,
     )  # fmt: skip
     assert plan.backend == "torch" and plan.query_rows is not None and plan.kv_rows is None
-    out = run_attention(q, k_cache, v_cache, plan, torch.full_like(q, math.nan))
+    out = tree_attention(q, k_cache, v_cache, plan=plan, out=torch.full_like(q, math.nan), check=False)
     assert kernel_calls == [(len(prefixes) * max(counts), 8, 32)]
     expected, _ = tree_attention_reference(q, k_cache, v_cache, offsets, torch.tensor(prefixes, dtype=torch.int32),
                                            mask, None, 32**-0.5)  # fmt: skip
@@ -205,7 +205,8 @@ def test_where_the_kernel_does_not_apply_sdpa_runs(cpu_default, kernel_calls, mo
     plan = _plan(prefixes, n, k_cache, finite=case != "gathered")
     lse = torch.empty(q.shape[:2]) if case == "lse" else None
     with use_backend("torch" if case == "torch backend" else "auto"):
-        out = run_attention(q, k_cache, v_cache, plan, torch.full_like(q, math.nan), lse)
+        out = tree_attention(q, k_cache, v_cache, plan=plan, out=torch.full_like(q, math.nan), lse=lse, check=False)
+        out = out if lse is None else out[0]
     assert kernel_calls == []
     offsets = torch.arange(0, len(prefixes) * n + 1, n, dtype=torch.int32)
     prefix_lens = torch.tensor(prefixes, dtype=torch.int32)

@@ -104,9 +104,9 @@ def test_every_demo_strategy_reproduces_target_greedy(pair, prompt_ids, greedy):
             assert run.forwards < run.generated, f"{label}: no draft token accepted (tau {run.tau:.2f})"
 
 
-def test_run_demo_reports_equality_and_table(pair):
+def test_the_demo_reports_equality_and_table(pair):
     out = io.StringIO()
-    assert demo.run_demo("cpu", num_prompts=1, max_new_tokens=12, show=1, out=out) == 0
+    assert demo.main("cpu", num_prompts=1, max_new_tokens=12, show=1, out=out) == 0
     text = out.getvalue()
     for label, _ in [*demo.strategies(pair[1])[1:], demo.medusa_row(pair[0]), demo.eagle_row(pair[0])]:
         assert f"{label}: all 1 outputs identical to target-only greedy decoding" in text
@@ -128,7 +128,7 @@ def test_missing_assets_are_named(tmp_path):
 def test_demo_refuses_cuda_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
-    assert demo.run_demo("cuda", out=io.StringIO()) == 2
+    assert demo.main("cuda", out=io.StringIO()) == 2
 
 
 def test_greedy_tree_children_are_the_drafts_top_k(pair, prompt_ids):

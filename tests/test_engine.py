@@ -299,17 +299,17 @@ def test_a_sampled_step_of_roots_alone_is_sampling(pair, monkeypatch):
     prompts = prompts_of(6)
     sampling = dict(max_new_tokens=12, eos_token_id=None, temperature=[1.0, 0.0, 0.7, 1.3, 1.0, 0.5],
                     top_k=[0, 0, 5, 0, 20, 0], top_p=[1.0, 1.0, 1.0, 0.8, 0.9, 1.0], seed=4)  # fmt: skip
-    calls, original = [], verification.run_sample
+    calls, original = [], verification.sample
 
-    def counted(logits, params):
+    def counted(logits, params, **kwargs):
         calls.append(logits.shape[0])
-        return original(logits, params)
+        return original(logits, params, **kwargs)
 
-    monkeypatch.setattr(verification, "run_sample", counted)
+    monkeypatch.setattr(verification, "sample", counted)
     fast = SpeculativeDecoder(target, NoDraft()).generate(prompts, **sampling).tokens
     assert calls and all(rows >= 1 for rows in calls), "the sampled roots did not take the sample op"
 
-    monkeypatch.setattr(verification, "run_sample", through_verify_tree)
+    monkeypatch.setattr(verification, "sample", through_verify_tree)
     assert SpeculativeDecoder(target, NoDraft()).generate(prompts, **sampling).tokens == fast
 
 

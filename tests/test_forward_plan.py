@@ -8,14 +8,14 @@ from helpers import i32, random_model, rel_err, tiny_config
 from specdec import use_backend
 from specdec.decoding import DraftModelStrategy, NgramStrategy, SpeculativeDecoder
 from specdec.decoding.autoregressive import generate
-from specdec.kernels import build_tree_metadata, plan_attention, run_attention
+from specdec.kernels import build_tree_metadata, plan_attention, tree_attention
 from specdec.kernels.kv_append import append_rows, kv_append_reference
 from specdec.kernels.kv_compact import compact_rows, kv_compact_reference
 from specdec.kernels.tree_attention import tree_attention_reference
 from specdec.kernels.verify_greedy import (
-    run_verify_chain_greedy,
-    run_verify_tree_greedy,
+    verify_chain_greedy,
     verify_chain_greedy_reference,
+    verify_tree_greedy,
     verify_tree_greedy_reference,
 )
 from specdec.model import AttentionMetadata, LlamaModel, causal_positions, tree_positions
@@ -176,7 +176,7 @@ def test_attention_plan_without_gathers_equals_the_reference(uniform, tree):
             uniform_queries=uniform, finite_cache=True,
         )  # fmt: skip
     assert plan.kv_rows is None and (plan.query_rows is None) == uniform
-    out = run_attention(q, k_cache, v_cache, plan, torch.full_like(q, float("nan")))
+    out = tree_attention(q, k_cache, v_cache, plan=plan, out=torch.full_like(q, float("nan")), check=False)
     assert (out.double() - expected).abs().max() < 1e-5
     with pytest.raises(ValueError, match=r"uniform_queries was given but the requests have \[4, 1, 3\] queries"):
         plan_attention(i32(0, 4, 5, 8), prefixes, num_tokens=8, num_heads=heads, cache_shape=k_cache.shape,
@@ -228,7 +228,7 @@ def test_greedy_tree_body_equals_the_reference_on_random_trees():
         parents_t = torch.tensor(parents, dtype=torch.int32)
         for depth in (0, 2, 8):
             expected = verify_tree_greedy_reference(logits, tokens, parents_t, offsets, max_depth=depth)
-            got = run_verify_tree_greedy(logits, tokens, parents_t, offsets, max_depth=depth)
+            got = verify_tree_greedy(logits, tokens, parents_t, offsets, None, max_depth=depth, check=False)
             for name, a, b in zip(type(got)._fields, got, expected):
                 assert torch.equal(a, b), f"trial {trial}, depth {depth}: {name}\n{a}\n{b}"
 
@@ -247,6 +247,6 @@ def test_greedy_chain_body_equals_the_reference_on_random_chains():
         drafts = drafts.to(torch.int32)
         for width in (0, 2, 5):
             expected = verify_chain_greedy_reference(logits, drafts, offsets, max_draft_len=width)
-            got = run_verify_chain_greedy(logits, drafts, offsets, max_draft_len=width)
+            got = verify_chain_greedy(logits, drafts, offsets, None, max_draft_len=width, check=False)
             for name, a, b in zip(type(got)._fields, got, expected):
                 assert torch.equal(a, b), f"trial {trial}, width {width}: {name}\n{a}\n{b}"

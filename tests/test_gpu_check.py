@@ -156,7 +156,7 @@ def fake_results(changes: dict | None = None) -> dict:
                                 dict(case="chain B=8 K=4", batch=8, x_floor=1.4, graph_us=20.0)]),
         host_time=dict(targets=[
             dict(what="host time of sample (public), batch 1, µs", value=20.0, target=25, **{"pass": True}),
-            dict(what="host time of sample (run_sample), batch 1, µs", value=9.0, target=15, **{"pass": True}),
+            dict(what="host time of sample (check=False), batch 1, µs", value=9.0, target=15, **{"pass": True}),
         ]),
         bench_kv_rollback=dict(rows=[{"layout": "paged", "batch": "64", "paths": "tree", "x floor": "1.90"},
                                      {"layout": "paged", "batch": "64", "paths": "chains", "x floor": "-"},

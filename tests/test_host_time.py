@@ -10,7 +10,17 @@ from helpers import run_bench
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from specdec import use_backend
-from specdec.kernels import SamplingParams, rms_norm, run_verify_chain, sample, verify_chain, verify_tree
+from specdec.kernels import (
+    SamplingParams,
+    plan_attention,
+    rms_norm,
+    sample,
+    tree_attention,
+    verify_chain,
+    verify_chain_greedy,
+    verify_tree,
+    verify_tree_greedy,
+)
 from specdec.kernels.verification import scratch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -59,6 +69,37 @@ def test_scratch_views_are_reused_disjoint_and_aligned():
     assert not any(a is b for a, b in zip(scratch(torch.device("cpu"), layout), first))  # carved anew
 
 
+def test_unchecked_calls_name_the_host_bound_they_need():
+    """check=False derives nothing from the inputs: the bound a checked call would read is required, by name."""
+    i32 = dict(dtype=torch.int32)
+    logits, offsets, params = torch.randn(3, 30), torch.tensor([0, 2], **i32), SamplingParams.make(1)
+    drafts, parents = torch.tensor([1, 2], **i32), torch.tensor([-1, 0, 1], **i32)
+    nodes, node_offsets = torch.tensor([0, 1, 2], **i32), torch.tensor([0, 3], **i32)
+    calls = {
+        "max_draft_len": [lambda: verify_chain(logits, drafts, offsets, params, rule="deterministic", check=False),
+                          lambda: verify_chain_greedy(logits, drafts, offsets, None, check=False)],
+        "max_depth": [lambda: verify_tree(logits, nodes, parents, node_offsets, params, rule="deterministic",
+                                          check=False),
+                      lambda: verify_tree_greedy(logits, nodes, parents, node_offsets, None, check=False)],
+        "plan": [lambda: tree_attention(torch.randn(1, 2, 8), torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8),
+                                        check=False)],
+    }  # fmt: skip
+    for name, fns in calls.items():
+        for fn in fns:
+            with pytest.raises(ValueError, match=rf"^{name} is required with check=False"):
+                fn()
+    q, k = torch.randn(1, 2, 8), torch.randn(1, 4, 2, 8)
+    one = torch.tensor([0, 1], **i32)
+    plan = plan_attention(one, torch.tensor([3], **i32), num_tokens=1, num_heads=2, cache_shape=k.shape,
+                          dtype=q.dtype, causal=True)  # fmt: skip
+    with pytest.raises(ValueError, match="plan runs without checks: pass check=False"):
+        tree_attention(q, k, k, plan=plan)
+    with pytest.raises(ValueError, match="prefix_lens is required"):
+        tree_attention(q, k, k, one, causal=True)
+    torch.testing.assert_close(tree_attention(q, k, k, plan=plan, check=False),
+                               tree_attention(q, k, k, one, torch.tensor([3], **i32), causal=True))  # fmt: skip
+
+
 @pytest.mark.interpreter
 def test_results_stay_the_callers_across_calls():
     # the Triton pipeline reuses its scratch; the results of one call never change with the next call
@@ -69,12 +110,12 @@ def test_results_stay_the_callers_across_calls():
     with use_backend("triton"):
         logits = torch.randn(3, vocab, device=DEVICE)
         drafts[:] = logits[:2].argmax(-1)  # greedy: both accepted, then the bonus argmax
-        first = run_verify_chain(logits, drafts, offsets, params, rule="deterministic", draft_probs=None,
-                                 max_draft_len=2)  # fmt: skip
+        first = verify_chain(logits, drafts, offsets, params, rule="deterministic", max_draft_len=2,
+                             check=False)  # fmt: skip
         kept = [t.clone() for t in first]
         other = torch.randn(3, vocab, device=DEVICE)
-        second = run_verify_chain(other, drafts, offsets, params, rule="deterministic", draft_probs=None,
-                                  max_draft_len=2)  # fmt: skip
+        second = verify_chain(other, drafts, offsets, params, rule="deterministic", max_draft_len=2,
+                              check=False)  # fmt: skip
         tree = verify_tree(logits, torch.tensor([0, *drafts.tolist()], **i32), torch.tensor([-1, 0, 1], **i32),
                            torch.tensor([0, 3], **i32), params, rule="deterministic", max_depth=2)  # fmt: skip
     assert all(torch.equal(a, b) for a, b in zip(first, kept))
@@ -90,7 +131,7 @@ def test_bench_runs_and_writes_the_targets(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "host_time.json").read_text())
     ops = {(r["op"], r["entry"]) for r in report["rows"]}
-    assert {("verify_chain", "public"), ("verify_chain", "run_verify_chain"), ("sample", "run_sample"),
+    assert {("verify_chain", "public"), ("verify_chain", "check=False"), ("sample", "check=False"),
             ("rms_norm", "public"), ("silu_mul", "silu_mul_op.run")} <= ops  # fmt: skip
     for target in report["targets"]:
         assert set(target) == {"what", "value", "target", "pass"}

@@ -82,7 +82,7 @@ def test_v1_greedy_rows_follow_the_argmax_and_the_output_is_vllms_layout():
 def op_calls(monkeypatch):
     """Which specdec op each plugin call ran: "greedy" (verify_chain_greedy) or "general" (verify_chain)."""
     calls = []
-    for name, label in (("run_verify_chain_greedy", "greedy"), ("run_verify_chain", "general")):
+    for name, label in (("verify_chain_greedy", "greedy"), ("verify_chain", "general")):
         real = getattr(verification, name)
 
         def spy(*args, real=real, label=label, **kwargs):

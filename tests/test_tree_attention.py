@@ -14,7 +14,7 @@ from helpers import assert_close
 from triton_bounds import check_bounds as watch_bounds
 
 from specdec import _backend
-from specdec.kernels import build_tree_metadata, plan_attention, run_attention, tree_attention, tuning
+from specdec.kernels import build_tree_metadata, plan_attention, tree_attention, tuning
 from specdec.kernels import tree_attention_torch as torch_path
 from specdec.kernels.tree_attention_kernels import triton_launches
 from specdec.kernels.tree_attention_tiles import attention_space, ctas_per_sm, default_splits, tile_config
@@ -438,7 +438,7 @@ def test_one_plan_serves_every_layer(backend, device, causal):
     for layer in range(3):  # new K/V and queries per layer, the same plan
         batch.q, batch.k, batch.v = torch.randn_like(batch.q), torch.randn_like(batch.k), torch.randn_like(batch.v)
         out, lse = torch.full_like(batch.q, math.nan), torch.full(batch.q.shape[:2], math.nan, device=device)
-        assert run_attention(batch.q, batch.k, batch.v, plan, out, lse) is out
+        assert tree_attention(batch.q, batch.k, batch.v, plan=plan, out=out, lse=lse, check=False)[0] is out
         ref_out, ref_lse = batch.oracle()
         assert_close(out, ref_out, 1e-4, 1e-4, f"layer {layer} out")
         assert_close(lse, ref_lse, 1e-4, 1e-4, f"layer {layer} lse")
@@ -808,13 +808,13 @@ def graph_ops(fn, *args):
     return result, [name for name in seen if name.startswith("specdec.")]
 
 
-def test_run_attention_compiles_to_the_registered_op(backend, device):
+def test_unchecked_attention_compiles_to_the_registered_op(backend, device):
     batch = Batch([4, 7], [chain(2), [-1]], hq=4, hkv=2, d=16, dtype=torch.float32, device=device)
     plan = plan_attention(
         batch.offsets, batch.prefix_lens, num_tokens=3, num_heads=4, cache_shape=batch.k.shape, dtype=torch.float32,
         causal=True,
     )  # fmt: skip
-    out, ops = graph_ops(lambda q, k, v, o: run_attention(q, k, v, plan, o), batch.q, batch.k, batch.v,
-                         torch.full_like(batch.q, math.nan))  # fmt: skip
+    out, ops = graph_ops(lambda q, k, v, o: tree_attention(q, k, v, plan=plan, out=o, check=False), batch.q, batch.k,
+                         batch.v, torch.full_like(batch.q, math.nan))  # fmt: skip
     assert ops == ["specdec.tree_attention.default"]
     assert_close(out, batch.oracle()[0], 1e-4, 1e-4, "compiled")

@@ -16,7 +16,7 @@ from sampling_helpers import (
 from triton_bounds import bounds_checked
 
 from specdec import _backend
-from specdec.kernels import ChainVerifyResult, SamplingParams, counter_uniform, run_verify_chain, sample, verify_chain
+from specdec.kernels import ChainVerifyResult, SamplingParams, counter_uniform, sample, verify_chain
 from specdec.kernels.top_k_top_p import vocab_block
 from specdec.kernels.uniforms import ROLE_TEST
 from specdec.kernels.verify_chain import verify_chain_reference
@@ -197,15 +197,15 @@ def test_reference_is_the_tree_engine_on_a_chain():
 
 
 @pytest.mark.parametrize("stochastic", [True, False])
-def test_run_verify_chain_equals_the_checked_function(stochastic, backend, device):
-    """The unchecked hot-path entry gives verify_chain's results, token for token, on either backend."""
+def test_unchecked_verify_chain_equals_the_checked_function(stochastic, backend, device):
+    """The unchecked hot-path call (check=False) gives verify_chain's results, token for token, on either backend."""
     ks = [2, 0, 5, 3]
     logits, tokens, offsets, q = random_batch(ks, 45, stochastic=stochastic, device=device)
     p = SamplingParams.make(4, temperature=[0.7, 1.0, 0.0, 1.3], top_k=[0, 5, 0, 0], top_p=[1.0, 1.0, 1.0, 0.8],
                             seed=[11, 12, 13, 14], device=device)  # fmt: skip
     for width in (5, 2):
         expected = verify_chain(logits, tokens, offsets, p, rule=rule_of(q), draft_probs=q, max_draft_len=width)
-        got = run_verify_chain(logits, tokens, offsets, p, rule=rule_of(q), draft_probs=q, max_draft_len=width)
+        got = verify_chain(logits, tokens, offsets, p, rule=rule_of(q), draft_probs=q, max_draft_len=width, check=False)
         assert_same(got, expected)
 
 

@@ -251,7 +251,7 @@ def test_without_the_extension_the_pytorch_body_answers():
         """
         import torch
         from specdec import _backend
-        from specdec.kernels import run_verify_chain_greedy, run_verify_tree_greedy
+        from specdec.kernels import verify_chain_greedy, verify_tree_greedy
         from specdec.kernels.verify_greedy import _has_cpp_greedy, verify_chain_greedy_reference
         from specdec.kernels.verify_greedy import verify_tree_greedy_reference
         assert _backend.extension_status()[0] is None and not _has_cpp_greedy()
@@ -260,14 +260,14 @@ def test_without_the_extension_the_pytorch_body_answers():
         offsets = torch.tensor([0, 3, 3, 4], dtype=torch.int32)
         tokens = logits[[0, 1, 4, 5]].argmax(-1).int()
         tokens[1] = 18 - int(logits[1].argmax())
-        got = run_verify_chain_greedy(logits, tokens, offsets, max_draft_len=3)
+        got = verify_chain_greedy(logits, tokens, offsets, None, max_draft_len=3, check=False)
         ref = verify_chain_greedy_reference(logits, tokens, offsets, max_draft_len=3)
         assert all(torch.equal(a, b) for a, b in zip(got, ref)), (got, ref)
         assert got.invalid.tolist() == [False, False, True]
         parents = torch.tensor([-1, 0, 0, 1, -1, 0, -1], dtype=torch.int32)
         nodes = torch.tensor([0, 4, 6, 7], dtype=torch.int32)
         node_tokens = logits[[0, 0, 0, 1, 4, 4, 6]].argmax(-1).int()
-        tree = run_verify_tree_greedy(logits, node_tokens, parents, nodes, max_depth=3)
+        tree = verify_tree_greedy(logits, node_tokens, parents, nodes, None, max_depth=3, check=False)
         tree_ref = verify_tree_greedy_reference(logits, node_tokens, parents, nodes, max_depth=3)
         assert all(torch.equal(a, b) for a, b in zip(tree, tree_ref)), (tree, tree_ref)
         assert tree.accepted_path.tolist()[0][:2] == [0, 1] and tree.invalid.tolist() == [False, False, True]

@@ -18,7 +18,7 @@ def specdec_calls(monkeypatch):
     """Every call the plugin makes into specdec: ("greedy" | "general", drafts per request), in order.
     "greedy" is verify_chain_greedy (all-greedy batches), "general" verify_chain."""
     calls = []
-    for name, label in (("run_verify_chain_greedy", "greedy"), ("run_verify_chain", "general")):
+    for name, label in (("verify_chain_greedy", "greedy"), ("verify_chain", "general")):
         real = getattr(verification, name)
 
         def spy(logits, drafts, offsets, *args, real=real, label=label, **kwargs):

@@ -162,14 +162,14 @@ def test_another_sampler_is_vllms_to_run():
 def offsets_seen(monkeypatch):
     """(offset, num_accepted) of every sampled batch's request 0, as the plugin passed them to verify_chain."""
     seen = []
-    real = verification.run_verify_chain
+    real = verification.verify_chain
 
     def spy(logits, drafts, draft_offsets, params, **kwargs):
         result = real(logits, drafts, draft_offsets, params, **kwargs)
         seen.append((int(params.offset[0]), int(result.num_accepted[0])))
         return result
 
-    monkeypatch.setattr(verification, "run_verify_chain", spy)
+    monkeypatch.setattr(verification, "verify_chain", spy)
     return seen
 
 

@@ -191,7 +191,7 @@ def table(runs: list[Run], baseline: Run, identical: dict[str, bool]) -> str:
     return "\n".join(rows)
 
 
-def run_demo(
+def main(
     device: str = "cpu",
     *,
     num_prompts: int = 3,

@@ -133,7 +133,7 @@ def eagle_strategy(args: argparse.Namespace, target):
         raise CliError(as_flags(str(exc), EAGLE_FLAGS), USAGE) from exc
 
 
-def run_generate(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace) -> int:
     from specdec.decoding import FINISH_REASONS, SpeculativeDecoder
     from specdec.model.llama import LlamaModel
     from specdec.validation import InsufficientMemoryError

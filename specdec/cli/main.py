@@ -89,15 +89,15 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from specdec.cli.demo import run_demo
+    from specdec.cli import demo
 
-    return run_demo(device=str(args.device))
+    return demo.main(device=str(args.device))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from specdec.cli.generate import run_generate
+    from specdec.cli import generate
 
-    return run_generate(args)
+    return generate.main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -35,8 +35,8 @@ from specdec._transfer import to_device
 from specdec.decoding.draft_cache import DraftCacheStrategy
 from specdec.decoding.proposal import Proposal, depths, tree_metadata_on
 from specdec.decoding.strategy import StepContext, check_same_vocabulary
-from specdec.kernels.filtered_probs import run_filtered_probs
-from specdec.kernels.sample_probs import run_sample_probs
+from specdec.kernels.filtered_probs import filtered_probs
+from specdec.kernels.sample_probs import sample_probs
 from specdec.kernels.sampling_params import SamplingParams
 from specdec.kernels.uniforms import ROLE_TARGET
 
@@ -160,7 +160,7 @@ class DraftModelStrategy(DraftCacheStrategy):
             if argmax:
                 feed = logits.argmax(-1)  # (a NaN row drafts some token; verification decides)
             elif self.rule == "coupled":
-                feed = _coupled_draw(run_filtered_probs(logits, step.params).probs, step.params, j)
+                feed = _coupled_draw(filtered_probs(logits, step.params, check=False).probs, step.params, j)
             else:
                 q, feed = self._sample(logits, step, position=j)
                 probs.append(q)
@@ -243,7 +243,7 @@ class DraftModelStrategy(DraftCacheStrategy):
                     for j, c in enumerate(children[node]):
                         tokens[:, c] = top[:, f, j]
             return
-        q = run_filtered_probs(logits, step.params.repeat_rows(width, rows * width)).probs  # [R * width, V]
+        q = filtered_probs(logits, step.params.repeat_rows(width, rows * width), check=False).probs  # [R * width, V]
         for f, node in enumerate(frontier):
             kids = children[node]
             if not kids:
@@ -254,7 +254,7 @@ class DraftModelStrategy(DraftCacheStrategy):
                 probs[:, node] = q_node
                 params = _draft_params(step)._replace(offset=step.params.offset + position)
                 for rank, c in enumerate(kids):
-                    tokens[:, c] = run_sample_probs(q_node, params, counter=rank)
+                    tokens[:, c] = sample_probs(q_node, params, counter=rank, check=False)
                 continue
             # Children are the top-k of q (its support, in the order of the scaled logits); greedy rows
             # (q one-hot) take the draft's top-k logits instead, since the target's argmax may be any of them.
@@ -275,14 +275,14 @@ class DraftModelStrategy(DraftCacheStrategy):
     def _sample(self, logits, step, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The stochastic rule's chain draft at ``offset + position``: (q, the token drawn from it)."""
         params = _draft_params(step)
-        q = run_filtered_probs(logits, params).probs  # one-hot at the argmax for rows that cannot be sampled
-        return q, run_sample_probs(q, params._replace(offset=params.offset + position), counter=0).long()
+        q = filtered_probs(logits, params, check=False).probs  # one-hot at the argmax for rows that cannot be sampled
+        return q, sample_probs(q, params._replace(offset=params.offset + position), counter=0, check=False).long()
 
 
 def _coupled_draw(q: torch.Tensor, params: SamplingParams, position: int) -> torch.Tensor:
     """int64 ``[R]``: from each row of q, the winner of the race with the target's own clocks at ``offset + position``
     (``argmax_i q_i / E_i``) -- so the draft equals the target's token wherever the races over q and p agree."""
-    return run_sample_probs(q, params._replace(offset=params.offset + position), counter=ROLE_TARGET).long()
+    return sample_probs(q, params._replace(offset=params.offset + position), counter=ROLE_TARGET, check=False).long()
 
 
 def _draft_params(step: StepContext) -> SamplingParams:

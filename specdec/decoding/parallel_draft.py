@@ -26,8 +26,8 @@ from specdec.decoding.draft_model import DRAFT_SEED_SALT
 from specdec.decoding.eagle_trees import log_probs
 from specdec.decoding.proposal import DeviceTrees, Proposal
 from specdec.decoding.strategy import StepContext
-from specdec.kernels.filtered_probs import run_filtered_probs
-from specdec.kernels.sample_probs import run_sample_probs
+from specdec.kernels.filtered_probs import filtered_probs
+from specdec.kernels.sample_probs import sample_probs
 from specdec.kernels.uniforms import ROLE_TARGET
 from specdec.model.parallel_draft import ParallelDraft
 
@@ -156,9 +156,9 @@ class ParallelDraftStrategy(DraftCacheStrategy):
                 seed=step.params.seed ^ DRAFT_SEED_SALT)  # fmt: skip
             params = params.repeat_rows(k, rows * k)
             params = params._replace(offset=params.offset + torch.arange(k, device=roots.device).repeat(rows))
-            q = run_filtered_probs(logits.reshape(rows * k, vocab), params).probs
+            q = filtered_probs(logits.reshape(rows * k, vocab), params, check=False).probs
             counter = ROLE_TARGET if self.rule == "coupled" else 0  # coupled: the target's own clocks there
-            drafts = run_sample_probs(q, params, counter=counter).long().view(rows, k)
+            drafts = sample_probs(q, params, counter=counter, check=False).long().view(rows, k)
             if self.rule == "stochastic":
                 probs = torch.cat((q.view(rows, k, vocab), q.new_zeros(rows, 1, vocab)), dim=1)  # the last: no child
         tokens = torch.cat((roots[:, None], drafts), dim=1)

@@ -6,7 +6,7 @@ them picks the cheapest exact op: an all-greedy batch (every temperature 0) need
 of roots alone (plain decoding, a step that drafts nothing) is ``sample``, which is verification
 without drafts (the same filter, uniform and edge cases: the same tokens); any other sampled batch
 takes the general ``verify_tree`` with the proposal's rule. The engine checked the trees on
-the host (``check_proposal``), so the ops run without their argument checks (``run_verify_*``).
+the host (``check_proposal``), so the ops run without their argument checks (``check=False``).
 """
 
 from __future__ import annotations
@@ -17,13 +17,7 @@ import torch
 
 from specdec._transfer import offsets_to_device, to_device
 from specdec.decoding.proposal import Proposal
-from specdec.kernels import (
-    TreeVerifyResult,
-    run_sample,
-    run_verify_chain_greedy,
-    run_verify_tree,
-    run_verify_tree_greedy,
-)
+from specdec.kernels import TreeVerifyResult, sample, verify_chain_greedy, verify_tree, verify_tree_greedy
 from specdec.kernels.sampling_params import SamplingParams
 
 
@@ -53,12 +47,12 @@ def verify(
             rows = [start + j for start, n in zip(starts, counts) for j in range(1, n)]
             drafts = tokens.index_select(0, to_device(rows, torch.int64, device))
         draft_offsets = offsets_to_device([n - 1 for n in counts], device)
-        chain = run_verify_chain_greedy(logits, drafts, draft_offsets, max_draft_len=depth)
+        chain = verify_chain_greedy(logits, drafts, draft_offsets, params, max_draft_len=depth, check=False)
         j = torch.arange(depth + 1, device=device, dtype=torch.int32)  # a chain's path: its first nodes
         path = torch.where(j <= chain.num_accepted[:, None], j, -1)
         return TreeVerifyResult(chain.output_tokens, chain.num_accepted, path, chain.invalid)
     if depth == 0 and not greedy:  # roots alone: one logits row per request, drawn as verify_tree draws it
-        drawn, invalid = run_sample(logits, params)
+        drawn, invalid = sample(logits, params, check=False)
         rows = drawn.shape[0]
         accepted = torch.zeros(rows, dtype=torch.int32, device=device)
         path = torch.zeros(rows, 1, dtype=torch.int32, device=device)  # the root
@@ -68,8 +62,8 @@ def verify(
     else:
         parents = proposal.parents.parents
     if greedy:
-        return run_verify_tree_greedy(logits, tokens, parents, node_offsets, max_depth=depth)
-    return run_verify_tree(
+        return verify_tree_greedy(logits, tokens, parents, node_offsets, params, max_depth=depth, check=False)
+    return verify_tree(
         logits, tokens, parents, node_offsets, params, rule=proposal.rule, draft_probs=proposal.draft_probs,
-        max_depth=depth,
+        max_depth=depth, check=False,
     )  # fmt: skip

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from specdec.kernels import run_verify_chain, run_verify_chain_greedy
+from specdec.kernels import verify_chain, verify_chain_greedy
 from specdec.kernels.sampling_params import SamplingParams
 
 # vLLM configures the "vllm" logger only; a child of it prints with vLLM's own messages.
@@ -51,7 +51,7 @@ def _verify_exact(
     ``verify_chain_greedy`` runs (equal to ``verify_chain`` at temperature 0, with no softmax, filters or random
     numbers). Otherwise ``verify_chain`` with the rule the drafts follow: ``draft_probs`` given -> "stochastic" (the
     drafts were drawn from them), None -> "deterministic" (n-gram, argmax drafters). vLLM built the offsets and the
-    caller laid the rows out in ``verify_chain``'s order, so the ops run without re-checking them (``run_*``).
+    caller laid the rows out in ``verify_chain``'s order, so the ops run without re-checking them (``check=False``).
 
     An invalid request (NaN/+inf or all -inf logits) comes back with no token. vLLM's scheduler, however, counts every
     request's accepted drafts from the number of tokens it gets back (``len - 1``), so a request with none would
@@ -61,11 +61,13 @@ def _verify_exact(
     Returns (output_tokens int32 ``[B, max_draft_len + 1]`` -1 padded, num_accepted int32 ``[B]``).
     """
     if params is None:
-        result = run_verify_chain_greedy(logits, draft_tokens, draft_offsets, max_draft_len=max_draft_len)
+        result = verify_chain_greedy(
+            logits, draft_tokens, draft_offsets, None, max_draft_len=max_draft_len, check=False
+        )
     else:
         rule = "deterministic" if draft_probs is None else "stochastic"
-        result = run_verify_chain(logits, draft_tokens, draft_offsets, params, rule=rule, draft_probs=draft_probs,
-                                  max_draft_len=max_draft_len)  # fmt: skip
+        result = verify_chain(logits, draft_tokens, draft_offsets, params, rule=rule, draft_probs=draft_probs,
+                              max_draft_len=max_draft_len, check=False)  # fmt: skip
     tokens, invalid = result.output_tokens, result.invalid
     # On the CPU reading the flag costs nothing and skips the rescue in the usual case; on a GPU the
     # rescue always runs (a few tiny launches) so that the step never waits for the device.

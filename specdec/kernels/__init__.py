@@ -7,6 +7,18 @@ PyTorch bodies (or the C++ op), and TRITON_INTERPRET=1 runs the Triton kernels o
 ``specdec._backend``). Sampling and verification share their stages: ``top_k_top_p``,
 ``target_stats``, ``tree_walk`` (where the acceptance rules are derived), ``final_sample``
 and ``verification`` (the pipeline).
+
+One entry point per op, plus the registered op. The public function checks every argument (errors
+name it). The verification, sampling and attention ops take ``check=False`` for a hot path whose
+inputs are valid by construction or were checked on the host: no check at all, ``out``'s included;
+the host bounds a checked call derives from the values (``max_draft_len``, ``max_depth``,
+``tree_attention``'s ``plan``) are then required, and each docstring says what else must hold
+(contiguous index tensors). It calls the body for the tensors' device without the dispatcher (the
+registered op inside ``torch.compile``). ``tree_attention``'s ``check_bounds`` is narrower: whether a
+checked call also checks index values (a synchronisation on CUDA). The layer ops (norms, rotary,
+SiLU, K/V writes) take no such keyword: a model's forward calls their registered op's bodies
+(``<op>_op.body(backend)`` or ``<op>_op.run``, see ``_op``); the registered op is also what
+``torch.compile``, ``opcheck`` and CUDA graphs see.
 """
 
 from specdec.kernels.filtered_probs import FilteredProbs, filtered_probs
@@ -15,20 +27,15 @@ from specdec.kernels.kv_compact import kv_compact
 from specdec.kernels.rms_norm import add_rms_norm, rms_norm
 from specdec.kernels.rotary import apply_rotary
 from specdec.kernels.sample_probs import sample_probs
-from specdec.kernels.sampling import SampleResult, run_sample, sample
+from specdec.kernels.sampling import SampleResult, sample
 from specdec.kernels.sampling_params import RULES, SamplingParams
 from specdec.kernels.silu_mul import silu_mul
-from specdec.kernels.tree_attention import AttentionPlan, plan_attention, run_attention, tree_attention
+from specdec.kernels.tree_attention import AttentionPlan, plan_attention, tree_attention
 from specdec.kernels.tree_metadata import TreeMetadata, build_tree_metadata, pack_mask_rows, unpack_mask_rows
 from specdec.kernels.uniforms import counter_uniform
-from specdec.kernels.verify_chain import ChainVerifyResult, run_verify_chain, verify_chain
-from specdec.kernels.verify_greedy import (
-    run_verify_chain_greedy,
-    run_verify_tree_greedy,
-    verify_chain_greedy,
-    verify_tree_greedy,
-)
-from specdec.kernels.verify_tree import TreeVerifyResult, run_verify_tree, verify_tree
+from specdec.kernels.verify_chain import ChainVerifyResult, verify_chain
+from specdec.kernels.verify_greedy import verify_chain_greedy, verify_tree_greedy
+from specdec.kernels.verify_tree import TreeVerifyResult, verify_tree
 
 __all__ = [
     "AttentionPlan",
@@ -49,12 +56,6 @@ __all__ = [
     "pack_mask_rows",
     "plan_attention",
     "rms_norm",
-    "run_attention",
-    "run_sample",
-    "run_verify_chain",
-    "run_verify_chain_greedy",
-    "run_verify_tree",
-    "run_verify_tree_greedy",
     "sample",
     "sample_probs",
     "silu_mul",

@@ -96,3 +96,8 @@ def check_rows(name: str, value: torch.Tensor) -> torch.Tensor:
     if value.dim() and value.shape[-1] > 1 and value.stride(-1) != 1:
         raise ValueError(f"{name} must have a contiguous last dim; call .contiguous() first")
     return value
+
+
+def unchecked_needs(name: str) -> ValueError:
+    """The error for a keyword that ``check=False`` requires: the checked call derives it from the inputs."""
+    return ValueError(f"{name} is required with check=False (only the checked call derives it from the inputs)")

@@ -2,8 +2,8 @@
 
 A forward's layers all attend with the same query layout (offsets, prefix lengths, tree
 mask, block table), so ``plan_attention`` validates that layout once and prepares what
-the chosen backend needs; each layer then calls ``run_attention`` (see
-``specdec.kernels.tree_attention``), which checks nothing.
+the chosen backend needs; each layer then calls ``tree_attention(..., plan=plan, check=False)``
+(see ``specdec.kernels.tree_attention``), which checks nothing.
 
 What the plan holds, and what each piece depends on:
 

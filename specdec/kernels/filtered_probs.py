@@ -126,7 +126,9 @@ def _filtered_probs_op(
 # ----------------------------------------------------------------------------- public function
 
 
-def filtered_probs(logits: torch.Tensor, params: SamplingParams, *, out: FilteredProbs | None = None) -> FilteredProbs:
+def filtered_probs(
+    logits: torch.Tensor, params: SamplingParams, *, out: FilteredProbs | None = None, check: bool = True
+) -> FilteredProbs:
     """The probabilities a sampled token is drawn from: temperature, then top-k, then top-p, renormalised.
 
     Parameters
@@ -135,6 +137,7 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams, *, out: Filtere
     params : ``SamplingParams`` with one entry per row (``seed`` and ``offset`` are not read).
     out : optional ``FilteredProbs`` to write into (probs fp32 ``[R, V]`` with unit column stride,
         invalid bool ``[R]`` contiguous).
+    check : False skips every argument check, ``out``'s included (``specdec.kernels``).
 
     Returns
     -------
@@ -150,28 +153,23 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams, *, out: Filtere
     >>> (r.probs[0] > 0).tolist(), r.probs[1].tolist(), r.invalid.tolist()
     ([True, True, False, False], [0.0, 1.0, 0.0, 0.0], [False, False])
     """
-    check_tensor("logits", logits, dtype=FLOAT_DTYPES, ndim=2)
-    rows, vocab = logits.shape
-    device = logits.device
-    if vocab < 1:
-        raise ValueError(f"logits must have a vocabulary of at least 1, got shape {tuple(logits.shape)}")
-    check_params(params, rows, device)
-    if out is None:
+    if check:
+        check_tensor("logits", logits, dtype=FLOAT_DTYPES, ndim=2)
+        rows, vocab = logits.shape
+        device = logits.device
+        if vocab < 1:
+            raise ValueError(f"logits must have a vocabulary of at least 1, got shape {tuple(logits.shape)}")
+        check_params(params, rows, device)
+        if out is None:
+            out = _fresh_buffers(logits)
+        elif not isinstance(out, FilteredProbs):
+            raise TypeError(f"out must be a FilteredProbs, got {type(out).__name__}")
+        check_tensor("out.probs", out.probs, dtype=torch.float32, shape=(rows, vocab), device=device)
+        if out.probs.stride(-1) != 1:
+            raise ValueError("out.probs must have unit stride in its last dimension")
+        check_tensor("out.invalid", out.invalid, dtype=torch.bool, shape=(rows,), device=device, contiguous=True)
+    elif out is None:
         out = _fresh_buffers(logits)
-    elif not isinstance(out, FilteredProbs):
-        raise TypeError(f"out must be a FilteredProbs, got {type(out).__name__}")
-    check_tensor("out.probs", out.probs, dtype=torch.float32, shape=(rows, vocab), device=device)
-    if out.probs.stride(-1) != 1:
-        raise ValueError("out.probs must have unit stride in its last dimension")
-    check_tensor("out.invalid", out.invalid, dtype=torch.bool, shape=(rows,), device=device, contiguous=True)
-    _filtered_probs_op.run(logits, params.temperature, params.top_k, params.top_p, *out)
-    return out
-
-
-def run_filtered_probs(logits: torch.Tensor, params: SamplingParams) -> FilteredProbs:
-    """``filtered_probs`` without its argument checks or the dispatcher: the hot path of a strategy that made
-    ``logits [R, V]`` and ``params`` (``[R]``, same device) itself; results in fresh buffers."""
-    out = _fresh_buffers(logits)
     _filtered_probs_op.run(logits, params.temperature, params.top_k, params.top_p, *out)
     return out
 

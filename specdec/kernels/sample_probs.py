@@ -130,7 +130,12 @@ def _sample_probs_op(
 
 
 def sample_probs(
-    probs: torch.Tensor, params: SamplingParams, *, counter: torch.Tensor | int, out: torch.Tensor | None = None
+    probs: torch.Tensor,
+    params: SamplingParams,
+    *,
+    counter: torch.Tensor | int,
+    out: torch.Tensor | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """Draw one token per row from the given probabilities, by the exponential race on ``race_clocks``.
 
@@ -145,6 +150,8 @@ def sample_probs(
         ``race_clocks(seed[r], offset[r], counter[r], V)``. With ``ROLE_TARGET`` and a request's seed and
         a position, these are the clocks of the target's own draw there (a coupled draft).
     out : optional int32 ``[R]`` contiguous buffer to write into.
+    check : False skips every argument check, ``out``'s included (``specdec.kernels``): a ``counter``
+        tensor must then be int64 and contiguous.
 
     Returns
     -------
@@ -157,27 +164,26 @@ def sample_probs(
     >>> int(tokens[0]), int(tokens[1]) in (0, 2)
     (1, True)
     """
-    check_tensor("probs", probs, dtype=FLOAT_DTYPES, ndim=2)
-    rows, device = probs.shape[0], probs.device
-    if probs.shape[1] < 1:
-        raise ValueError(f"probs must have at least one column, got shape {tuple(probs.shape)}")
-    check_params(params, rows, device)
-    if isinstance(counter, int) and not isinstance(counter, bool):
-        counter = torch.full((rows,), counter, dtype=torch.int64, device=device)
-    check_tensor("counter", counter, dtype=(torch.int32, torch.int64), shape=(rows,), device=device)
-    if out is None:
-        out = torch.empty(rows, dtype=torch.int32, device=device)
-    check_tensor("out", out, dtype=torch.int32, shape=(rows,), device=device, contiguous=True)
-    _sample_probs_op.run(probs, params.seed, params.offset, counter.to(torch.int64).contiguous(), out)
-    return out
-
-
-def run_sample_probs(probs: torch.Tensor, params: SamplingParams, *, counter: int) -> torch.Tensor:
-    """``sample_probs`` without its argument checks or the dispatcher, for one host ``counter`` shared by every
-    row: the hot path of a strategy that made ``probs [R, V]`` and ``params`` (``[R]``, same device) itself."""
-    rows, device = probs.shape[0], probs.device
-    out = torch.empty(rows, dtype=torch.int32, device=device)
-    _sample_probs_op.run(probs, params.seed, params.offset, torch.full((rows,), counter, device=device), out)
+    if check:
+        check_tensor("probs", probs, dtype=FLOAT_DTYPES, ndim=2)
+        rows, device = probs.shape[0], probs.device
+        if probs.shape[1] < 1:
+            raise ValueError(f"probs must have at least one column, got shape {tuple(probs.shape)}")
+        check_params(params, rows, device)
+        if isinstance(counter, int) and not isinstance(counter, bool):
+            counter = torch.full((rows,), counter, dtype=torch.int64, device=device)
+        check_tensor("counter", counter, dtype=(torch.int32, torch.int64), shape=(rows,), device=device)
+        counter = counter.to(torch.int64).contiguous()
+        if out is None:
+            out = torch.empty(rows, dtype=torch.int32, device=device)
+        check_tensor("out", out, dtype=torch.int32, shape=(rows,), device=device, contiguous=True)
+    else:
+        rows, device = probs.shape[0], probs.device
+        if isinstance(counter, int):
+            counter = torch.full((rows,), counter, device=device)  # (a Python int fills int64)
+        if out is None:
+            out = torch.empty(rows, dtype=torch.int32, device=device)
+    _sample_probs_op.run(probs, params.seed, params.offset, counter, out)
     return out
 
 

@@ -62,7 +62,9 @@ def _sample_op(
 # ----------------------------------------------------------------------------- public function
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, *, out: SampleResult | None = None) -> SampleResult:
+def sample(
+    logits: torch.Tensor, params: SamplingParams, *, out: SampleResult | None = None, check: bool = True
+) -> SampleResult:
     """Draw one token per row (the target-side sampler: same filter, uniforms and edge cases as verification).
 
     Parameters
@@ -73,6 +75,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, *, out: SampleResult | 
         with the clocks ``race_clocks(seed[b], offset[b], ROLE_TARGET, V)``: the token every
         verification op emits there for a deterministic draft, whatever it drafted.
     out : optional ``SampleResult`` to write into.
+    check : False skips every argument check, ``out``'s included (``specdec.kernels``): ``logits`` must
+        then have contiguous rows and ``params`` be contiguous.
 
     Returns
     -------
@@ -86,20 +90,15 @@ def sample(logits: torch.Tensor, params: SamplingParams, *, out: SampleResult | 
     >>> tokens.shape, bool(invalid.any())
     (torch.Size([2]), False)
     """
-    device = check_logits(logits, "logits")
-    batch = logits.shape[0]
-    check_params(params, batch, device)
-    out = result_buffers(out, SampleResult, batch, 1, device)
-    t, k, p, s, o = params
-    _sample_op.run(logits, t.contiguous(), k.contiguous(), p.contiguous(), s.contiguous(), o.contiguous(), *out)
-    return out
-
-
-def run_sample(logits: torch.Tensor, params: SamplingParams) -> SampleResult:
-    """``sample`` without its argument checks: the hot path of an engine that checked its inputs on the host
-    (logits ``[B, V]`` contiguous rows, parameters ``[B]`` contiguous, same device); results in fresh buffers.
-    The body for the tensors' device runs directly; the Triton body reads nothing back to the host."""
-    out = result_buffers(None, SampleResult, logits.shape[0], 1, logits.device)
+    if check:
+        device = check_logits(logits, "logits")
+        batch = logits.shape[0]
+        check_params(params, batch, device)
+        out = result_buffers(out, SampleResult, batch, 1, device)
+        t, k, p, s, o = params
+        params = (t.contiguous(), k.contiguous(), p.contiguous(), s.contiguous(), o.contiguous())
+    elif out is None:
+        out = result_buffers(None, SampleResult, logits.shape[0], 1, logits.device)
     _sample_op.run(logits, *params, *out)
     return out
 

@@ -17,9 +17,10 @@ level by level never feeds the tree again. A chain mask is causal prefill; a sin
 decode. With s = scale * q.k, out = sum_t softmax(s)_t v_t and lse = log sum_t exp(s_t)
 over the visible positions; a row that sees nothing gets out 0 and lse -inf.
 
-Three entry points: ``tree_attention`` checks every argument, plans and runs (outside
-callers); a model's forward calls ``plan_attention`` once per step (``attention_plan``) and
-``run_attention`` per layer, which checks nothing. Both end in the registered op
+One entry point: ``tree_attention`` checks every argument, plans and runs (outside callers); a
+forward validates its layout once with ``plan_attention`` (``attention_plan``) and runs each layer
+as ``tree_attention(q, k_cache, v_cache, plan=plan, out=out, check=False)``, which checks nothing.
+Both end in the registered op
 ``torch.ops.specdec.tree_attention`` (Triton kernels in ``tree_attention_kernels``, the
 padded-batch PyTorch path and the float64 reference in ``tree_attention_torch``).
 """
@@ -28,13 +29,13 @@ from __future__ import annotations
 
 import torch
 
-from specdec.kernels._checks import check_same_device, check_tensor
+from specdec.kernels._checks import check_same_device, check_tensor, unchecked_needs
 from specdec.kernels._op import register_op
 from specdec.kernels.attention_plan import DTYPES, AttentionPlan, plan_attention
 from specdec.kernels.tree_attention_kernels import tree_attention_triton
 from specdec.kernels.tree_attention_torch import tree_attention_reference, tree_attention_torch
 
-__all__ = ["AttentionPlan", "plan_attention", "run_attention", "tree_attention", "tree_attention_reference"]
+__all__ = ["AttentionPlan", "plan_attention", "tree_attention", "tree_attention_reference"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -76,36 +77,12 @@ def tree_attention_op(
 # --------------------------------------------------------------------------------------------
 
 
-def run_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    plan: AttentionPlan,
-    out: torch.Tensor,
-    lse: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One layer's attention under a step's plan; no argument checks (the hot path).
-
-    ``q [T, Hq, D]`` and the caches must match the plan (``plan.num_tokens``, ``plan.num_heads``,
-    ``plan.cache_shape``, ``plan.dtype``, last dims contiguous); ``out [T, Hq, D]`` receives the
-    result, ``lse [T, Hq]`` float32 the log-sum-exp if given. Returns ``out``. Outside a
-    ``torch.compile`` region the plan's backend body runs directly, skipping the dispatcher.
-    """
-    if plan.num_tokens:
-        args = (q, k_cache, v_cache, *plan.op_args(), out, lse)
-        if torch.compiler.is_compiling():
-            tree_attention_op(*args)
-        else:
-            tree_attention_op.body(plan.backend)(*args)
-    return out
-
-
 def tree_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    q_offsets: torch.Tensor,
-    prefix_lens: torch.Tensor,
+    q_offsets: torch.Tensor | None = None,
+    prefix_lens: torch.Tensor | None = None,
     *,
     tree_mask: torch.Tensor | None = None,
     causal: bool = False,
@@ -116,6 +93,9 @@ def tree_attention(
     return_lse: bool = False,
     check_bounds: bool | None = None,
     num_splits: int | None = None,
+    lse: torch.Tensor | None = None,
+    plan: AttentionPlan | None = None,
+    check: bool = True,
 ):
     """Attention of flattened query tokens over a KV cache, masked by token trees.
 
@@ -150,6 +130,13 @@ def tree_attention(
         are never read), provided the block ids the table holds lie in the pool.
     num_splits : Triton path only: split each request's context over this many programs
         (default: chosen from the device's size).
+    lse : optional ``[T, Hq]`` float32 contiguous buffer for the log-sum-exp (implies ``return_lse``).
+    plan : with ``check=False`` (then required): the layout ``plan_attention`` validated and prepared
+        once for every layer of a forward, in place of ``q_offsets`` .. ``num_splits`` (unread).
+    check : False skips every argument check (``specdec.kernels``): the per-layer hot path. ``q``, the
+        caches, ``out`` and ``lse`` must match the plan (``plan.num_tokens``, ``plan.num_heads``,
+        ``plan.cache_shape``, ``plan.dtype``, last dims contiguous). Outside a ``torch.compile`` region
+        the plan's backend body runs directly, skipping the dispatcher.
 
     Returns
     -------
@@ -167,6 +154,26 @@ def tree_attention(
     >>> o.shape
     torch.Size([3, 8, 64])
     """
+    return_lse = return_lse or lse is not None
+    if not check:
+        if plan is None:
+            raise unchecked_needs("plan")
+        if out is None:
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        if return_lse and lse is None:
+            lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+        if plan.num_tokens:
+            args = (q, k_cache, v_cache, *plan.op_args(), out, lse)
+            if torch.compiler.is_compiling():
+                tree_attention_op(*args)
+            else:
+                tree_attention_op.body(plan.backend)(*args)
+        return (out, lse) if return_lse else out
+    if plan is not None:
+        raise ValueError("plan runs without checks: pass check=False with it (a checked call plans itself)")
+    for name, value in (("q_offsets", q_offsets), ("prefix_lens", prefix_lens)):
+        if value is None:
+            raise ValueError(f"{name} is required (or a plan, with check=False)")
     check_tensor("q", q, dtype=DTYPES, ndim=3)
     check_tensor("k_cache", k_cache, dtype=q.dtype, ndim=4)
     check_tensor("v_cache", v_cache, dtype=q.dtype, shape=tuple(k_cache.shape))
@@ -184,13 +191,11 @@ def tree_attention(
         check_tensor("out", out, dtype=q.dtype, shape=tuple(q.shape))
         if out.stride(-1) != 1:
             raise ValueError("out must be contiguous in its last dimension")
+    if lse is not None:
+        check_tensor("lse", lse, dtype=torch.float32, shape=(tokens, heads), device=q.device, contiguous=True)
     plan = plan_attention(
         q_offsets, prefix_lens, num_tokens=tokens, num_heads=heads, cache_shape=tuple(k_cache.shape),
         dtype=q.dtype, tree_mask=tree_mask, causal=causal, tree_start=tree_start, block_table=block_table,
         softmax_scale=softmax_scale, num_splits=num_splits, check_bounds=check_bounds,
     )  # fmt: skip
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty(tokens, heads, dtype=torch.float32, device=q.device) if return_lse else None
-    run_attention(q, k_cache, v_cache, plan, out, lse)
-    return (out, lse) if return_lse else out
+    return tree_attention(q, k_cache, v_cache, out=out, lse=lse, return_lse=return_lse, plan=plan, check=False)

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from specdec.kernels._checks import check_offsets, check_tensor
+from specdec.kernels._checks import check_offsets, check_tensor, unchecked_needs
 from specdec.kernels._op import register_op
 from specdec.kernels.sample_probs import race_reference, sanitize_probs
 from specdec.kernels.sampling_params import SamplingParams, check_params, check_rule
@@ -123,6 +123,7 @@ def verify_chain(
     draft_probs: torch.Tensor | None = None,
     max_draft_len: int | None = None,
     out: ChainVerifyResult | None = None,
+    check: bool = True,
 ) -> ChainVerifyResult:
     """Verify ragged draft chains: the accepted prefix, then a residual draw or the bonus token.
 
@@ -149,6 +150,8 @@ def verify_chain(
         synchronisation. Longer drafts are truncated to it (still exact). On CUDA with it given,
         ``draft_offsets`` values are trusted; CPU inputs are always checked.
     out : optional ``ChainVerifyResult`` to write into (shapes and dtypes as returned).
+    check : False skips every argument check, ``out``'s included (``specdec.kernels``): ``max_draft_len`` is
+        then required, and the index tensors and ``params`` must be contiguous.
 
     Returns
     -------
@@ -171,35 +174,21 @@ def verify_chain(
     >>> r.output_tokens.shape, int(r.num_accepted[0]) <= 3
     (torch.Size([1, 4]), True)
     """
-    device, batch, max_draft_len = check_chain(target_logits, draft_tokens, draft_offsets, params, max_draft_len)
-    check_rule(rule, draft_probs)
-    if draft_probs is not None:
-        check_draft_probs(draft_probs, draft_tokens.numel(), target_logits.shape[1], device)
-    out = result_buffers(out, ChainVerifyResult, batch, max_draft_len + 1, device)
-    t, k, p, s, o = params
-    _verify_chain_op.run(target_logits, draft_tokens.contiguous(), draft_offsets.contiguous(), draft_probs,
-                         t.contiguous(), k.contiguous(), p.contiguous(), s.contiguous(), o.contiguous(), rule,
-                         *out)  # fmt: skip
-    return out
-
-
-def run_verify_chain(
-    target_logits: torch.Tensor,
-    draft_tokens: torch.Tensor,
-    draft_offsets: torch.Tensor,
-    params: SamplingParams,
-    *,
-    rule: str,
-    draft_probs: torch.Tensor | None,
-    max_draft_len: int,
-) -> ChainVerifyResult:
-    """``verify_chain`` without its argument checks: the hot path of an engine whose chains are valid by
-    construction (a serving engine's own offsets) or were checked on the host. Arguments as
-    ``verify_chain`` (index tensors and params contiguous, ``max_draft_len`` a host int); results in fresh
-    buffers. The op's body for the tensors' device runs directly (the registered op inside
-    ``torch.compile``); the Triton body reads nothing back to the host."""
-    batch, device = draft_offsets.numel() - 1, target_logits.device
-    out = result_buffers(None, ChainVerifyResult, batch, max_draft_len + 1, device)
+    if check:
+        device, batch, max_draft_len = check_chain(target_logits, draft_tokens, draft_offsets, params, max_draft_len)
+        check_rule(rule, draft_probs)
+        if draft_probs is not None:
+            check_draft_probs(draft_probs, draft_tokens.numel(), target_logits.shape[1], device)
+        out = result_buffers(out, ChainVerifyResult, batch, max_draft_len + 1, device)
+        draft_tokens, draft_offsets = draft_tokens.contiguous(), draft_offsets.contiguous()
+        t, k, p, s, o = params
+        params = (t.contiguous(), k.contiguous(), p.contiguous(), s.contiguous(), o.contiguous())
+    elif max_draft_len is None:
+        raise unchecked_needs("max_draft_len")
+    elif out is None:
+        out = result_buffers(
+            None, ChainVerifyResult, draft_offsets.numel() - 1, max_draft_len + 1, target_logits.device
+        )
     _verify_chain_op.run(target_logits, draft_tokens, draft_offsets, draft_probs, *params, rule, *out)
     return out
 

@@ -20,7 +20,7 @@ import functools
 import torch
 
 from specdec import _backend
-from specdec.kernels._checks import check_offsets
+from specdec.kernels._checks import check_offsets, unchecked_needs
 from specdec.kernels._op import register_op
 from specdec.kernels._triton import cdiv
 from specdec.kernels.sampling_params import SamplingParams
@@ -242,15 +242,17 @@ def verify_chain_greedy(
     target_logits: torch.Tensor,
     draft_tokens: torch.Tensor,
     draft_offsets: torch.Tensor,
-    params: SamplingParams,
+    params: SamplingParams | None,
     *,
     max_draft_len: int | None = None,
     out: ChainVerifyResult | None = None,
+    check: bool = True,
 ) -> ChainVerifyResult:
     """``verify_chain`` for a batch whose every request is greedy: an argmax comparison only.
 
     Arguments, results and edge cases as ``verify_chain`` (no ``rule``: greedy acceptance is the
-    same under both; no ``draft_probs``). ``params`` is read only to refuse a sampled request.
+    same under both; no ``draft_probs``). ``params`` is read only to refuse a sampled request: with
+    ``check=False`` (the caller knows every request is greedy) it is unread and may be None.
 
     Example
     -------
@@ -260,10 +262,18 @@ def verify_chain_greedy(
     >>> r.num_accepted.tolist(), r.output_tokens[0].tolist() == logits.argmax(-1).tolist()
     ([2], True)
     """
-    device, batch, max_draft_len = check_chain(target_logits, draft_tokens, draft_offsets, params, max_draft_len)
-    check_all_greedy(params, "verify_chain_greedy", "verify_chain")
-    out = result_buffers(out, ChainVerifyResult, batch, max_draft_len + 1, device)
-    _verify_chain_greedy_op.run(target_logits, draft_tokens.contiguous(), draft_offsets.contiguous(), *out)
+    if check:
+        device, batch, max_draft_len = check_chain(target_logits, draft_tokens, draft_offsets, params, max_draft_len)
+        check_all_greedy(params, "verify_chain_greedy", "verify_chain")
+        out = result_buffers(out, ChainVerifyResult, batch, max_draft_len + 1, device)
+        draft_tokens, draft_offsets = draft_tokens.contiguous(), draft_offsets.contiguous()
+    elif max_draft_len is None:
+        raise unchecked_needs("max_draft_len")
+    elif out is None:
+        out = result_buffers(
+            None, ChainVerifyResult, draft_offsets.numel() - 1, max_draft_len + 1, target_logits.device
+        )
+    _verify_chain_greedy_op.run(target_logits, draft_tokens, draft_offsets, *out)
     return out
 
 
@@ -272,15 +282,16 @@ def verify_tree_greedy(
     node_tokens: torch.Tensor,
     parents: torch.Tensor,
     node_offsets: torch.Tensor,
-    params: SamplingParams,
+    params: SamplingParams | None,
     *,
     max_depth: int | None = None,
     out: TreeVerifyResult | None = None,
+    check: bool = True,
 ) -> TreeVerifyResult:
     """``verify_tree`` for a batch whose every request is greedy: an argmax comparison only.
 
     Arguments, results and edge cases as ``verify_tree`` (no ``rule``, no ``draft_probs``);
-    ``params`` is read only to refuse a sampled request.
+    ``params`` is read only to refuse a sampled request: with ``check=False`` it is unread and may be None.
 
     Example
     -------
@@ -291,39 +302,15 @@ def verify_tree_greedy(
     >>> r.accepted_path.tolist(), r.output_tokens[0, 1].item() == logits[2].argmax().item()
     ([[0, 2]], True)
     """
-    device, batch, max_depth = check_tree(target_logits, node_tokens, parents, node_offsets, params, max_depth)
-    check_all_greedy(params, "verify_tree_greedy", "verify_tree")
-    out = result_buffers(out, TreeVerifyResult, batch, max_depth + 1, device)
-    _verify_tree_greedy_op.run(target_logits, node_tokens.contiguous(), parents.contiguous(), node_offsets.contiguous(),
-                           *out)  # fmt: skip
-    return out
-
-
-def run_verify_chain_greedy(
-    target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_offsets: torch.Tensor, *, max_draft_len: int
-) -> ChainVerifyResult:
-    """``verify_chain_greedy`` without its argument checks, for a hot path that knows on the host that every
-    request is greedy and checked its chains there (index tensors contiguous, ``max_draft_len`` a host int).
-    Results in fresh buffers; neither body reads a value back to the host."""
-    batch, device = draft_offsets.numel() - 1, target_logits.device
-    out = result_buffers(None, ChainVerifyResult, batch, max_draft_len + 1, device)
-    _verify_chain_greedy_op.run(target_logits, draft_tokens, draft_offsets, *out)
-    return out
-
-
-def run_verify_tree_greedy(
-    target_logits: torch.Tensor,
-    node_tokens: torch.Tensor,
-    parents: torch.Tensor,
-    node_offsets: torch.Tensor,
-    *,
-    max_depth: int,
-) -> TreeVerifyResult:
-    """``verify_tree_greedy`` without its argument checks, for a hot path that knows on the host that every
-    request is greedy and checked its trees there (index tensors contiguous, ``max_depth`` a host int).
-    Results in fresh buffers; neither body reads a value back to the host."""
-    batch, device = node_offsets.numel() - 1, target_logits.device
-    out = result_buffers(None, TreeVerifyResult, batch, max_depth + 1, device)
+    if check:
+        device, batch, max_depth = check_tree(target_logits, node_tokens, parents, node_offsets, params, max_depth)
+        check_all_greedy(params, "verify_tree_greedy", "verify_tree")
+        out = result_buffers(out, TreeVerifyResult, batch, max_depth + 1, device)
+        node_tokens, parents, node_offsets = node_tokens.contiguous(), parents.contiguous(), node_offsets.contiguous()
+    elif max_depth is None:
+        raise unchecked_needs("max_depth")
+    elif out is None:
+        out = result_buffers(None, TreeVerifyResult, node_offsets.numel() - 1, max_depth + 1, target_logits.device)
     _verify_tree_greedy_op.run(target_logits, node_tokens, parents, node_offsets, *out)
     return out
 

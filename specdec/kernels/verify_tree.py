@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from specdec.kernels._checks import check_offsets, check_tensor
+from specdec.kernels._checks import check_offsets, check_tensor, unchecked_needs
 from specdec.kernels._op import register_op
 from specdec.kernels.sample_probs import race_reference, sanitize_probs
 from specdec.kernels.sampling_params import SamplingParams, check_params, check_rule
@@ -115,6 +115,7 @@ def verify_tree(
     draft_probs: torch.Tensor | None = None,
     max_depth: int | None = None,
     out: TreeVerifyResult | None = None,
+    check: bool = True,
 ) -> TreeVerifyResult:
     """Verify a batch of draft token trees and emit each one's accepted path plus one token.
 
@@ -143,6 +144,8 @@ def verify_tree(
         the output exact). On CUDA with it given, offsets and parents are trusted; CPU inputs are
         always checked.
     out : optional ``TreeVerifyResult`` to write into (shapes and dtypes as returned).
+    check : False skips every argument check, ``out``'s included (``specdec.kernels``): ``max_depth`` is then
+        required, and the index tensors and ``params`` must be contiguous.
 
     Returns
     -------
@@ -171,35 +174,19 @@ def verify_tree(
     >>> r.output_tokens.shape, int(r.num_accepted[0]) in (0, 1), r.accepted_path[0, 0].item()
     (torch.Size([1, 2]), True, 0)
     """
-    device, batch, max_depth = check_tree(target_logits, node_tokens, parents, node_offsets, params, max_depth)
-    check_rule(rule, draft_probs)
-    if draft_probs is not None:
-        check_draft_probs(draft_probs, *target_logits.shape, device)
-    out = result_buffers(out, TreeVerifyResult, batch, max_depth + 1, device)
-    t, k, p, s, o = params
-    _verify_tree_op.run(target_logits, node_tokens.contiguous(), parents.contiguous(), node_offsets.contiguous(),
-                        draft_probs, t.contiguous(), k.contiguous(), p.contiguous(), s.contiguous(), o.contiguous(),
-                        rule, *out)  # fmt: skip
-    return out
-
-
-def run_verify_tree(
-    target_logits: torch.Tensor,
-    node_tokens: torch.Tensor,
-    parents: torch.Tensor,
-    node_offsets: torch.Tensor,
-    params: SamplingParams,
-    *,
-    rule: str,
-    draft_probs: torch.Tensor | None,
-    max_depth: int,
-) -> TreeVerifyResult:
-    """``verify_tree`` without its argument checks: the hot path of an engine that built the trees itself
-    and checked them on the host. Arguments as ``verify_tree`` (index tensors contiguous, ``max_depth``
-    a host int); results in fresh buffers. The op's body for the tensors' device runs directly (the
-    registered op inside ``torch.compile``); the Triton body reads nothing back to the host."""
-    batch, device = node_offsets.numel() - 1, target_logits.device
-    out = result_buffers(None, TreeVerifyResult, batch, max_depth + 1, device)
+    if check:
+        device, batch, max_depth = check_tree(target_logits, node_tokens, parents, node_offsets, params, max_depth)
+        check_rule(rule, draft_probs)
+        if draft_probs is not None:
+            check_draft_probs(draft_probs, *target_logits.shape, device)
+        out = result_buffers(out, TreeVerifyResult, batch, max_depth + 1, device)
+        node_tokens, parents, node_offsets = node_tokens.contiguous(), parents.contiguous(), node_offsets.contiguous()
+        t, k, p, s, o = params
+        params = (t.contiguous(), k.contiguous(), p.contiguous(), s.contiguous(), o.contiguous())
+    elif max_depth is None:
+        raise unchecked_needs("max_depth")
+    elif out is None:
+        out = result_buffers(None, TreeVerifyResult, node_offsets.numel() - 1, max_depth + 1, target_logits.device)
     _verify_tree_op.run(target_logits, node_tokens, parents, node_offsets, draft_probs, *params, rule, *out)
     return out
 
