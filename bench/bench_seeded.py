@@ -31,11 +31,13 @@ script refuses to run (Triton's interpreter would stand in for a GPU).
     python bench/bench_seeded.py --parts 1 --reference-seed-shift 1   # the agreement against other seeds: fails
     python bench/bench_seeded.py --parts 1 --batch 1 --fixed-depths   # speculation every step, nothing batched
     python bench/bench_seeded.py --parts 1 --gemms oneDNN             # one GEMM path for every row count
+    python bench/bench_seeded.py --parts 1 --row-invariant            # the forward of SPECDEC_ROW_INVARIANT=1
     python bench/bench_seeded.py --parts 3 --ks 4 5                   # chains of 4 and 5
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -289,6 +291,18 @@ FULL = Sizes(12, 2, 210, 6, 3, None, 96, 4, 64, 6, 96, (4,), 3, 0.5)
 QUICK = Sizes(2, 1, 12, 2, 2, 12, 8, 2, 4, 1, 12, (4,), 1, 0.02)
 
 
+@contextlib.contextmanager
+def row_invariant(enabled: bool):
+    """The row-invariant forward inside the block where ``enabled`` (else the mode as the environment says)."""
+    if enabled:
+        _backend.set_row_invariant(True)
+    try:
+        yield
+    finally:
+        if enabled:
+            _backend.set_row_invariant(None)
+
+
 def main() -> None:
     def extra(parser):
         parser.add_argument("--parts", type=int, nargs="+", choices=(1, 2, 3), default=[1, 2, 3])
@@ -307,6 +321,8 @@ def main() -> None:
             default="shipped",
             help="parts 1 and 3: every model forward's GEMMs (an experiment: one path for every row count)",
         )
+        parser.add_argument("--row-invariant", action="store_true",
+                            help="parts 1 and 3 with the row-invariant forward (set_row_invariant)")  # fmt: skip
 
     args = bench_args(__doc__.splitlines()[0], extra)
     if args.device != "cpu":
@@ -316,14 +332,17 @@ def main() -> None:
     cpu_threads("cpu")
     sizes = QUICK if args.quick else FULL
     repeats = args.repeats or sizes.repeats
+    if args.row_invariant and args.gemms != "shipped":
+        raise SystemExit("--row-invariant runs its own GEMMs: leave --gemms at 'shipped'")
     note = "" if args.gemms == "shipped" else f", GEMMs: {args.gemms} for every layer and row count"
+    note += ", row-invariant forward" if args.row_invariant else ""
     target, draft, tokenizer = load_pair()
     pool = heldout_token_ids(tokenizer)
     now = clock("cpu")
     with use_backend(args.backend):
         if 1 in args.parts:
             start = now()
-            with target_gemms(args.gemms):
+            with target_gemms(args.gemms), row_invariant(args.row_invariant):
                 agreement(target, draft, pool[: sizes.agreement_prompts], new_tokens=sizes.agreement_tokens,
                           seeds_per_prompt=sizes.seeds_per_prompt, batch=args.batch or sizes.batch,
                           reference_seed_shift=args.reference_seed_shift, adaptive=not args.fixed_depths,
@@ -347,7 +366,7 @@ def main() -> None:
             print(f"\n(part 2: {now() - start:.0f} s thread time)")
         if 3 in args.parts:
             start = now()
-            with target_gemms(args.gemms):
+            with target_gemms(args.gemms), row_invariant(args.row_invariant):
                 coupled_vs_optimal(target, draft, pool[: sizes.chain_prompts], ks=tuple(args.ks or sizes.ks),
                                    new_tokens=sizes.chain_tokens, repeats=repeats, note=note).write(
                     args.out, "seeded_rules")  # fmt: skip

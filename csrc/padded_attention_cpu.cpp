@@ -21,6 +21,10 @@
 // of the request hides (a context shorter than L, a tree's unrelated nodes) are never read. Results equal the exact
 // softmax up to float32 rounding (other summation orders than SDPA's): bench/bench_cpu_attention.py measures both.
 //
+// row_invariant (SPECDEC_ROW_INVARIANT): a work item is one query slot, whose positions list is that slot's own, so
+// a row's sums (scores, softmax total, P.V) run over exactly the positions it sees, in order, whatever the other
+// slots of its request: the same bits as the row alone in a decode step.
+//
 // On x86-64 an AVX2 + FMA version is compiled beside the generic one and chosen at run time; elsewhere (or without
 // AVX2, or with SPECDEC_ATTENTION_GENERIC=1 set when the process first calls it: how the tests reach it) the
 // generic version runs. The 8-wide vector code needs D % 8 == 0; other head dims take scalar loops.
@@ -137,6 +141,7 @@ struct Problem {
   int64_t out_b, out_i, out_h;
   float scale;
   uint64_t call;  // distinct per call of the op: a thread's scratch knows which request its positions are of
+  bool per_slot;  // row-invariant: one query slot per work item, which lists only the positions that slot sees
 };
 
 // Rows of a work item: query slot i and head h of request b at row (h / G - g0) per_head + (i - i0) G + h % G
@@ -152,6 +157,7 @@ struct Rows {
 struct Scratch {
   uint64_t call = 0;
   int64_t request = -1;
+  int64_t slot = -1;             // the item's first slot where the list is per slot, else -1
   int64_t count = 0;             // of visible
   std::vector<int32_t> visible;  // positions some query of the request sees
   std::vector<float> scores;     // [rows, visible]
@@ -360,16 +366,19 @@ __attribute__((always_inline)) inline void attend_kernel(const Problem& P, int64
   const int64_t n = P.n, L = P.L, G = P.G, D = P.D;
   const float* bias_b = P.bias + b * P.bias_b;
   const float hidden = -std::numeric_limits<float>::infinity();
-  if (s.call != P.call || s.request != b) {  // a request's work items share its list
+  // A request's work items share its list; per slot, a row's sums run over exactly the positions it sees, in
+  // order, as the same row's would in any other forward (a decode row, a chain, a tree with other branches).
+  const int64_t slot = P.per_slot ? i0 : -1, seen0 = P.per_slot ? i0 : 0, seen1 = P.per_slot ? i1 : n;
+  if (s.call != P.call || s.request != b || s.slot != slot) {
     s.visible.resize(L);
     int64_t count = 0;
     for (int64_t l = 0; l < L; ++l) {
       bool seen = false;
-      for (int64_t i = 0; i < n; ++i) seen |= bias_b[i * P.bias_i + l * P.bias_l] != hidden;
+      for (int64_t i = seen0; i < seen1; ++i) seen |= bias_b[i * P.bias_i + l * P.bias_l] != hidden;
       s.visible[count] = static_cast<int32_t>(l);
       count += seen;
     }
-    s.call = P.call, s.request = b, s.count = count;
+    s.call = P.call, s.request = b, s.slot = slot, s.count = count;
   }
   const int64_t V = s.count;
   const int32_t* vis = s.visible.data();
@@ -445,7 +454,7 @@ void check_float_cpu(const at::Tensor& t, const char* name, int64_t dims, const 
 }
 
 void padded_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                      const at::Tensor& attn_bias, double scale, const at::Tensor& out) {
+                      const at::Tensor& attn_bias, double scale, const at::Tensor& out, bool row_invariant) {
   check_float_cpu(q, "q", 3, "[B * n, Hq, D]");
   check_float_cpu(k_cache, "k_cache", 4, "[rows, max_len, Hkv, D]");
   check_float_cpu(v_cache, "v_cache", 4, "[rows, max_len, Hkv, D]");
@@ -470,7 +479,8 @@ void padded_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
             out.data_ptr<float>(), n, L, Hkv, G, D,
             n * q.stride(0), q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), attn_bias.stride(0), attn_bias.stride(2),
-            attn_bias.stride(3), n * out.stride(0), out.stride(0), out.stride(1), static_cast<float>(scale), 0};
+            attn_bias.stride(3), n * out.stride(0), out.stride(0), out.stride(1), static_cast<float>(scale), 0,
+            row_invariant};
   static std::atomic<uint64_t> calls{0};
   P.call = ++calls;
   const AttendFn attend = attend_fn();
@@ -480,7 +490,8 @@ void padded_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const int64_t heads_per_item_max = std::max<int64_t>(1, std::min(Hkv, kMaxRows / G));
   const int64_t threads = at::get_num_threads();
   int64_t heads_per_item = heads_per_item_max;
-  const int64_t slots_per_item = std::max<int64_t>(1, std::min(n, kMaxRows / (heads_per_item * G)));
+  const int64_t slots_per_item =
+      row_invariant ? 1 : std::max<int64_t>(1, std::min(n, kMaxRows / (heads_per_item * G)));
   const int64_t slot_chunks = (n + slots_per_item - 1) / slots_per_item;
   if (threads > 1 && B * slot_chunks * ((Hkv + heads_per_item - 1) / heads_per_item) < threads)
     heads_per_item = std::max<int64_t>(1, Hkv / ((threads + B * slot_chunks - 1) / (B * slot_chunks)));
@@ -500,8 +511,8 @@ void padded_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
-  m.def("padded_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor attn_bias, float scale, Tensor(a!) out) "
-        "-> ()");
+  m.def("padded_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor attn_bias, float scale, Tensor(a!) out, "
+        "bool row_invariant=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) { m.impl("padded_attention", &padded_attention); }

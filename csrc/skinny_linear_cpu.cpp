@@ -6,8 +6,9 @@
 // embedded target at 6 rows, on an AMD EPYC). This kernel reads each weight element once per 8 rows: the weight is
 // packed as [ceil(N / 8), K, 8] (8 output features interleaved per input feature, zero-padded), so one pass over k
 // streams the pack contiguously while up to 8 rows of x (a few KB, cache-resident) are broadcast against it and 8
-// accumulators per row stay in vector registers. Each output is a plain k = 0 .. K-1 sum in float32 (another
-// order than BLAS's: results agree up to rounding, not bit for bit).
+// accumulators per row stay in vector registers. Each output is a float32 sum over k in partial sums whose number
+// depends on the rows in a pass (another order than BLAS's: results agree up to rounding, not bit for bit), or,
+// with row_invariant, in one order for every row count (fixed_blocks_kernel).
 //
 // On x86-64 an AVX2 + FMA version is compiled beside the generic one and chosen at run time; elsewhere (or
 // without AVX2, or with SPECDEC_SKINNY_GENERIC=1 set when the process first calls it: how the tests reach it)
@@ -71,38 +72,101 @@ __attribute__((always_inline)) inline void blocks_kernel(const float* x, int64_t
   }
 }
 
+// The row-invariant order (SPECDEC_ROW_INVARIANT): each row sums in one order whatever the rows beside it. k runs in
+// 8 segments of K / 8 (the last one takes the rest), each summed in order from zero, and the 8 segment sums are
+// added pairwise, whatever M. M rows cannot keep 8 sums each in registers, so C = 8 / M segments (a power of two)
+// run side by side per round, over 8 / C rounds, their sums kept in memory between rounds: with one row, 8 chains
+// of FMAs keep the units busy; with 8, a round streams one segment of the pack for all rows, and the rounds together
+// stream the pack once, as blocks_kernel<8> does.
+template <int M>
+__attribute__((always_inline)) inline void fixed_blocks_kernel(const float* x, int64_t ldx, int64_t K,
+                                                                const float* packed, int64_t block_begin,
+                                                                int64_t block_end, const float* bias, float* out,
+                                                                int64_t ldo, int64_t N) {
+  constexpr int S = 8, C = M == 1 ? 8 : M == 2 ? 4 : M <= 4 ? 2 : 1;
+  const int64_t seg = K / S;
+  for (int64_t nb = block_begin; nb < block_end; ++nb) {
+    lanes_t part[S][M];
+    const float* w = packed + nb * K * kLanes;
+    for (int s0 = 0; s0 < S; s0 += C) {
+      lanes_t acc[C][M];
+      for (int c = 0; c < C; ++c)
+        for (int m = 0; m < M; ++m) acc[c][m] = lanes_t{};
+      for (int64_t j = 0; j < seg; ++j) {
+        for (int c = 0; c < C; ++c) {
+          const int64_t k = (s0 + c) * seg + j;
+          lanes_t wk;
+          std::memcpy(&wk, w + k * kLanes, sizeof(wk));
+          for (int m = 0; m < M; ++m) acc[c][m] += x[m * ldx + k] * wk;
+        }
+      }
+      if (s0 + C == S)  // the last segment's rest
+        for (int64_t k = S * seg; k < K; ++k) {
+          lanes_t wk;
+          std::memcpy(&wk, w + k * kLanes, sizeof(wk));
+          for (int m = 0; m < M; ++m) acc[C - 1][m] += x[m * ldx + k] * wk;
+        }
+      for (int c = 0; c < C; ++c)
+        for (int m = 0; m < M; ++m) part[s0 + c][m] = acc[c][m];
+    }
+    for (int sums = S; sums > 1; sums /= 2)  // pairwise: (0 + 1) + (2 + 3), ...
+      for (int s = 0; s < sums / 2; ++s)
+        for (int m = 0; m < M; ++m) part[s][m] = part[2 * s][m] + part[2 * s + 1][m];
+    const int64_t n0 = nb * kLanes, width = std::min(kLanes, N - n0);
+    for (int m = 0; m < M; ++m) {
+      float lane[kLanes];
+      std::memcpy(lane, &part[0][m], sizeof(lane));
+      if (bias != nullptr)
+        for (int64_t j = 0; j < width; ++j) lane[j] += bias[n0 + j];
+      std::memcpy(out + m * ldo + n0, lane, width * sizeof(float));
+    }
+  }
+}
+
 using BlocksFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, const float*, float*,
                           int64_t, int64_t);
 
-template <int M>
+template <int M, bool Fixed>
 void blocks_generic(const float* x, int64_t ldx, int64_t K, const float* packed, int64_t b0, int64_t b1,
                     const float* bias, float* out, int64_t ldo, int64_t N) {
-  blocks_kernel<M>(x, ldx, K, packed, b0, b1, bias, out, ldo, N);
+  if constexpr (Fixed)
+    fixed_blocks_kernel<M>(x, ldx, K, packed, b0, b1, bias, out, ldo, N);
+  else
+    blocks_kernel<M>(x, ldx, K, packed, b0, b1, bias, out, ldo, N);
 }
 
 #ifdef SPECDEC_HAVE_AVX2_VERSION
-template <int M>
+template <int M, bool Fixed>
 __attribute__((target("avx2,fma"))) void blocks_avx2(const float* x, int64_t ldx, int64_t K, const float* packed,
                                                       int64_t b0, int64_t b1, const float* bias, float* out,
                                                       int64_t ldo, int64_t N) {
-  blocks_kernel<M>(x, ldx, K, packed, b0, b1, bias, out, ldo, N);
+  if constexpr (Fixed)
+    fixed_blocks_kernel<M>(x, ldx, K, packed, b0, b1, bias, out, ldo, N);
+  else
+    blocks_kernel<M>(x, ldx, K, packed, b0, b1, bias, out, ldo, N);
 }
 #endif
 
-// The kernel for a pass of `rows` rows (1 .. kMaxRows), in the best version this CPU runs.
-BlocksFn kernel_for(int64_t rows) {
+// The kernel for a pass of `rows` rows (1 .. kMaxRows), in the best version this CPU runs; `fixed`: the
+// row-invariant order.
+BlocksFn kernel_for(int64_t rows, bool fixed) {
 #ifdef SPECDEC_HAVE_AVX2_VERSION
   static const bool avx2 = specdec::runs_avx2_fma("SPECDEC_SKINNY_GENERIC");
   if (avx2) {
-    static constexpr BlocksFn table[kMaxRows] = {blocks_avx2<1>, blocks_avx2<2>, blocks_avx2<3>, blocks_avx2<4>,
-                                                 blocks_avx2<5>, blocks_avx2<6>, blocks_avx2<7>, blocks_avx2<8>};
-    return table[rows - 1];
+    static constexpr BlocksFn table[2][kMaxRows] = {
+        {blocks_avx2<1, false>, blocks_avx2<2, false>, blocks_avx2<3, false>, blocks_avx2<4, false>,
+         blocks_avx2<5, false>, blocks_avx2<6, false>, blocks_avx2<7, false>, blocks_avx2<8, false>},
+        {blocks_avx2<1, true>, blocks_avx2<2, true>, blocks_avx2<3, true>, blocks_avx2<4, true>,
+         blocks_avx2<5, true>, blocks_avx2<6, true>, blocks_avx2<7, true>, blocks_avx2<8, true>}};
+    return table[fixed][rows - 1];
   }
 #endif
-  static constexpr BlocksFn table[kMaxRows] = {blocks_generic<1>, blocks_generic<2>, blocks_generic<3>,
-                                               blocks_generic<4>, blocks_generic<5>, blocks_generic<6>,
-                                               blocks_generic<7>, blocks_generic<8>};
-  return table[rows - 1];
+  static constexpr BlocksFn table[2][kMaxRows] = {
+      {blocks_generic<1, false>, blocks_generic<2, false>, blocks_generic<3, false>, blocks_generic<4, false>,
+       blocks_generic<5, false>, blocks_generic<6, false>, blocks_generic<7, false>, blocks_generic<8, false>},
+      {blocks_generic<1, true>, blocks_generic<2, true>, blocks_generic<3, true>, blocks_generic<4, true>,
+       blocks_generic<5, true>, blocks_generic<6, true>, blocks_generic<7, true>, blocks_generic<8, true>}};
+  return table[fixed][rows - 1];
 }
 
 void check_float_cpu(const at::Tensor& t, const char* name) {
@@ -122,10 +186,10 @@ at::Tensor skinny_linear_pack(const at::Tensor& weight) {
 }
 
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                         const c10::optional<at::Tensor>& bias) {
+                         const c10::optional<at::Tensor>& bias, bool row_invariant) {
   TORCH_CHECK_VALUE(x.dim() == 2, "x must be a 2-D [rows, in_features] tensor, got shape ", x.sizes());
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
-  specdec::skinny_linear_into(x, packed, bias, out);
+  specdec::skinny_linear_into(x, packed, bias, out, row_invariant);
   return out;
 }
 
@@ -134,7 +198,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 namespace specdec {
 
 void skinny_linear_into(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                        at::Tensor& out) {
+                        at::Tensor& out, bool row_invariant) {
   check_float_cpu(x, "x");
   check_float_cpu(packed, "packed");
   check_float_cpu(out, "out");
@@ -170,7 +234,7 @@ void skinny_linear_into(const at::Tensor& x, const at::Tensor& packed, const c10
       const int64_t s1 = std::min(b1, s0 + slice);
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
         const int64_t rows = std::min(kMaxRows, M - m0);
-        kernel_for(rows)(xp + m0 * ldx, ldx, K, wp, s0, s1, bias_ptr, op + m0 * ldo, ldo, N);
+        kernel_for(rows, row_invariant)(xp + m0 * ldx, ldx, K, wp, s0, s1, bias_ptr, op + m0 * ldo, ldo, N);
       }
     }
   });
@@ -180,7 +244,8 @@ void skinny_linear_into(const at::Tensor& x, const at::Tensor& packed, const c10
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("skinny_linear_pack(Tensor weight) -> Tensor");
-  m.def("skinny_linear(Tensor x, Tensor packed, int out_features, Tensor? bias=None) -> Tensor");
+  m.def("skinny_linear(Tensor x, Tensor packed, int out_features, Tensor? bias=None, bool row_invariant=False) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {

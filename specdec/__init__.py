@@ -7,7 +7,7 @@ optional compiled extension ``specdec._C``. Importing specdec compiles nothing
 and needs no GPU.
 """
 
-from specdec._backend import select_backend, use_backend
+from specdec._backend import row_invariant, select_backend, set_row_invariant, use_backend
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "select_backend", "use_backend"]
+__all__ = ["__version__", "row_invariant", "select_backend", "set_row_invariant", "use_backend"]

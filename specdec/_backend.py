@@ -10,6 +10,15 @@ Rules:
 wins over the variable) forces one path; ``auto`` or unset applies the rules.
 Nothing here compiles code or touches a GPU at import time.
 
+``SPECDEC_ROW_INVARIANT=1`` (or ``set_row_invariant(True)``, which wins over the variable) makes the CPU's float32
+forward row-invariant: a row's logits are the same bits in a forward of any number of rows (a decode step, a
+chain's or a tree's verification, a batch), so a seeded request's tokens never depend on its drafter or its batch.
+Every linear layer then runs the extension's skinny-GEMM kernel in one summation order per row, and attention
+the extension's kernel one query row at a time over exactly the positions that row sees (``cpu_linear``,
+``kernels.cpu_attention``); slower than the default choice of paths. It needs the extension (an error names the
+variable otherwise) and covers eager forwards: ``torch.compile`` graphs, autograd and Triton's interpreter keep
+their own paths.
+
 Triton older than ``MIN_TRITON`` counts as missing: its kernels are refused (forcing
 them raises an error naming the installed and the required version) and every op runs
 its PyTorch path. Versions from 3.6 to 3.9 are tested; newer ones are used as they come.
@@ -28,10 +37,13 @@ import torch
 
 BACKEND_ENV = "SPECDEC_BACKEND"
 BACKENDS = ("auto", "triton", "torch")
+ROW_INVARIANT_ENV = "SPECDEC_ROW_INVARIANT"
 MIN_TRITON = (3, 6)  # the oldest Triton the kernels support (torch 2.10 and 2.11 wheels pin 3.6)
 TESTED_TRITON = "3.6 to 3.9"
 
 _forced = threading.local()
+_row_invariant: bool | None = None  # set_row_invariant's choice; None follows the variable
+_env_row_invariant: bool | None = None  # the variable as last read (None: read it at the next forward)
 
 
 def interpreter_enabled() -> bool:
@@ -108,6 +120,28 @@ def use_backend(name: str):
         yield
     finally:
         _forced.name = previous
+
+
+def set_row_invariant(enabled: bool | None) -> None:
+    """Turn the row-invariant CPU forward (the module docstring) on or off for later forwards; ``None`` follows
+    ``SPECDEC_ROW_INVARIANT`` again, read anew at the next forward."""
+    global _row_invariant, _env_row_invariant
+    _row_invariant = None if enabled is None else bool(enabled)
+    _env_row_invariant = None
+
+
+def row_invariant() -> bool:
+    """``set_row_invariant``'s choice, else ``SPECDEC_ROW_INVARIANT`` (``1`` on; ``0``, empty or unset off; anything
+    else refused with an error naming it), read once and kept until ``set_row_invariant`` is called."""
+    global _env_row_invariant
+    if _row_invariant is not None:
+        return _row_invariant
+    if _env_row_invariant is None:
+        value = os.environ.get(ROW_INVARIANT_ENV, "").strip()
+        if value not in ("", "0", "1"):
+            raise ValueError(f"{ROW_INVARIANT_ENV} must be 1 (on) or 0 (off, as when unset), got {value!r}")
+        _env_row_invariant = value == "1"
+    return _env_row_invariant
 
 
 def select_backend(*tensors: torch.Tensor) -> str:

@@ -78,6 +78,15 @@ def test_the_agreement_reports_divergence_against_other_seeds(tmp_path):
         assert int(r["equal"]) == int(r["equal before 1st divergence"]) + int(r["equal after"]) < int(r["tokens"])
 
 
+def test_the_row_invariant_forward_agrees_with_plain_sampling_everywhere(tmp_path):
+    done = run_bench("bench_seeded.py", "--quick", "--parts", "1", "--row-invariant", "--out", str(tmp_path),
+                     cpu_path=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    agreement = records(tmp_path, "seeded_agreement")
+    assert len(agreement) == len(AGREEMENT) * len(SAMPLINGS)
+    assert all(r["rate"] == 1.0 and r["requests diverged"] == "0/2" for r in agreement), agreement
+
+
 @pytest.mark.parametrize(
     "args, code, message",
     [(["--device", "cuda"], 1, "--device: this benchmark measures the CPU path"), (["--parts", "4"], 2, "--parts")],

@@ -15,6 +15,11 @@ keeps plain PyTorch, as for the skinny GEMMs), and eager mode (a ``torch.compile
 and trees run; ragged query counts are gathered into their padded slots first); gathered caches and the
 log-sum-exp stay on SDPA.
 Results agree with SDPA up to float32 rounding.
+
+In the row-invariant mode (``SPECDEC_ROW_INVARIANT=1``, ``specdec.set_row_invariant``) the kernel serves every
+float32 CPU attention of a forward outside ``torch.compile`` (gathered caches too, the backend forced to ``torch``
+too, the generic version where AVX2 is missing) one query row at a time: a row's sums run over exactly the
+positions it sees, in order, so its output has the same bits in a decode step, a chain or a tree.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ def available() -> bool:
 if available():  # for torch.compile and torch.library.opcheck: the op only writes ``out``
 
     @torch.library.register_fake("specdec::padded_attention")
-    def _(q, k_cache, v_cache, attn_bias, scale, out):
+    def _(q, k_cache, v_cache, attn_bias, scale, out, row_invariant=False):
         return None
 
 
@@ -52,12 +57,24 @@ def applies(q: torch.Tensor) -> bool:
     ``torch.compile`` (its graph keeps SDPA), so nothing here is traced."""
     if torch.compiler.is_compiling() or q.dtype != torch.float32 or q.device.type != "cpu":
         return False
+    if _backend.row_invariant():
+        if not available():
+            raise RuntimeError(
+                f"{_backend.ROW_INVARIANT_ENV}=1 (set_row_invariant) needs the extension's padded_attention op: "
+                "build it with `pip install --no-build-isolation -e .`"
+            )
+        return True
     return _backend.forced_backend() != "torch" and available() and vector_cpu()
+
+
+def row_invariant() -> bool:
+    """The row-invariant mode is on (``specdec.set_row_invariant``): gathered caches run the kernel too."""
+    return _backend.row_invariant()
 
 
 def padded_attention(q, k_cache, v_cache, attn_bias, scale: float, out) -> None:
     """Row ``b * n + i`` of ``out [B * n, Hq, D]``: ``softmax(scale q.k^T + attn_bias[b, 0, i]) v`` over positions
     ``0 .. L-1`` of cache row b, per query head (KV head ``h // (Hq / Hkv)``); q ``[B * n, Hq, D]``, caches
     ``[rows >= B, max_len >= L, Hkv, D]``, attn_bias ``[B, 1, n, L]`` (-inf hides), float32 CPU, last dims
-    contiguous. A query that sees nothing gets 0."""
-    torch.ops.specdec.padded_attention(q, k_cache, v_cache, attn_bias, scale, out)
+    contiguous. A query that sees nothing gets 0. In the row-invariant mode, one query row at a time."""
+    torch.ops.specdec.padded_attention(q, k_cache, v_cache, attn_bias, scale, out, _backend.row_invariant())

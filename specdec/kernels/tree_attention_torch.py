@@ -12,7 +12,8 @@ go: with uniform query counts the padded layout is q itself (a view), and a fini
 contiguous cache is read as a view of its first ``L_max`` positions (``attention_plan``).
 With the cache as a view, float32 CPU tensors run the extension's kernel instead of SDPA
 (``cpu_attention``: torch's CPU flash kernel is slow at a few queries per request), ragged
-query counts too (q gathered into its padded slots and the real rows taken back).
+query counts too (q gathered into its padded slots and the real rows taken back), and in the
+row-invariant mode (``SPECDEC_ROW_INVARIANT=1``) gathered caches too, so that one body serves every row.
 
 A request whose context is shorter than ``L_max`` re-reads its own last position in the
 padding (never stale or uninitialised cache memory, whose NaN bits would poison the
@@ -120,8 +121,12 @@ def tree_attention_torch(q, k_cache, v_cache, q_offsets, prefix_lens, tree_start
         return
     if attn_bias is None:
         raise RuntimeError("this attention plan was built for the triton backend; plan again for torch")
-    if lse is None and kv_rows is None and cpu_attention.applies(q):  # the cache as a view: the C++ kernel
-        if query_rows is None:
+    if lse is None and cpu_attention.applies(q) and (kv_rows is None or cpu_attention.row_invariant()):
+        if kv_rows is not None:  # row-invariant mode: the gathered caches through the same kernel as views
+            batch, length, shape = attn_bias.shape[0], attn_bias.shape[3], k_cache.shape[-2:]
+            k_cache = k_cache.reshape(-1, *shape).index_select(0, kv_rows).view(batch, length, *shape)
+            v_cache = v_cache.reshape(-1, *shape).index_select(0, kv_rows).view(batch, length, *shape)
+        if query_rows is None:  # the cache as a view: the C++ kernel
             cpu_attention.padded_attention(q, k_cache, v_cache, attn_bias, softmax_scale, out)
         else:  # ragged query counts (an adaptive step's depths): pad q, attend, keep the real rows
             padded = q.index_select(0, query_rows.flatten())

@@ -14,6 +14,11 @@ the path that runs each layer at its row count fastest (``bench/bench_cpu_linear
   the weight reordered ("packed") for it, which wins over ``F.linear`` on the larger weights of such
   forwards (by a margin that depends on the CPU), and ``F.linear`` for one row.
 
+In the row-invariant mode (``SPECDEC_ROW_INVARIANT=1`` or ``specdec.set_row_invariant(True)``) every layer at every
+row count runs ``row_invariant_linear``: the skinny kernel with each row summed in the order of a row alone (the
+number of partial sums above depends on the rows in a pass, as F.linear's and oneDNN's blockings do), so a row's
+output never depends on the rows beside it; the backend forced to ``torch`` does not change that.
+
 The thresholds are fixed, not timed at run time: a timed choice would make the arithmetic (and so, at ties,
 greedy tokens) depend on timing.
 
@@ -66,7 +71,7 @@ if skinny_available():  # shapes for torch.compile and torch.library.opcheck
         return weight.new_empty(-(-weight.shape[0] // 8), weight.shape[1], 8)
 
     @torch.library.register_fake("specdec::skinny_linear")
-    def _(x, packed, out_features, bias=None):
+    def _(x, packed, out_features, bias=None, row_invariant=False):
         return x.new_empty(x.shape[0], out_features)
 
 
@@ -107,6 +112,17 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` through the skinny kernel in its row-invariant order: each row's output has the
+    same bits whatever the other rows of ``x`` (any leading shape; float32 CPU tensors, no autograd, the extension
+    built). An inference-mode weight, which cannot keep a pack safely, is packed on every call."""
+    packed = skinny_pack(weight)
+    if packed is None:
+        packed = torch.ops.specdec.skinny_linear_pack(weight)
+    rows, out_features = x.reshape(-1, x.shape[-1]).contiguous(), weight.shape[0]
+    return torch.ops.specdec.skinny_linear(rows, packed, out_features, bias, True).view(*x.shape[:-1], out_features)
+
+
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through oneDNN with ``weight`` packed (float32 CPU tensors, no autograd)."""
     if weight.numel() < PACK_MIN_ELEMENTS or weight.is_inference():
@@ -119,7 +135,7 @@ def pack_ahead(weights: list[torch.Tensor]) -> None:
     """Make the skinny-kernel packs of the linear ``weights`` now, where ``linear_for`` would use them (float32 CPU
     weights, the extension's kernel, no Triton interpreter standing in for a GPU), instead of on their first
     few-rows forward."""
-    if not _skinny_serves():
+    if not _skinny_serves() and not _row_invariant_serves():
         return
     for weight in weights:
         if weight.dtype == torch.float32 and weight.device.type == "cpu":
@@ -130,6 +146,12 @@ def _skinny_serves() -> bool:
     """The skinny kernel serves few-row float32 CPU forwards: the extension has it, the backend is not forced to
     ``torch``, and no Triton interpreter stands in for a GPU (then every GEMM is ``F.linear``)."""
     return _backend.forced_backend() != "torch" and not _backend.interpreter_enabled() and skinny_available()
+
+
+def _row_invariant_serves() -> bool:
+    """The row-invariant mode is on for float32 CPU forwards outside Triton's interpreter (where ``linear_for`` runs
+    ``row_invariant_linear``)."""
+    return _backend.row_invariant() and not _backend.interpreter_enabled() and skinny_available()
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -148,6 +170,13 @@ def linear_for(x: torch.Tensor) -> Callable[..., torch.Tensor]:
         return F.linear
     if own_ops and _backend.interpreter_enabled():  # Triton's interpreter stands in for a GPU: its GEMMs
         return F.linear
+    if _backend.row_invariant():
+        if not skinny_available():
+            raise RuntimeError(
+                f"{_backend.ROW_INVARIANT_ENV}=1 (set_row_invariant) needs the extension's skinny_linear op: "
+                "build it with `pip install --no-build-isolation -e .`"
+            )
+        return row_invariant_linear
     if rows <= SKINNY_MAX_ROWS and _skinny_serves():
         return few_rows_linear
     return packed_linear if AVAILABLE and rows > 1 else F.linear
