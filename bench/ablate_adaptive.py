@@ -1,0 +1,270 @@
+"""Ablation of the adaptive controller (issue 39): each part switched off in turn, judged against the whole.
+
+Each variant is the shipped ``AdaptiveSpeculation`` with one part of its machinery disabled (module constants
+swapped in while its methods run, or a table that forgets what it is told), so every variant runs side by side
+in one process, on the same work:
+
+* ``--replay TRACE``: the recorded-trace replay of the static batch sweep (``bench/replay.py``), every variant on
+  the same noise seeds, under the trace's own noise, and again with 2% stalled steps and the measured cost of
+  switching between plain and drafting steps; ratios are the best fixed depth's seconds over the variant's.
+* ``--serving``: the serving benchmark's Poisson arrivals into the step engine (``bench_serving.py``), every
+  variant and every fixed depth on the same arrivals each round, in rotated order; ratios are paired per round.
+
+    python bench/ablate_adaptive.py --replay bench/traces/embedded_pair_cpu_dbf04f7.json --seeds 12
+    python bench/ablate_adaptive.py --serving --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import statistics
+import time
+from pathlib import Path
+
+from common import Table
+
+from specdec.decoding import adaptive as adaptive_module
+from specdec.decoding import step_cost as step_cost_module
+from specdec.decoding.adaptive import AdaptiveSpeculation, warm_up_depths
+
+INF = math.inf
+
+
+class _Forgetful(dict):
+    """A table that keeps nothing: the part of the cost model that reads it falls back to what it does without."""
+
+    def __setitem__(self, key, value):
+        pass
+
+
+VARIANTS: dict[str, dict] = {
+    "full": {},
+    "no speed factor": dict(step_cost=dict(SPEED_GAIN=0.0)),
+    "no outlier caps": dict(step_cost=dict(FIT_OUTLIER_CAP=INF, SHAPE_STEP_CAP=INF, SPEED_ERROR_CAP=INF)),
+    "no level residuals": dict(forget=("residual",)),
+    "no shape means": dict(forget=("shape_mean",)),  # the ridge fit alone (residuals and speed rest on the means)
+    "one warm-up ladder": dict(
+        adaptive=dict(warm_up_depths=lambda m: warm_up_depths(m)[: len(warm_up_depths(m)) // 2])
+    ),
+    "no warm-up ladder": dict(adaptive=dict(warm_up_depths=lambda m: [m, 0])),
+    "no exploration": dict(explore_every=10**9),
+    "no exploration margin": dict(adaptive=dict(EXPLORE_MARGIN=0.0)),
+    "pooled acceptance": dict(request_weight=1e9),
+    # the parts above that the replay found within its noise or worse, all off together
+    "simplified": dict(step_cost=dict(SPEED_GAIN=0.0), forget=("residual",), adaptive=dict(EXPLORE_MARGIN=0.0)),
+    "no speed factor or residuals": dict(step_cost=dict(SPEED_GAIN=0.0), forget=("residual",)),
+    "simplified, pooled": dict(
+        step_cost=dict(SPEED_GAIN=0.0), forget=("residual",), adaptive=dict(EXPLORE_MARGIN=0.0), request_weight=1e9
+    ),
+}
+
+
+@contextlib.contextmanager
+def _swapped(module, values: dict):
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+class Ablated(AdaptiveSpeculation):
+    """``AdaptiveSpeculation`` with the parts named by ``VARIANTS[variant]`` switched off."""
+
+    def __init__(self, variant: str, **kwargs):
+        spec = VARIANTS[variant]
+        self._spec = spec
+        if "explore_every" in spec:
+            kwargs["explore_every"] = spec["explore_every"]
+        with self._patched():
+            super().__init__(**kwargs)
+        for table in spec.get("forget", ()):
+            setattr(self.cost, table, _Forgetful())
+        if "request_weight" in spec:
+            self.acceptance.request_weight = spec["request_weight"]
+
+    @contextlib.contextmanager
+    def _patched(self):
+        spec = self._spec
+        with _swapped(step_cost_module, spec.get("step_cost", {})), _swapped(adaptive_module, spec.get("adaptive", {})):
+            yield
+
+
+def _wrap(name):
+    method = getattr(AdaptiveSpeculation, name)
+
+    def wrapped(self, *args, **kwargs):
+        with self._patched():
+            return method(self, *args, **kwargs)
+
+    wrapped.__name__ = name
+    return wrapped
+
+
+for _name in ("bind", "start", "forget", "choose", "restart_clock", "observe"):
+    setattr(Ablated, _name, _wrap(_name))
+
+
+def pytest_configure(config) -> None:
+    """As a pytest plugin (``--tests``): every ``AdaptiveSpeculation`` the tests make is the variant named by
+    ``SPECDEC_ABLATE``."""
+    import os
+    import sys
+
+    variant = os.environ.get("SPECDEC_ABLATE")
+    if variant is None:
+        return
+
+    class Variant(Ablated):
+        def __init__(self, **kwargs):
+            super().__init__(variant, **kwargs)
+
+    for module in list(sys.modules.values()):  # every module that imported the class by name
+        if getattr(module, "AdaptiveSpeculation", None) is AdaptiveSpeculation:
+            module.AdaptiveSpeculation = Variant
+
+
+def tests_ablation(variants: list[str], tests: list[str]) -> None:
+    """Runs ``tests`` once per variant (this module as a pytest plugin) and prints the tests each variant fails."""
+    import os
+    import subprocess
+    import sys
+
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), str(here.parent), os.environ.get("PYTHONPATH", "")]))
+    print("| variant | tests failed |\n|---|---|")
+    for name in variants:
+        run = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "ablate_adaptive", "-p", "no:cacheprovider", "-rf", *tests],
+            env=dict(env, SPECDEC_ABLATE=name), capture_output=True, text=True, cwd=here.parent,
+        )  # fmt: skip
+        failed = [
+            line.split("::", 1)[1].split(" - ")[0] for line in run.stdout.splitlines() if line.startswith("FAILED")
+        ]
+        print(f"| {name} | {', '.join(failed) or 'none'} |", flush=True)
+
+
+def replay_ablation(trace_path: Path, variants: list[str], batches: list[int], seeds: int, out: Path | None) -> None:
+    from replay import SwitchPenalty, Trace, replay, replay_fixed
+
+    trace = Trace.load(trace_path)
+    conditions = [("trace noise", 0.0, None), ("2% stalls, switch 50%/15%", 0.02, SwitchPenalty(0.5, 0.15, 4))]
+    for label, stalls, switch in conditions:
+        table = Table(
+            f"Controller ablation, replay of {trace_path.name}, {label}, {seeds} seeds: best fixed depth's seconds "
+            f"over the variant's (mean over seeds), and the variant's mean over batches less the full controller's "
+            f"(paired by seed, +- its standard error)",
+            ["variant", *(f"B={b}" for b in batches), "mean", "vs full"],
+        )
+        ratios = {}
+        for batch in batches:
+            best = min(replay_fixed(trace, batch, k, switch) for k in range(trace.max_depth + 1))
+            for name in variants:
+                ratios[name, batch] = [
+                    best / replay(trace, batch, seed=s, stalls=stalls, switch=switch,
+                                  controller=lambda clock, n=name: Ablated(n, clock=clock)).seconds
+                    for s in range(seeds)
+                ]  # fmt: skip
+        per_seed = {n: [statistics.mean(ratios[n, b][s] for b in batches) for s in range(seeds)] for n in variants}
+        for name in variants:
+            diffs = [a - b for a, b in zip(per_seed[name], per_seed["full"])]
+            error = statistics.stdev(diffs) / math.sqrt(seeds) if seeds > 1 else 0.0
+            table.add(
+                name, *(f"{statistics.mean(ratios[name, b]):.3f}" for b in batches),
+                f"{statistics.mean(per_seed[name]):.4f}", f"{statistics.mean(diffs):+.4f} +- {error:.4f}",
+            )  # fmt: skip
+        table.write(out, f"ablation_replay_{'stalls' if stalls else 'plain'}")
+
+
+def serving_ablation(variants: list[str], loads: list[float], rounds: int, max_depth: int, strategy: str,
+                     temperature: float, out: Path | None) -> None:  # fmt: skip
+    from bench_serving import paired, serve, workload
+    from common import cpu_threads
+    from serving_policies import CostTable, FixedDepth
+
+    from specdec.decoding import DraftModelStrategy, NgramStrategy, SpeculativeDecoder
+    from specdec.testing import ASSETS, heldout_token_ids, load_pair
+
+    cpu_threads("cpu")
+    target, draft, tokenizer = load_pair("cpu", assets=ASSETS)
+    pool = heldout_token_ids(tokenizer)
+    slots, lengths, requests = 8, (16, 96), 48
+
+    def make_decoder(controller) -> SpeculativeDecoder:
+        drafter = (
+            DraftModelStrategy(draft, (1,) * max_depth) if strategy == "chain" else NgramStrategy(num_draft=max_depth)
+        )
+        return SpeculativeDecoder(target, drafter, adaptive=controller)
+
+    costs = CostTable.profile(make_decoder, pool, [slots], max_depth)
+    capacity = slots / (costs.seconds[-1][0] * sum(lengths) / 2)
+
+    class Variant:
+        def __init__(self, name):
+            self.name = name
+
+        def controller(self):
+            return Ablated(self.name, clock=time.thread_time)
+
+    fixed = [FixedDepth(d) for d in range(max_depth + 1)]
+    policies = fixed + [Variant(n) for n in variants]
+    warm = workload(pool, slots, capacity, (16, 16), seed=0)
+    for policy in policies:
+        serve(make_decoder(policy.controller()), warm, slots, temperature)
+    table = Table(
+        f"Controller ablation, serving (embedded pair, {strategy} up to {max_depth}, {slots} slots, {requests} "
+        f"requests of {lengths[0]}-{lengths[1]} tokens, T={temperature:g}, {rounds} rounds): per load, throughput over "
+        f"the best fixed depth's and over the full controller's, medians of per-round ratios (lowest-highest)",
+        ["variant", *(f"load {g:g}: / best fixed" for g in loads), *(f"load {g:g}: / full" for g in loads)],
+    )
+    cells = {}
+    for load in loads:
+        runs = {p.name: [] for p in policies}
+        for r in range(rounds):
+            work = workload(pool, requests, load * capacity, lengths, seed=1000 + r)
+            for policy in policies[r % len(policies) :] + policies[: r % len(policies)]:
+                runs[policy.name].append(serve(make_decoder(policy.controller()), work, slots, temperature))
+            print(f"load {load:g} round {r + 1}/{rounds}", flush=True)
+        throughput = lambda run: run.throughput  # noqa: E731
+        best = max((p.name for p in fixed), key=lambda n: statistics.median(map(throughput, runs[n])))
+        for name in variants:
+            cells[name, load, "best"] = paired(runs[name], runs[best], throughput)
+            cells[name, load, "full"] = paired(runs[name], runs["full"], throughput)
+    for name in variants:
+        text = [f"{m:.3f} ({lo:.2f}-{hi:.2f})" for m, lo, hi in
+                [cells[name, g, "best"] for g in loads] + [cells[name, g, "full"] for g in loads]]  # fmt: skip
+        table.add(name, *text)
+    table.write(out, f"ablation_serving_{strategy}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replay", type=Path, help="replay the variants on this trace")
+    parser.add_argument("--serving", action="store_true", help="serve Poisson arrivals with every variant")
+    parser.add_argument("--tests", nargs="*", help="run these tests (default: the controller's) with every variant")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--seeds", type=int, default=12)
+    parser.add_argument("--loads", type=float, nargs="+", default=[0.5, 1.0, 2.0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--max-depth", type=int, default=4)
+    parser.add_argument("--strategy", choices=["chain", "ngram"], default="chain")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    variants = ["full", *(v for v in args.variants if v != "full")]
+    if args.replay:
+        replay_ablation(args.replay, variants, args.batches, args.seeds, args.out)
+    if args.tests is not None:
+        tests_ablation(variants, args.tests or ["tests/test_adaptive.py", "tests/test_adaptive_replay.py"])
+    if args.serving:
+        serving_ablation(variants, args.loads, args.rounds, args.max_depth, args.strategy, args.temperature, args.out)
+
+
+if __name__ == "__main__":
+    main()
