@@ -23,7 +23,6 @@ measured limits: ``docs/adaptive.md``.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -113,8 +112,8 @@ class AdaptiveSpeculation:
         self._warm_up = warm_up_depths(0)
         self._draft_nodes: Callable[[int], int] | None = None
         self._owed_tokens: Callable[[Sequence[int], Sequence[int]], int] | None = None
-        # Seconds (at the first step's speed) per owed token, and the weight of the catch-ups behind it; None until
-        # one was timed. ``_owed``: tokens this step's drafting owes (0 when it does not draft).
+        # Seconds per owed token, and the weight of the catch-ups behind it; None until one was timed. ``_owed``:
+        # tokens this step's drafting owes (0 when it does not draft).
         self._owed_price: float | None = None
         self._owed_weight, self._owed = 0.0, 0
         self._nodes_seen: dict[int, int] = {}
@@ -178,7 +177,7 @@ class AdaptiveSpeculation:
         catch-up's, and prices the next ones."""
         now = self.clock()
         if self._owed > 0:
-            price = (now - self._started) * math.exp(-self.cost.log_speed) / self._owed
+            price = (now - self._started) / self._owed
             self._owed_weight = OWED_DECAY * self._owed_weight + 1.0
             previous = price if self._owed_price is None else self._owed_price
             self._owed_price = previous + (price - previous) / self._owed_weight

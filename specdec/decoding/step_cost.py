@@ -12,8 +12,6 @@ Costs are not linear in rows (GEMV against GEMM shapes, tiles), so the linear pa
   mean, moved by the fitted row and context terms to the rows and context at hand; fills a row or two apart
   share one mean (each step's time is noisy by about as much as the depths' costs differ);
 * an unmeasured shape gets the linear part plus its level count's running residual;
-* a running speed factor follows the machine's drift: each step of a measured shape moves it by part of its
-  error, and times are stored at the first step's speed, so shapes measured in slow and fast minutes compare;
 * a shape's first step runs cold (first-use costs land in it): it prices the shape only until the next step
   replaces it; no step enters the fit above ``FIT_OUTLIER_CAP`` times the fit's price, nor a warm shape's mean
   more than ``SHAPE_STEP_CAP`` off its price (one stalled step would otherwise price the shape in use out).
@@ -36,11 +34,6 @@ SHAPE_DECAY = 0.7  # weight of a shape's earlier times when it is measured again
 CONTEXT = FEATURES.index("context")
 ROWS = FEATURES.index("extra rows")
 SHAPE = tuple(FEATURES.index(f) for f in ("requests", "draft levels"))  # a step's shape's features
-# The share of a measured shape's log error that moves the machine's speed factor (times w / (w + 1) for a shape
-# of measured weight w: an error against a shape seen once is half its own noise), and the largest error counted:
-# a step stalled by something else (a page fault, a preempted thread) must not reprice every shape.
-SPEED_GAIN = 0.5
-SPEED_ERROR_CAP = 0.25
 FIT_OUTLIER_CAP = 3.0  # a step slower than this many times the fit's price enters the fit at that price
 # A warm shape's running mean takes each step within this share of the shape's price: live step times have a
 # heavier tail than Gaussian noise (a few steps stall well over their neighbours), and one stall on the shape in
@@ -67,7 +60,6 @@ class StepCostModel:
         self.residual: dict[int, float] = {}  # per draft-level count: running (measured - predicted)
         # Per shape: running means [seconds, context, extra rows] and the weight of the steps behind them.
         self.shape_mean: dict[tuple[int, int, int], list[float]] = {}
-        self.log_speed = 0.0  # the machine's slowness against the first step, by which every time is divided
         self.steps = 0
 
     @staticmethod
@@ -79,10 +71,9 @@ class StepCostModel:
     def observe(self, x: Sequence[float], seconds: float) -> None:
         levels, shape = self._keys(x)
         mean = self.shape_mean.get(shape)
-        price = None if mean is None else self._own_price(mean, x[ROWS], x[CONTEXT])
-        seconds = self._at_first_speed(seconds, mean, price)
         own = seconds
         if mean is not None and mean[3] > 0:  # a warm shape's mean takes a stalled step at no more than its cap
+            price = self._own_price(mean, x[ROWS], x[CONTEXT])
             own = min(max(seconds, (1 - SHAPE_STEP_CAP) * price), (1 + SHAPE_STEP_CAP) * price)
         if self.prior_mean is None:  # the first step sets the scale of the prior
             scale = [max(v, 1.0) for v in x]
@@ -108,27 +99,16 @@ class StepCostModel:
         self.theta = self._solve()
         self.row_price, self.context_price = max(self.theta[ROWS], 0.0), max(self.theta[CONTEXT], 0.0)
 
-    def _at_first_speed(self, seconds: float, mean: list[float] | None, price: float | None) -> float:
-        """``seconds`` divided by the machine's speed factor, after moving the factor by this step's error when its
-        shape was measured before (``mean``: the shape's running mean, ``price`` its price for this step; None for
-        an unmeasured shape, whose error is the fit's, not the machine's)."""
-        if mean is not None:
-            error = math.log(max(seconds, 1e-12) / max(price, 1e-12)) - self.log_speed
-            error = max(-SPEED_ERROR_CAP, min(SPEED_ERROR_CAP, error))
-            self.log_speed += SPEED_GAIN * mean[3] / (mean[3] + 1) * error
-        return seconds * math.exp(-self.log_speed)
-
     def predict(self, x: Sequence[float]) -> float:
         """``price`` of the step with features ``x``."""
         return self.price(round(x[SHAPE[0]]), x[ROWS], round(x[SHAPE[1]]), x[CONTEXT] * 1024)
 
     def price(self, requests: int, extra_rows: float, levels: int, context_rows: float) -> float:
-        """Seconds at the first step's machine speed (so shapes compare alike whenever they were measured) of a step
-        with ``features(requests, extra_rows, levels, context_rows)``: a measured shape (requests, levels, mean
-        depth) at its own running mean; any other at the linear part plus its level count's running residual.
-        Shapes' costs jump with tiles and GEMM kernels that no linear term follows, and a residual against a
-        moving fit goes stale; a shape's own mean does not. (The controller prices a few shapes per level count
-        every step: this is ``theta . features`` without building the features.)"""
+        """Seconds of a step with ``features(requests, extra_rows, levels, context_rows)``: a measured shape
+        (requests, levels, mean depth) at its own running mean; any other at the linear part plus its level
+        count's running residual. Shapes' costs jump with tiles and GEMM kernels that no linear term follows, and
+        a residual against a moving fit goes stale; a shape's own mean does not. (The controller prices a few
+        shapes per level count every step: this is ``theta . features`` without building the features.)"""
         mean = self.shape_mean.get(self._shape(requests, levels, extra_rows))
         if mean is not None:
             return self._own_price(mean, extra_rows, context_rows / 1024)
