@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import json
 import math
+import pkgutil
 import statistics
 import sys
 import time
@@ -310,6 +312,20 @@ class Table:
         (out / f"{name}.md").write_text("\n".join(lines) + "\n")
         report = dict(title=self.title, rows=self.records, **(extra or {}))
         (out / f"{name}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+
+
+def triton_kernels() -> set[str]:
+    """Every Triton kernel of ``specdec.kernels``: the jit functions named ``*_kernel`` defined in its modules
+    (helpers are ``*_tl``). What the compile matrix and first light must each cover."""
+    import specdec.kernels as package
+
+    found = set()
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        for name, value in vars(module).items():
+            if name.endswith("_kernel") and hasattr(value, "arg_names") and value.fn.__module__ == module.__name__:
+                found.add(name)
+    return found
 
 
 def launched_configs() -> str:

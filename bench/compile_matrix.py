@@ -37,6 +37,7 @@ from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+from common import triton_kernels  # noqa: E402
 from compile_cases import ARCH, ATTENTION_SHAPES, all_cases, is_primary  # noqa: E402
 
 from specdec.kernels import tuning  # noqa: E402
@@ -312,7 +313,7 @@ def main() -> int:
     cases = {name: thunk for name, thunk in all_cases().items()
              if args.cases in name and (is_primary(name) or not args.primary)}  # fmt: skip
     jobs = collect_jobs(cases, args.arch, args.defaults_only)
-    missing = sorted(tuning.triton_kernels() - {job.kernel for job in jobs})
+    missing = sorted(triton_kernels() - {job.kernel for job in jobs})
     if missing and not args.cases:  # a new kernel needs a case here (the primary cases launch every kernel)
         print(f"compile matrix: no case launches {', '.join(missing)}")
         return 1

@@ -316,9 +316,9 @@ def launched_kernels(rows: list[str]) -> set[str]:
 
 def all_kernels() -> set[str]:
     """Short names of every Triton kernel of the package (as first light's configs column writes them)."""
-    from specdec.kernels import tuning
+    from common import triton_kernels
 
-    return {name.strip("_").removesuffix("_kernel") for name in tuning.triton_kernels()}
+    return {name.strip("_").removesuffix("_kernel") for name in triton_kernels()}
 
 
 def main() -> int:

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from common import triton_kernels
 
-from specdec.kernels import tuning
 from specdec.kernels.compile_target import SHARED_LIMIT, Buffer, Resources, pipeline, toolchain
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,7 +40,7 @@ def test_every_kernel_compiles_for_sm90_and_sm80_within_its_limits(matrix):
     run, summary = matrix
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert summary["failures"] == []
-    assert set(summary["kernels"]) == tuning.triton_kernels()  # no kernel left out of the matrix
+    assert set(summary["kernels"]) == triton_kernels()  # no kernel left out of the matrix
     for kernel, entry in summary["kernels"].items():
         for arch in ("90", "80"):
             worst = entry["worst"][arch]
@@ -166,7 +166,7 @@ def test_resources_problems_name_each_broken_limit():
 
 def test_kernel_discovery_finds_the_known_kernels():
     # the coverage check above is only as good as this list
-    kernels = tuning.triton_kernels()
+    kernels = triton_kernels()
     assert {"tree_attention_kernel", "merge_splits_kernel", "kv_append_kernel", "kv_compact_kernel",
             "_threshold_kernel", "_tree_walk_kernel", "_rms_norm_kernel"} <= kernels  # fmt: skip
     assert len(kernels) == 14

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import gpu_check
 import gpu_targets
-
-from specdec.kernels import tuning
+from common import triton_kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -89,7 +88,7 @@ def test_first_light_rows_name_the_kernels_they_launched():
     assert gpu_check.launched_kernels(rows) == {"rms_norm", "rotary", "kv_append"}
     kernels = gpu_check.all_kernels()
     assert {"tree_attention", "merge_splits", "tree_walk", "rms_norm"} <= kernels
-    assert len(kernels) == len(tuning.triton_kernels())
+    assert len(kernels) == len(triton_kernels())
 
 
 def gpu_check_run(tmp_path, *args, **env):
@@ -127,7 +126,7 @@ def test_a_dry_run_stage_writes_the_summary(tmp_path):
 
 def target_statuses(summary: str) -> dict[tuple[str, str], str]:
     """{(what, target): status} from the summary's table of issue 34's targets; every line exactly once."""
-    table = summary[summary.index("## Issue 34's targets"):]
+    table = summary[summary.index("## Issue 34's targets") :]
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in table.splitlines() if line.startswith("| ")]
     found = {(r[0], r[1]): r[3] for r in rows[1:]}
     assert len(rows) - 1 == len(found) == len(TARGET_LINES) and set(found) == set(TARGET_LINES), found

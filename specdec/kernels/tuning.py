@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import itertools
 import os
-import pkgutil
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -69,20 +67,6 @@ class Launch(NamedTuple):
     @property
     def name(self) -> str:
         return self.kernel.__name__
-
-
-def triton_kernels() -> set[str]:
-    """Every Triton kernel of ``specdec.kernels``: the jit functions named ``*_kernel`` defined in its modules
-    (helpers are ``*_tl``). What the compile matrix and first light must each cover."""
-    import specdec.kernels as package
-
-    found = set()
-    for info in pkgutil.iter_modules(package.__path__):
-        module = importlib.import_module(f"{package.__name__}.{info.name}")
-        for name, value in vars(module).items():
-            if name.endswith("_kernel") and hasattr(value, "arg_names") and value.fn.__module__ == module.__name__:
-                found.add(name)
-    return found
 
 
 def candidates(**axes: Sequence) -> tuple[dict, ...]:
