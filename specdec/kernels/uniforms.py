@@ -62,37 +62,11 @@ ROLE_TEST = 1  # + k: the stochastic rule's test of the k-th child tried at a no
 
 
 @jit
-def counter_uniform_tl(seed, offset, counter):
-    """Uniform in [0, 1) for int64 scalars or blocks (seed, offset) and an integer counter."""
-    # The six words are folded in a static loop (one mix per word); inline, since nested jit
-    # calls are slow in the interpreter.
-    seed = seed.to(tl.int64)
-    offset = offset.to(tl.int64)
-    counter = offset * 0 + counter  # (a plain int counter becomes a tensor)
-    h = seed * 0 + _HASH_START_TL
-    for i in tl.static_range(6):
-        if i == 0:
-            h = h ^ (seed & _MASK32_TL)
-        if i == 1:
-            h = h ^ ((seed >> 32) & _MASK32_TL)
-        if i == 2:
-            h = h ^ (offset & _MASK32_TL)
-        if i == 3:
-            h = h ^ ((offset >> 32) & _MASK32_TL)
-        if i == 4:
-            h = h ^ (counter & _MASK32_TL)
-        h = h ^ (h >> 16)
-        h = (h * _MUL1_TL) & _MASK32_TL
-        h = h ^ (h >> 15)
-        h = (h * _MUL2_TL) & _MASK32_TL
-        h = h ^ (h >> 16)
-    return (h >> 8).to(tl.float32) * _U24_TL
-
-
-@jit
 def race_key_tl(seed, offset, counter):
-    """The hash of the race key (seed, offset, counter) before its sixth word, for int64 scalars or blocks:
-    made once per race, then ``race_clock_tl`` gives every vocabulary entry's clock."""
+    """The hash of the key (seed, offset, counter) before its sixth word, for int64 scalars or blocks: a race
+    makes it once, then ``race_clock_tl`` gives every vocabulary entry's clock; ``counter_uniform_tl`` finishes
+    it into one uniform."""
+    # the five words folded in a static loop, one mix per word
     seed = seed.to(tl.int64)
     offset = offset.to(tl.int64)
     counter = offset * 0 + counter  # (a plain int counter becomes a tensor)
@@ -114,6 +88,19 @@ def race_key_tl(seed, offset, counter):
         h = (h * _MUL2_TL) & _MASK32_TL
         h = h ^ (h >> 16)
     return h
+
+
+@jit
+def counter_uniform_tl(seed, offset, counter):
+    """Uniform in [0, 1) for int64 scalars or blocks (seed, offset) and an integer counter: the key's hash
+    (``race_key_tl``) mixed once more, its sixth word 0."""
+    h = race_key_tl(seed, offset, counter)
+    h = h ^ (h >> 16)
+    h = (h * _MUL1_TL) & _MASK32_TL
+    h = h ^ (h >> 15)
+    h = (h * _MUL2_TL) & _MASK32_TL
+    h = h ^ (h >> 16)
+    return (h >> 8).to(tl.float32) * _U24_TL
 
 
 @jit
