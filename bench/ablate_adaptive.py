@@ -9,9 +9,11 @@ in one process, on the same work:
   switching between plain and drafting steps; ratios are the best fixed depth's seconds over the variant's.
 * ``--serving``: the serving benchmark's Poisson arrivals into the step engine (``bench_serving.py``), every
   variant and every fixed depth on the same arrivals each round, in rotated order; ratios are paired per round.
+* ``--tests``: the controller's tests once per variant (this module as a pytest plugin), and which fail.
 
-    python bench/ablate_adaptive.py --replay bench/traces/embedded_pair_cpu_dbf04f7.json --seeds 12
+    python bench/ablate_adaptive.py --replay bench/traces/embedded_pair_cpu_dbf04f7.json --seeds 20
     python bench/ablate_adaptive.py --serving --rounds 5
+    python bench/ablate_adaptive.py --tests
 """
 
 from __future__ import annotations

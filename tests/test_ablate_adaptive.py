@@ -1,5 +1,5 @@
 """The controller ablation (``bench/ablate_adaptive.py``): each variant switches its part off, and only its own
-controller's; the replay table has a row per variant."""
+controller's; the replay table has a row per variant. And the benchmark of the controller's own time."""
 
 from pathlib import Path
 
@@ -69,3 +69,13 @@ def test_the_replay_table_has_a_row_per_variant(tmp_path):
         path = tmp_path / f"ablation_replay_{condition}.md"
         for name in ("full", "no exploration"):
             assert len(table_rows(path, name)) == 1, (condition, name)
+
+
+def test_the_controller_time_benchmark_times_the_controllers_calls(tmp_path):
+    """``bench/bench_controller_time.py``: a row per batch size, the controller's time a positive share of a step."""
+    run = run_bench("bench_controller_time.py", "--batches", "2", "--tokens", "6", "--rounds", "1", "--out",
+                    str(tmp_path), cpu_path=True)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    (row,) = table_rows(tmp_path / "controller_time.md", "2")
+    steps, per_step, step, share = int(row[1]), float(row[2]), float(row[3]), float(row[4].rstrip("%"))
+    assert steps > 0 and per_step > 0 and step > 0 and 0 < share < 100
