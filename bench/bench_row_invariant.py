@@ -12,10 +12,9 @@ CPU path only (Triton's interpreter refused). The last column counts the tokens 
 
 from __future__ import annotations
 
-from common import Table, bench_args, clock, cpu_threads, positive_int
+from common import Table, bench_args, clock, cpu_path_only, positive_int
 
 import specdec
-from specdec import _backend
 from specdec.decoding import DraftModelStrategy, NoDraft, SpeculativeDecoder
 from specdec.testing import heldout_token_ids, load_pair
 
@@ -30,11 +29,7 @@ def main() -> None:
         parser.add_argument("--repeats", type=positive_int, default=3)
 
     args = bench_args(__doc__.splitlines()[0], extra)
-    if args.device != "cpu":
-        raise SystemExit(f"--device: this benchmark measures the CPU path, got {args.device!r}")
-    if _backend.interpreter_enabled():
-        raise SystemExit("TRITON_INTERPRET is set: Triton's interpreter would stand in for a GPU; run with it unset")
-    cpu_threads("cpu")
+    cpu_path_only(args)
     prompts, tokens, repeats = (2, 8, 1) if args.quick else (args.prompts, args.tokens, args.repeats)
     target, draft, tokenizer = load_pair()
     pool = heldout_token_ids(tokenizer)[:prompts]

@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from common import Table, bench_args, clock, cpu_threads, positive_int
+from common import Table, bench_args, clock, cpu_path_only, positive_int
 from e2e_runs import interleaved
 from seeded_rows import (
     AGREEMENT_SAMPLING,
@@ -325,11 +325,7 @@ def main() -> None:
                             help="parts 1 and 3 with the row-invariant forward (set_row_invariant)")  # fmt: skip
 
     args = bench_args(__doc__.splitlines()[0], extra)
-    if args.device != "cpu":
-        raise SystemExit(f"--device: this benchmark measures the CPU path, got {args.device!r}")
-    if _backend.interpreter_enabled():
-        raise SystemExit("TRITON_INTERPRET is set: Triton's interpreter would stand in for a GPU; run with it unset")
-    cpu_threads("cpu")
+    cpu_path_only(args)
     sizes = QUICK if args.quick else FULL
     repeats = args.repeats or sizes.repeats
     if args.row_invariant and args.gemms != "shipped":

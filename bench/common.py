@@ -80,6 +80,18 @@ def cpu_threads(device: str) -> None:
         torch.set_num_threads(1)
 
 
+def cpu_path_only(args: argparse.Namespace) -> None:
+    """For benchmarks of the CPU path: refuse another ``--device`` and Triton's interpreter (which would stand in for
+    a GPU's kernels), then set one intra-op thread."""
+    from specdec import _backend
+
+    if args.device != "cpu":
+        raise SystemExit(f"--device: this benchmark measures the CPU path, got {args.device!r}")
+    if _backend.interpreter_enabled():
+        raise SystemExit("TRITON_INTERPRET is set: Triton's interpreter would stand in for a GPU; run with it unset")
+    cpu_threads("cpu")
+
+
 def clock(device: str) -> Callable[[], float]:
     """Seconds now: per-thread CPU time on the CPU, wall time after a synchronize on CUDA."""
     if device.startswith("cuda"):

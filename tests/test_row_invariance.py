@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import random_model, run_bench, tiny_config
+from seeded_rows import path_tree
 
 import specdec
 from specdec import _backend, use_backend
@@ -131,20 +132,6 @@ def forward(model, cache, rows: list[list[int]], parents: list[list[int]] | None
     logits, _ = model(tokens, positions, metadata, cache)
     cache.advance(counts) if commit else cache.discard()
     return logits
-
-
-def path_tree(path: list[int], siblings: int, vocab: int) -> tuple[list[int], list[int], list[int]]:
-    """(tokens, parents, path nodes): a tree carrying ``path`` from its root, each path node after ``siblings``
-    other children of its parent."""
-    tokens, parents, nodes = [path[0]], [-1], [0]
-    for token in path[1:]:
-        for j in range(siblings):
-            tokens.append((token + 1 + j) % vocab)
-            parents.append(nodes[-1])
-        tokens.append(token)
-        parents.append(nodes[-1])
-        nodes.append(len(tokens) - 1)
-    return tokens, parents, nodes
 
 
 def decoded_alone(model, text: list[int], **layout) -> torch.Tensor:
