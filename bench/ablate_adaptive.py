@@ -178,7 +178,7 @@ def replay_ablation(trace_path: Path, variants: list[str], batches: list[int], s
 
 def serving_ablation(variants: list[str], loads: list[float], rounds: int, max_depth: int, strategy: str,
                      temperature: float, out: Path | None) -> None:  # fmt: skip
-    from bench_serving import paired, serve, workload
+    from bench_serving import paired, serve, serve_rounds, workload
     from common import cpu_threads
     from serving_policies import CostTable, FixedDepth
 
@@ -219,12 +219,9 @@ def serving_ablation(variants: list[str], loads: list[float], rounds: int, max_d
     )
     cells = {}
     for load in loads:
-        runs = {p.name: [] for p in policies}
-        for r in range(rounds):
-            work = workload(pool, requests, load * capacity, lengths, seed=1000 + r)
-            for policy in policies[r % len(policies) :] + policies[: r % len(policies)]:
-                runs[policy.name].append(serve(make_decoder(policy.controller()), work, slots, temperature))
-            print(f"load {load:g} round {r + 1}/{rounds}", flush=True)
+        rate = load * capacity
+        runs = serve_rounds(policies, make_decoder, pool, rate, rounds, requests, lengths, slots, temperature)
+        print(f"load {load:g}: {rounds} rounds served", flush=True)
         throughput = lambda run: run.throughput  # noqa: E731
         best = max((p.name for p in fixed), key=lambda n: statistics.median(map(throughput, runs[n])))
         for name in variants:

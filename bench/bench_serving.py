@@ -98,6 +98,18 @@ def serve(decoder: SpeculativeDecoder, work: Workload, slots: int, temperature: 
     return Served(sum(emitted) / (max(last.values()) - work.arrivals[0]), ttft, tpot, statistics.mean(per_step))
 
 
+def serve_rounds(policies, make_decoder, pool: Sequence[Sequence[int]], rate: float, rounds: int, requests: int,
+                 lengths: tuple[int, int], slots: int, temperature: float) -> dict[str, list[Served]]:  # fmt: skip
+    """Per policy (by name), its run in each round: round r's seeded arrivals at ``rate`` served by every policy, in
+    an order rotated from round to round (no policy always first), each with a fresh controller."""
+    runs: dict[str, list[Served]] = {p.name: [] for p in policies}
+    for r in range(rounds):
+        work = workload(pool, requests, rate, lengths, seed=1000 + r)
+        for policy in policies[r % len(policies) :] + policies[: r % len(policies)]:
+            runs[policy.name].append(serve(make_decoder(policy.controller()), work, slots, temperature))
+    return runs
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (0-100) by linear interpolation between the order statistics."""
     ordered = sorted(values)
@@ -170,12 +182,8 @@ def main() -> None:
         serve(make_decoder(policy.controller()), warm, args.slots, args.temperature)
     by_load: dict[float, dict[str, list[Served]]] = {}
     for load in args.loads:
-        runs: dict[str, list[Served]] = {p.name: [] for p in policies}
-        for r in range(args.rounds):
-            work = workload(pool, args.requests, load * capacity, (args.min_tokens, args.max_tokens), seed=1000 + r)
-            for policy in policies[r % len(policies) :] + policies[: r % len(policies)]:
-                runs[policy.name].append(serve(make_decoder(policy.controller()), work, args.slots, args.temperature))
-        by_load[load] = runs
+        by_load[load] = serve_rounds(policies, make_decoder, pool, load * capacity, args.rounds, args.requests,
+                                     (args.min_tokens, args.max_tokens), args.slots, args.temperature)  # fmt: skip
     report(args, by_load, costs, capacity, profile_s)
 
 
