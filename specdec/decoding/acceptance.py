@@ -14,16 +14,16 @@ from collections.abc import Sequence
 class AcceptanceModel:
     """Per-request acceptance by draft position: running estimates seeded with a pooled one.
 
-    ``rates(b, pooled_rates(n))[i - 1]`` (i from 1) is the chance that request b's draft node at depth i is
-    accepted given that its ancestors were. Request estimates fade by ``request_decay`` per step (recent text
-    counts more, and a request that stopped drafting drifts back to the pooled estimate, which is how it gets
-    tried again); the pooled one by ``pooled_decay`` per observation. ``*_weight``: how many observations' worth
-    each prior counts.
+    The chance that request b's draft node at depth i is accepted, given that its ancestors were, is b's own
+    running estimate weighed against the pooled one at depth i (``pooled_rates``). Request estimates fade by
+    ``request_decay`` per step (recent text counts more, and a request that stopped drafting drifts back to the
+    pooled estimate, which is how it gets tried again); the pooled one by ``pooled_decay`` per observation.
+    ``*_weight``: how many observations' worth each prior counts.
 
     >>> model = AcceptanceModel(0.5)
     >>> model.observe(0, depth=2, accepted=2)                  # request 0: both drafts accepted
-    >>> [round(r, 3) for r in model.rates(0, model.pooled_rates(2))]
-    [0.7, 0.76]
+    >>> [round(t, 3) for t in model.expected_tokens([0], caps=[2])[0]]    # 1, then + 0.7, then + 0.7 * 0.76
+    [1.0, 1.7, 2.232]
     >>> model.expected_tokens([0, 1], caps=[1, 0])             # request 1 may not draft
     [[1.0, 1.7], [1.0]]
     """
@@ -55,15 +55,6 @@ class AcceptanceModel:
             rates.append(previous)
         return rates
 
-    def rates(self, request: int, pooled: list[float]) -> list[float]:
-        """Request ``request``'s conditional acceptance at depths 1 .. len(pooled)."""
-        own = self.requests.get(request, [])
-        out = []
-        for i, prior in enumerate(pooled):
-            accepted, tested = own[i] if i < len(own) else (0.0, 0.0)
-            out.append((accepted + self.request_weight * prior) / (tested + self.request_weight))
-        return out
-
     def observe(self, request: int, depth: int, accepted: int) -> None:
         """Request ``request`` proposed a tree of ``depth`` levels and ``accepted`` of its nodes were accepted."""
         own = self.requests.setdefault(request, [])
@@ -80,13 +71,17 @@ class AcceptanceModel:
 
     def expected_tokens(self, running: Sequence[int], caps: Sequence[int]) -> list[list[float]]:
         """Per running request, the tokens it is expected to emit when drafting d levels, d = 0 .. its cap: 1 plus
-        the chances that its first 1, 2, .. drafts are all accepted."""
+        the chances that its first 1, 2, .. drafts are all accepted. (Every step, for every request and level:
+        one plain loop.)"""
         pooled = self.pooled_rates(max(caps, default=0))
-        expected = []
+        weight, expected = self.request_weight, []
         for b, cap in zip(running, caps):
-            reach, row = 1.0, [1.0]
-            for rate in self.rates(b, pooled[:cap]):
-                reach *= rate
-                row.append(row[-1] + reach)
+            own = self.requests.get(b, ())
+            reach, total, row = 1.0, 1.0, [1.0]
+            for i in range(cap):
+                accepted, tested = own[i] if i < len(own) else (0.0, 0.0)
+                reach *= (accepted + weight * pooled[i]) / (tested + weight)  # the chance of depth i + 1, given i
+                total += reach
+                row.append(total)
             expected.append(row)
         return expected

@@ -72,25 +72,29 @@ def best_depths(cost: StepCostModel, prices: Prices, caps: Sequence[int], contex
                 ratio_cap = ratio
             items.append((ratio_cap, -i, r, reach, level_cost))
     items.sort(reverse=True)
+    ends = [0] * (top + 1)  # ends[L]: one past the last item of depth <= L (a fill of L levels stops there)
+    for k, item in enumerate(items):
+        ends[-item[1]] = k + 1
+    for i in range(2, top + 1):
+        ends[i] = max(ends[i], ends[i - 1])
+    # A request's levels come in order (their ratios never rise, and a tie goes to the shallower), so the fill
+    # reaches a request's i-th level only after taking its first i - 1.
     for levels in range(1, top + 1):
         tokens, seconds = tokens0, max(cost.price(requests, 0, levels, context) + entry, 1e-12)
-        depth, deepest = [0] * requests, 0
-        for ratio, neg_i, r, gain, level_cost in items:
-            i = -neg_i
-            if i > levels or i != depth[r] + 1:
+        depth, floor = [0] * requests, -levels
+        for ratio, neg_i, r, gain, level_cost in items[: ends[levels]]:
+            if neg_i < floor:  # a level deeper than this count
                 continue
             if ratio * seconds <= tokens:  # adding it would not raise tokens / seconds
                 break
             tokens, seconds = tokens + gain, seconds + level_cost
-            depth[r] = i
-            if i > deepest:
-                deepest = i
+            depth[r] = -neg_i
         uniform = [levels if cap >= levels else cap for cap in caps]  # the shape fixed sizes use: often measured
-        if deepest == levels:  # the whole shape, priced as measured where it was
+        if max(depth) == levels:  # the whole shape, priced as measured where it was
             rate = expected_rate(cost, prices, depth, contexts, entry)
             if rate > best_rate:
                 best_rate, best = rate, depth
-        if depth != uniform and max(uniform) == levels:
+        if depth != uniform:
             rate = expected_rate(cost, prices, uniform, contexts, entry)
             if rate > best_rate:
                 best_rate, best = rate, uniform
