@@ -60,7 +60,9 @@ def main() -> None:
     columns = ["layer", "K x N", "rows", "F.linear us", "packed us", "F.linear / packed"]
     columns += ["skinny us", "F.linear / skinny", "packed / skinny"] if skinny else []
     columns += ["vLLM onednn_mm us", "F.linear / vLLM"] if peer else []
-    table = Table("CPU linear layers, float32, one thread (median of interleaved calls)", columns + ["model runs"])
+    version = torch.ops.specdec.skinny_linear_version() if skinny else "not built"
+    title = f"CPU linear layers, float32, one thread (median of interleaved calls; skinny kernel version: {version})"
+    table = Table(title, columns + ["model runs"])
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen) for _, k, n in SHAPES]  # ordinary tensors (packs need a version)
     with torch.inference_mode():

@@ -1,5 +1,5 @@
-// Which version of a CPU kernel runs: the AVX2 + FMA one where the CPU has both, unless the kernel's environment
-// switch forces the generic one (how the tests reach it on such CPUs). Shared by skinny_linear_cpu.cpp and
+// Which version of a CPU kernel runs: the AVX2 + FMA one where the CPU has both (or a kernel's AVX-512 one), unless
+// the kernel's environment switch forces the generic one (how the tests reach it on such CPUs). Shared by skinny_linear_cpu.cpp and
 // padded_attention_cpu.cpp.
 #pragma once
 
@@ -8,6 +8,12 @@
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define SPECDEC_HAVE_AVX2_VERSION 1
+// An AVX-512 version where the compiler can join two 8-lane vectors into one of 16 (GCC 12, clang).
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define SPECDEC_HAVE_AVX512_VERSION 1
+#endif
+#endif
 #endif
 
 namespace specdec {

@@ -10,9 +10,11 @@
 // depends on the rows in a pass (another order than BLAS's: results agree up to rounding, not bit for bit), or,
 // with row_invariant, in one order for every row count (fixed_blocks_kernel).
 //
-// On x86-64 an AVX2 + FMA version is compiled beside the generic one and chosen at run time; elsewhere (or
-// without AVX2, or with SPECDEC_SKINNY_GENERIC=1 set when the process first calls it: how the tests reach it)
-// the generic version runs, in whatever vectors the compiler targets.
+// On x86-64 an AVX-512 and an AVX2 + FMA version are compiled beside the generic one and chosen at run time; elsewhere
+// (or without AVX2, or with SPECDEC_SKINNY_GENERIC=1 set when the process first calls it: how the tests reach it)
+// the generic version runs, in whatever vectors the compiler targets. The AVX-512 version runs two adjacent packed
+// blocks as one 16-lane vector: each output's sum is the AVX2 version's, operation for operation, so the two give
+// the same bits (SPECDEC_SKINNY_AVX2=1 keeps the AVX2 one on an AVX-512 CPU: how the tests compare them).
 
 #include "cpu_version.h"
 #include "skinny_linear.h"
@@ -22,6 +24,7 @@
 #include <ATen/Parallel.h>
 
 #include <cstring>
+#include <string>
 
 namespace {
 
@@ -30,45 +33,81 @@ constexpr int64_t kMaxRows = 8;  // rows per pass over the pack
 
 typedef float lanes_t __attribute__((vector_size(kLanes * sizeof(float))));
 
-// Rows [0, M) of x against packed blocks [block_begin, block_end): out[m, n] for the features in those blocks.
-// Each row keeps S partial sums (k = s mod S): an FMA waits for the previous one on its accumulator, so a few rows
-// alone would leave the FMA units idle; S x M >= 6 independent chains keep them busy. Always inlined, so each
-// version below compiles it for its own instruction set (a generic copy called from the AVX2 one would split
-// the accumulators in two and spill them).
-template <int M>
+// The lanes of P adjacent packed blocks at input feature k, as one vector: P = 1, one block (8 lanes); P = 2, two
+// (16 lanes, one AVX-512 register). Block b + 1 starts K * kLanes floats after block b.
+template <int P>
+struct Lanes;
+
+template <>
+struct Lanes<1> {
+  typedef lanes_t type;
+  __attribute__((always_inline)) static inline void load(type& v, const float* w, int64_t, int64_t k) {
+    std::memcpy(&v, w + k * kLanes, sizeof(v));
+  }
+};
+
+#ifdef SPECDEC_HAVE_AVX512_VERSION
+template <>
+struct Lanes<2> {
+  typedef float type __attribute__((vector_size(2 * kLanes * sizeof(float))));
+  __attribute__((always_inline)) static inline void load(type& v, const float* w, int64_t K, int64_t k) {
+    lanes_t low, high;
+    Lanes<1>::load(low, w, K, k);
+    Lanes<1>::load(high, w + K * kLanes, K, k);
+    v = __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  }
+};
+#endif
+
+// Writes a pass's sums for rows [0, M) to the outputs of blocks [nb, nb + P), plus the bias: the lanes past N
+// (the last block's padding) are dropped.
+template <int M, int P>
+__attribute__((always_inline)) inline void store_lanes(const typename Lanes<P>::type (&sums)[M], int64_t nb,
+                                                       const float* bias, float* out, int64_t ldo, int64_t N) {
+  constexpr int64_t lanes = P * kLanes;
+  const int64_t n0 = nb * kLanes, width = std::min(lanes, N - n0);
+  for (int m = 0; m < M; ++m) {
+    float lane[lanes];
+    std::memcpy(lane, &sums[m], sizeof(lane));
+    if (bias != nullptr)
+      for (int64_t j = 0; j < width; ++j) lane[j] += bias[n0 + j];
+    std::memcpy(out + m * ldo + n0, lane, width * sizeof(float));
+  }
+}
+
+// Rows [0, M) of x against packed blocks [block_begin, block_end), P blocks at a time (block_end - block_begin a
+// multiple of P): out[m, n] for the features in those blocks. Each row keeps S partial sums (k = s mod S): an FMA
+// waits for the previous one on its accumulator, so a few rows alone would leave the FMA units idle; S x M >= 6
+// independent chains keep them busy. Always inlined, so each version below compiles it for its own instruction
+// set (a generic copy called from the AVX2 one would split the accumulators in two and spill them).
+template <int M, int P>
 __attribute__((always_inline)) inline void blocks_kernel(const float* x, int64_t ldx, int64_t K, const float* packed,
                                                           int64_t block_begin, int64_t block_end, const float* bias,
                                                           float* out, int64_t ldo, int64_t N) {
+  using V = typename Lanes<P>::type;
   constexpr int S = M == 1 ? 8 : M == 2 ? 4 : M <= 4 ? 2 : 1;
-  for (int64_t nb = block_begin; nb < block_end; ++nb) {
-    lanes_t acc[S][M];
+  for (int64_t nb = block_begin; nb < block_end; nb += P) {
+    V acc[S][M];
     for (int s = 0; s < S; ++s)
-      for (int m = 0; m < M; ++m) acc[s][m] = lanes_t{};
+      for (int m = 0; m < M; ++m) acc[s][m] = V{};
     const float* w = packed + nb * K * kLanes;
     int64_t k = 0;
     for (; k + S <= K; k += S) {
       for (int s = 0; s < S; ++s) {
-        lanes_t wk;
-        std::memcpy(&wk, w + (k + s) * kLanes, sizeof(wk));
+        V wk;
+        Lanes<P>::load(wk, w, K, k + s);
         for (int m = 0; m < M; ++m) acc[s][m] += x[m * ldx + k + s] * wk;
       }
     }
     for (; k < K; ++k) {
-      lanes_t wk;
-      std::memcpy(&wk, w + k * kLanes, sizeof(wk));
+      V wk;
+      Lanes<P>::load(wk, w, K, k);
       for (int m = 0; m < M; ++m) acc[0][m] += x[m * ldx + k] * wk;
     }
     for (int sums = S; sums > 1; sums /= 2)  // pairwise: (0 + 1) + (2 + 3), ...
       for (int s = 0; s < sums / 2; ++s)
         for (int m = 0; m < M; ++m) acc[s][m] = acc[2 * s][m] + acc[2 * s + 1][m];
-    const int64_t n0 = nb * kLanes, width = std::min(kLanes, N - n0);
-    for (int m = 0; m < M; ++m) {
-      float lane[kLanes];
-      std::memcpy(lane, &acc[0][m], sizeof(lane));
-      if (bias != nullptr)
-        for (int64_t j = 0; j < width; ++j) lane[j] += bias[n0 + j];
-      std::memcpy(out + m * ldo + n0, lane, width * sizeof(float));
-    }
+    store_lanes<M, P>(acc[0], nb, bias, out, ldo, N);
   }
 }
 
@@ -78,32 +117,33 @@ __attribute__((always_inline)) inline void blocks_kernel(const float* x, int64_t
 // run side by side per round, over 8 / C rounds, their sums kept in memory between rounds: with one row, 8 chains
 // of FMAs keep the units busy; with 8, a round streams one segment of the pack for all rows, and the rounds together
 // stream the pack once, as blocks_kernel<8> does.
-template <int M>
+template <int M, int P>
 __attribute__((always_inline)) inline void fixed_blocks_kernel(const float* x, int64_t ldx, int64_t K,
                                                                 const float* packed, int64_t block_begin,
                                                                 int64_t block_end, const float* bias, float* out,
                                                                 int64_t ldo, int64_t N) {
+  using V = typename Lanes<P>::type;
   constexpr int S = 8, C = M == 1 ? 8 : M == 2 ? 4 : M <= 4 ? 2 : 1;
   const int64_t seg = K / S;
-  for (int64_t nb = block_begin; nb < block_end; ++nb) {
-    lanes_t part[S][M];
+  for (int64_t nb = block_begin; nb < block_end; nb += P) {
+    V part[S][M];
     const float* w = packed + nb * K * kLanes;
     for (int s0 = 0; s0 < S; s0 += C) {
-      lanes_t acc[C][M];
+      V acc[C][M];
       for (int c = 0; c < C; ++c)
-        for (int m = 0; m < M; ++m) acc[c][m] = lanes_t{};
+        for (int m = 0; m < M; ++m) acc[c][m] = V{};
       for (int64_t j = 0; j < seg; ++j) {
         for (int c = 0; c < C; ++c) {
           const int64_t k = (s0 + c) * seg + j;
-          lanes_t wk;
-          std::memcpy(&wk, w + k * kLanes, sizeof(wk));
+          V wk;
+          Lanes<P>::load(wk, w, K, k);
           for (int m = 0; m < M; ++m) acc[c][m] += x[m * ldx + k] * wk;
         }
       }
       if (s0 + C == S)  // the last segment's rest
         for (int64_t k = S * seg; k < K; ++k) {
-          lanes_t wk;
-          std::memcpy(&wk, w + k * kLanes, sizeof(wk));
+          V wk;
+          Lanes<P>::load(wk, w, K, k);
           for (int m = 0; m < M; ++m) acc[C - 1][m] += x[m * ldx + k] * wk;
         }
       for (int c = 0; c < C; ++c)
@@ -112,15 +152,22 @@ __attribute__((always_inline)) inline void fixed_blocks_kernel(const float* x, i
     for (int sums = S; sums > 1; sums /= 2)  // pairwise: (0 + 1) + (2 + 3), ...
       for (int s = 0; s < sums / 2; ++s)
         for (int m = 0; m < M; ++m) part[s][m] = part[2 * s][m] + part[2 * s + 1][m];
-    const int64_t n0 = nb * kLanes, width = std::min(kLanes, N - n0);
-    for (int m = 0; m < M; ++m) {
-      float lane[kLanes];
-      std::memcpy(lane, &part[0][m], sizeof(lane));
-      if (bias != nullptr)
-        for (int64_t j = 0; j < width; ++j) lane[j] += bias[n0 + j];
-      std::memcpy(out + m * ldo + n0, lane, width * sizeof(float));
-    }
+    store_lanes<M, P>(part[0], nb, bias, out, ldo, N);
   }
+}
+
+// One block at a time (P = 1) or pairs of blocks then the odd one left (P = 2).
+template <int M, bool Fixed, int P>
+__attribute__((always_inline)) inline void run_blocks(const float* x, int64_t ldx, int64_t K, const float* packed,
+                                                       int64_t b0, int64_t b1, const float* bias, float* out,
+                                                       int64_t ldo, int64_t N) {
+  const int64_t whole = b0 + (b1 - b0) / P * P;
+  if constexpr (Fixed)
+    fixed_blocks_kernel<M, P>(x, ldx, K, packed, b0, whole, bias, out, ldo, N);
+  else
+    blocks_kernel<M, P>(x, ldx, K, packed, b0, whole, bias, out, ldo, N);
+  if constexpr (P > 1)
+    run_blocks<M, Fixed, 1>(x, ldx, K, packed, whole, b1, bias, out, ldo, N);
 }
 
 using BlocksFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, const float*, float*,
@@ -129,10 +176,7 @@ using BlocksFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t,
 template <int M, bool Fixed>
 void blocks_generic(const float* x, int64_t ldx, int64_t K, const float* packed, int64_t b0, int64_t b1,
                     const float* bias, float* out, int64_t ldo, int64_t N) {
-  if constexpr (Fixed)
-    fixed_blocks_kernel<M>(x, ldx, K, packed, b0, b1, bias, out, ldo, N);
-  else
-    blocks_kernel<M>(x, ldx, K, packed, b0, b1, bias, out, ldo, N);
+  run_blocks<M, Fixed, 1>(x, ldx, K, packed, b0, b1, bias, out, ldo, N);
 }
 
 #ifdef SPECDEC_HAVE_AVX2_VERSION
@@ -140,33 +184,65 @@ template <int M, bool Fixed>
 __attribute__((target("avx2,fma"))) void blocks_avx2(const float* x, int64_t ldx, int64_t K, const float* packed,
                                                       int64_t b0, int64_t b1, const float* bias, float* out,
                                                       int64_t ldo, int64_t N) {
-  if constexpr (Fixed)
-    fixed_blocks_kernel<M>(x, ldx, K, packed, b0, b1, bias, out, ldo, N);
-  else
-    blocks_kernel<M>(x, ldx, K, packed, b0, b1, bias, out, ldo, N);
+  run_blocks<M, Fixed, 1>(x, ldx, K, packed, b0, b1, bias, out, ldo, N);
 }
 #endif
 
-// The kernel for a pass of `rows` rows (1 .. kMaxRows), in the best version this CPU runs; `fixed`: the
-// row-invariant order.
-BlocksFn kernel_for(int64_t rows, bool fixed) {
-#ifdef SPECDEC_HAVE_AVX2_VERSION
-  static const bool avx2 = specdec::runs_avx2_fma("SPECDEC_SKINNY_GENERIC");
-  if (avx2) {
-    static constexpr BlocksFn table[2][kMaxRows] = {
-        {blocks_avx2<1, false>, blocks_avx2<2, false>, blocks_avx2<3, false>, blocks_avx2<4, false>,
-         blocks_avx2<5, false>, blocks_avx2<6, false>, blocks_avx2<7, false>, blocks_avx2<8, false>},
-        {blocks_avx2<1, true>, blocks_avx2<2, true>, blocks_avx2<3, true>, blocks_avx2<4, true>,
-         blocks_avx2<5, true>, blocks_avx2<6, true>, blocks_avx2<7, true>, blocks_avx2<8, true>}};
-    return table[fixed][rows - 1];
-  }
+#ifdef SPECDEC_HAVE_AVX512_VERSION
+template <int M, bool Fixed>
+__attribute__((target("avx512f,avx2,fma"))) void blocks_avx512(const float* x, int64_t ldx, int64_t K,
+                                                                const float* packed, int64_t b0, int64_t b1,
+                                                                const float* bias, float* out, int64_t ldo,
+                                                                int64_t N) {
+  run_blocks<M, Fixed, 2>(x, ldx, K, packed, b0, b1, bias, out, ldo, N);
+}
 #endif
-  static constexpr BlocksFn table[2][kMaxRows] = {
-      {blocks_generic<1, false>, blocks_generic<2, false>, blocks_generic<3, false>, blocks_generic<4, false>,
-       blocks_generic<5, false>, blocks_generic<6, false>, blocks_generic<7, false>, blocks_generic<8, false>},
-      {blocks_generic<1, true>, blocks_generic<2, true>, blocks_generic<3, true>, blocks_generic<4, true>,
-       blocks_generic<5, true>, blocks_generic<6, true>, blocks_generic<7, true>, blocks_generic<8, true>}};
-  return table[fixed][rows - 1];
+
+#define SPECDEC_ROW_TABLE(fn, fixed) \
+  { fn<1, fixed>, fn<2, fixed>, fn<3, fixed>, fn<4, fixed>, fn<5, fixed>, fn<6, fixed>, fn<7, fixed>, fn<8, fixed> }
+
+enum class Version { generic, avx2, avx512 };
+
+// The version this CPU runs, chosen once per process.
+Version skinny_version() {
+#ifdef SPECDEC_HAVE_AVX2_VERSION
+  static const Version version = [] {
+    if (!specdec::runs_avx2_fma("SPECDEC_SKINNY_GENERIC")) return Version::generic;
+#ifdef SPECDEC_HAVE_AVX512_VERSION
+    if (__builtin_cpu_supports("avx512f") && !specdec::generic_forced("SPECDEC_SKINNY_AVX2")) return Version::avx512;
+#endif
+    return Version::avx2;
+  }();
+  return version;
+#else
+  return Version::generic;
+#endif
+}
+
+// The kernel for a pass of `rows` rows (1 .. kMaxRows), in the version this CPU runs; `fixed`: the row-invariant
+// order.
+BlocksFn kernel_for(int64_t rows, bool fixed) {
+#ifdef SPECDEC_HAVE_AVX512_VERSION
+  static constexpr BlocksFn avx512[2][kMaxRows] = {SPECDEC_ROW_TABLE(blocks_avx512, false),
+                                                   SPECDEC_ROW_TABLE(blocks_avx512, true)};
+  if (skinny_version() == Version::avx512) return avx512[fixed][rows - 1];
+#endif
+#ifdef SPECDEC_HAVE_AVX2_VERSION
+  static constexpr BlocksFn avx2[2][kMaxRows] = {SPECDEC_ROW_TABLE(blocks_avx2, false),
+                                                 SPECDEC_ROW_TABLE(blocks_avx2, true)};
+  if (skinny_version() == Version::avx2) return avx2[fixed][rows - 1];
+#endif
+  static constexpr BlocksFn generic[2][kMaxRows] = {SPECDEC_ROW_TABLE(blocks_generic, false),
+                                                    SPECDEC_ROW_TABLE(blocks_generic, true)};
+  return generic[fixed][rows - 1];
+}
+
+std::string skinny_linear_version() {
+  switch (skinny_version()) {
+    case Version::avx512: return "avx512";
+    case Version::avx2: return "avx2";
+    default: return "generic";
+  }
 }
 
 void check_float_cpu(const at::Tensor& t, const char* name) {
@@ -228,7 +304,8 @@ void skinny_linear_into(const at::Tensor& x, const at::Tensor& packed, const c10
   const int64_t ldx = x.stride(0), ldo = out.stride(0);
   // Threads split the output features. More than 8 rows take several passes; each pass runs over a slice of
   // blocks small enough (~16 KB of pack) to stay in the L1 cache for the next pass.
-  const int64_t slice = std::max<int64_t>(1, 4096 / (K * kLanes));
+  // (At least two blocks a slice, so the AVX-512 version has a pair to run.)
+  const int64_t slice = std::max<int64_t>(2, 4096 / (K * kLanes));
   at::parallel_for(0, blocks, /*grain_size=*/slice, [&](int64_t b0, int64_t b1) {
     for (int64_t s0 = b0; s0 < b1; s0 += slice) {
       const int64_t s1 = std::min(b1, s0 + slice);
@@ -246,6 +323,7 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("skinny_linear_pack(Tensor weight) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor packed, int out_features, Tensor? bias=None, bool row_invariant=False) "
         "-> Tensor");
+  m.def("skinny_linear_version() -> str", &skinny_linear_version);
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {

@@ -58,29 +58,32 @@ def table_rows(path, first_cell: str) -> list[list[str]]:
     return [cells for cells in rows if cells and cells[0] == first_cell]
 
 
+def run_python(script: str, env: dict[str, str]) -> str:
+    """What ``script`` prints in a fresh Python process run from the repository root (the tests importable), with
+    ``env`` added to the environment (switches a C++ kernel reads once per process)."""
+    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
+    command = [sys.executable, "-c", script]
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 def generic_version_runs(script: str, switch: str) -> dict[str, list[str]]:
-    """The words ``script`` prints in a fresh Python process (run from the repository root, the tests importable)
-    with the environment switch ``switch`` at "1" (a C++ kernel's generic version forced; the choice is made once
-    per process) and at "0". Where this CPU has AVX2 + FMA (Linux), the two runs must round differently somewhere
-    (fused multiply-adds against separate ones): the switch took effect."""
-    runs = {}
-    for generic in ("1", "0"):
-        env = {**os.environ, switch: generic, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
-        done = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
-                              timeout=120)  # fmt: skip
-        assert done.returncode == 0, done.stderr
-        runs[generic] = done.stdout.split()
-    if _has_avx2_fma() and sys.platform.startswith("linux"):
+    """The words ``script`` prints in a fresh Python process with the environment switch ``switch`` at "1" (a C++
+    kernel's generic version forced) and at "0". Where this CPU has AVX2 + FMA (Linux), the two runs must round
+    differently somewhere (fused multiply-adds against separate ones): the switch took effect."""
+    runs = {generic: run_python(script, {switch: generic}).split() for generic in ("1", "0")}
+    if cpu_flags() >= {"avx2", "fma"} and sys.platform.startswith("linux"):
         assert runs["1"] != runs["0"], f"{switch}=1 ran the same arithmetic as the AVX2 version"
     return runs
 
 
-def _has_avx2_fma() -> bool:
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (Linux's /proc/cpuinfo; none elsewhere)."""
     try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+        return set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
     except (OSError, StopIteration):
-        return False
-    return "avx2" in flags and "fma" in flags
+        return set()
 
 
 # ---- small random models ----------------------------------------------------------------------------

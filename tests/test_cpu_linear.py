@@ -4,7 +4,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import generic_version_runs, run_bench, table_rows, tiny_config
+from helpers import cpu_flags, generic_version_runs, run_bench, run_python, table_rows, tiny_config
 
 from specdec import use_backend
 from specdec.decoding import DraftModelStrategy, SpeculativeDecoder
@@ -233,6 +233,36 @@ def test_skinny_generic_version_equals_reference():
     differently somewhere (fused multiply-adds against separate ones): the switch took effect."""
     runs = generic_version_runs(GENERIC_CHECK, "SPECDEC_SKINNY_GENERIC")
     assert len(runs["1"]) == 5
+
+
+WIDE_CHECK = """
+import torch
+from specdec.model.cpu_linear import skinny_linear
+print(torch.ops.specdec.skinny_linear_version())
+g = torch.Generator().manual_seed(0)
+for rows in (1, 2, 3, 5, 8, 11, 16):
+    for n, k in ((37, 29), (40, 300), (512, 256), (24, 3)):  # odd and even block counts, K below one partial sum
+        w, b, x = torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(rows, k, generator=g)
+        packed = torch.ops.specdec.skinny_linear_pack(w)
+        for row_invariant in (False, True):
+            got = torch.ops.specdec.skinny_linear(x, packed, n, b, row_invariant)
+            ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
+            assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-4), (rows, n, k, row_invariant)
+            print(got.numpy().tobytes().hex())
+"""
+
+
+@needs_skinny
+@pytest.mark.skipif(not cpu_flags() >= {"avx512f", "avx2", "fma"}, reason="this CPU runs no AVX-512 version")
+def test_skinny_avx512_version_gives_the_avx2_versions_bits():
+    """On an AVX-512 CPU the kernel runs two packed blocks as one 16-lane vector, each sum in the AVX2 version's
+    order: the same bits, in both summation orders (SPECDEC_SKINNY_AVX2=1 forces the AVX2 version in a fresh
+    process; the choice is made once per process)."""
+    runs = {avx2: run_python(WIDE_CHECK, {"SPECDEC_SKINNY_AVX2": avx2}).split() for avx2 in ("1", "0")}
+    if runs["0"][0] == "avx2":
+        pytest.skip("the extension was built without the AVX-512 version (a compiler without __builtin_shufflevector)")
+    assert runs["1"][0] == "avx2" and runs["0"][0] == "avx512"
+    assert len(runs["1"]) == 1 + 7 * 4 * 2 and runs["1"][1:] == runs["0"][1:]
 
 
 @needs_skinny
