@@ -58,25 +58,31 @@ def main() -> None:
     skinny = skinny_available()
     rows_list = (1, 6) if args.quick else (1, 2, 6, 8, 12, 16, 24, 64)
     columns = ["layer", "K x N", "rows", "F.linear us", "packed us", "F.linear / packed"]
-    columns += ["skinny us", "F.linear / skinny", "packed / skinny"] if skinny else []
+    columns += ["skinny us", "F.linear / skinny", "packed / skinny", "float32 pack / skinny"] if skinny else []
     columns += ["vLLM onednn_mm us", "F.linear / vLLM"] if peer else []
     version = torch.ops.specdec.skinny_linear_version() if skinny else "not built"
     title = f"CPU linear layers, float32, one thread (median of interleaved calls; skinny kernel version: {version})"
     table = Table(title, columns + ["model runs"])
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(n, k, generator=gen) for _, k, n in SHAPES]  # ordinary tensors (packs need a version)
+    # Ordinary tensors (packs need a version) of bfloat16 values, as the embedded target's checkpoint holds: the
+    # skinny kernel runs them from a bfloat16 pack; "float32 pack" is the same kernel on a float32 pack of them.
+    weights = [torch.randn(n, k, generator=gen).bfloat16().float() for _, k, n in SHAPES]
     with torch.inference_mode():
         for (name, k, n), weight in zip(SHAPES, weights):
             handle = peer[0](weight) if peer else None
+            float_pack = torch.ops.specdec.skinny_linear_pack(weight) if skinny else None
             for rows in rows_list:
                 x = torch.randn(rows, k, generator=gen)
                 fns = [lambda x=x, w=weight: F.linear(x, w), lambda x=x, w=weight: packed_linear(x, w)]
-                fns += [lambda x=x, w=weight: skinny_linear(x, w)] if skinny else []
+                if skinny:
+                    fns += [lambda x=x, w=weight: skinny_linear(x, w)]
+                    fns += [lambda x=x, p=float_pack, n=n: torch.ops.specdec.skinny_linear(x, p, n)]
                 fns += [lambda x=x, h=handle: peer[1](h, x)] if peer else []
                 times = [t[0] for t in measure_many_us(fns, "cpu", min_runs=20, budget_s=0.3)]
                 cells = [name, f"{k}x{n}", rows, times[0], times[1], f"{times[0] / times[1]:.2f}x"]
                 if skinny:
                     cells += [times[2], f"{times[0] / times[2]:.2f}x", f"{times[1] / times[2]:.2f}x"]
+                    cells += [f"{times[3] / times[2]:.2f}x"]
                 cells += [times[-1], f"{times[0] / times[-1]:.2f}x"] if peer else []
                 table.add(*cells, model_runs(x, weight))
     table.write(args.out, "cpu_linear")

@@ -384,8 +384,10 @@ Packs check_packs(const c10::List<c10::optional<at::Tensor>>& packs_in, at::IntA
     const at::Tensor& w =
         layer < g.layers ? weights[layer * kWeightsPerLayer + kWeightOf[i % kLinearsPerLayer]] : lm_head;
     const at::Tensor& p = *packs.packed[i];
-    TORCH_CHECK_VALUE(w.scalar_type() == at::kFloat && p.scalar_type() == at::kFloat && p.is_cpu() && p.dim() == 3 &&
-                          p.size(0) == (w.size(0) + 7) / 8 && p.size(1) == w.size(1) && p.size(2) == 8 &&
+    const bool bf16 = p.scalar_type() == at::kBFloat16;  // a bfloat16 pack holds input features in pairs of 16
+    TORCH_CHECK_VALUE(w.scalar_type() == at::kFloat && (bf16 || p.scalar_type() == at::kFloat) && p.is_cpu() &&
+                          p.dim() == 3 && p.size(0) == (w.size(0) + 7) / 8 &&
+                          p.size(1) == (bf16 ? (w.size(1) + 1) / 2 : w.size(1)) && p.size(2) == (bf16 ? 16 : 8) &&
                           p.is_contiguous(),
                       "packs[", i, "] must be skinny_linear_pack of a float32 model's weight [", w.size(0), ", ",
                       w.size(1), "], got shape ", p.sizes(), " of ", p.scalar_type());

@@ -32,17 +32,60 @@ constexpr int64_t kLanes = 8;    // output features per packed block
 constexpr int64_t kMaxRows = 8;  // rows per pass over the pack
 
 typedef float lanes_t __attribute__((vector_size(kLanes * sizeof(float))));
+typedef uint32_t words_t __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+// A bfloat16 pack keeps input features k and k + 1 (k even) of a block's 8 lanes in one 32-byte row of 8 words, k in
+// each word's low half: [blocks, ceil(K / 2), 16]. Block b + 1 starts kPairRow * ceil(K / 2) elements after block b.
+constexpr int64_t kPairRow = 2 * kLanes;
+
+// One block's 8 lanes at input feature k, from a float32 pack or a bfloat16 one (uint16_t: the bits). A bfloat16 is
+// the top half of the float32 of the same value, so widening is exact and every product and sum is the float32
+// pack's, from half the bytes; each half is taken by a shift or a mask, no shuffle.
+__attribute__((always_inline)) inline void load_lanes(lanes_t& v, const float* w, int64_t k) {
+  std::memcpy(&v, w + k * kLanes, sizeof(v));
+}
+
+__attribute__((always_inline)) inline void load_lanes(lanes_t& v, const uint16_t* w, int64_t k) {
+  words_t words;
+  std::memcpy(&words, w + (k >> 1) * kPairRow, sizeof(words));
+  const uint32_t shift = (k & 1) ? 0 : 16;
+  v = (lanes_t)((words << shift) & 0xFFFF0000u);
+}
+
+// Input features k and k + 1 (k even) of one block: two loads from a float32 pack, one from a bfloat16 pack.
+__attribute__((always_inline)) inline void load_pair(lanes_t& even, lanes_t& odd, const float* w, int64_t k) {
+  load_lanes(even, w, k);
+  load_lanes(odd, w, k + 1);
+}
+
+__attribute__((always_inline)) inline void load_pair(lanes_t& even, lanes_t& odd, const uint16_t* w, int64_t k) {
+  words_t words;
+  std::memcpy(&words, w + (k >> 1) * kPairRow, sizeof(words));
+  even = (lanes_t)(words << 16);
+  odd = (lanes_t)(words & 0xFFFF0000u);
+}
+
+// Elements from one packed block to the next: K rows of 8 floats, or ceil(K / 2) rows of 16 bfloat16.
+__attribute__((always_inline)) inline int64_t block_stride(const float*, int64_t K) { return K * kLanes; }
+__attribute__((always_inline)) inline int64_t block_stride(const uint16_t*, int64_t K) {
+  return (K + 1) / 2 * kPairRow;
+}
 
 // The lanes of P adjacent packed blocks at input feature k, as one vector: P = 1, one block (8 lanes); P = 2, two
-// (16 lanes, one AVX-512 register). Block b + 1 starts K * kLanes floats after block b.
+// (16 lanes, one AVX-512 register).
 template <int P>
 struct Lanes;
 
 template <>
 struct Lanes<1> {
   typedef lanes_t type;
-  __attribute__((always_inline)) static inline void load(type& v, const float* w, int64_t, int64_t k) {
-    std::memcpy(&v, w + k * kLanes, sizeof(v));
+  template <typename W>
+  __attribute__((always_inline)) static inline void load(type& v, const W* w, int64_t, int64_t k) {
+    load_lanes(v, w, k);
+  }
+  template <typename W>
+  __attribute__((always_inline)) static inline void load_pair(type& even, type& odd, const W* w, int64_t, int64_t k) {
+    ::load_pair(even, odd, w, k);
   }
 };
 
@@ -50,11 +93,20 @@ struct Lanes<1> {
 template <>
 struct Lanes<2> {
   typedef float type __attribute__((vector_size(2 * kLanes * sizeof(float))));
-  __attribute__((always_inline)) static inline void load(type& v, const float* w, int64_t K, int64_t k) {
+  template <typename W>
+  __attribute__((always_inline)) static inline void load(type& v, const W* w, int64_t K, int64_t k) {
     lanes_t low, high;
-    Lanes<1>::load(low, w, K, k);
-    Lanes<1>::load(high, w + K * kLanes, K, k);
+    load_lanes(low, w, k);
+    load_lanes(high, w + block_stride(w, K), k);
     v = __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  }
+  template <typename W>
+  __attribute__((always_inline)) static inline void load_pair(type& even, type& odd, const W* w, int64_t K, int64_t k) {
+    lanes_t low_even, low_odd, high_even, high_odd;
+    ::load_pair(low_even, low_odd, w, k);
+    ::load_pair(high_even, high_odd, w + block_stride(w, K), k);
+    even = __builtin_shufflevector(low_even, high_even, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    odd = __builtin_shufflevector(low_odd, high_odd, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   }
 };
 #endif
@@ -80,8 +132,8 @@ __attribute__((always_inline)) inline void store_lanes(const typename Lanes<P>::
 // waits for the previous one on its accumulator, so a few rows alone would leave the FMA units idle; S x M >= 6
 // independent chains keep them busy. Always inlined, so each version below compiles it for its own instruction
 // set (a generic copy called from the AVX2 one would split the accumulators in two and spill them).
-template <int M, int P>
-__attribute__((always_inline)) inline void blocks_kernel(const float* x, int64_t ldx, int64_t K, const float* packed,
+template <int M, int P, typename W>
+__attribute__((always_inline)) inline void blocks_kernel(const float* x, int64_t ldx, int64_t K, const W* packed,
                                                           int64_t block_begin, int64_t block_end, const float* bias,
                                                           float* out, int64_t ldo, int64_t N) {
   using V = typename Lanes<P>::type;
@@ -90,13 +142,16 @@ __attribute__((always_inline)) inline void blocks_kernel(const float* x, int64_t
     V acc[S][M];
     for (int s = 0; s < S; ++s)
       for (int m = 0; m < M; ++m) acc[s][m] = V{};
-    const float* w = packed + nb * K * kLanes;
+    const W* w = packed + nb * block_stride(packed, K);
+    // Input features in pairs (one load from a bfloat16 pack), each still added to sum k mod S in order.
+    constexpr int step = S == 1 ? 2 : S;
     int64_t k = 0;
-    for (; k + S <= K; k += S) {
-      for (int s = 0; s < S; ++s) {
-        V wk;
-        Lanes<P>::load(wk, w, K, k + s);
-        for (int m = 0; m < M; ++m) acc[s][m] += x[m * ldx + k + s] * wk;
+    for (; k + step <= K; k += step) {
+      for (int s = 0; s < step; s += 2) {
+        V even, odd;
+        Lanes<P>::load_pair(even, odd, w, K, k + s);
+        for (int m = 0; m < M; ++m) acc[s % S][m] += x[m * ldx + k + s] * even;
+        for (int m = 0; m < M; ++m) acc[(s + 1) % S][m] += x[m * ldx + k + s + 1] * odd;
       }
     }
     for (; k < K; ++k) {
@@ -117,9 +172,9 @@ __attribute__((always_inline)) inline void blocks_kernel(const float* x, int64_t
 // run side by side per round, over 8 / C rounds, their sums kept in memory between rounds: with one row, 8 chains
 // of FMAs keep the units busy; with 8, a round streams one segment of the pack for all rows, and the rounds together
 // stream the pack once, as blocks_kernel<8> does.
-template <int M, int P>
+template <int M, int P, typename W>
 __attribute__((always_inline)) inline void fixed_blocks_kernel(const float* x, int64_t ldx, int64_t K,
-                                                                const float* packed, int64_t block_begin,
+                                                                const W* packed, int64_t block_begin,
                                                                 int64_t block_end, const float* bias, float* out,
                                                                 int64_t ldo, int64_t N) {
   using V = typename Lanes<P>::type;
@@ -127,7 +182,7 @@ __attribute__((always_inline)) inline void fixed_blocks_kernel(const float* x, i
   const int64_t seg = K / S;
   for (int64_t nb = block_begin; nb < block_end; nb += P) {
     V part[S][M];
-    const float* w = packed + nb * K * kLanes;
+    const W* w = packed + nb * block_stride(packed, K);
     for (int s0 = 0; s0 < S; s0 += C) {
       V acc[C][M];
       for (int c = 0; c < C; ++c)
@@ -157,8 +212,8 @@ __attribute__((always_inline)) inline void fixed_blocks_kernel(const float* x, i
 }
 
 // One block at a time (P = 1) or pairs of blocks then the odd one left (P = 2).
-template <int M, bool Fixed, int P>
-__attribute__((always_inline)) inline void run_blocks(const float* x, int64_t ldx, int64_t K, const float* packed,
+template <int M, bool Fixed, int P, typename W>
+__attribute__((always_inline)) inline void run_blocks(const float* x, int64_t ldx, int64_t K, const W* packed,
                                                        int64_t b0, int64_t b1, const float* bias, float* out,
                                                        int64_t ldo, int64_t N) {
   const int64_t whole = b0 + (b1 - b0) / P * P;
@@ -170,18 +225,19 @@ __attribute__((always_inline)) inline void run_blocks(const float* x, int64_t ld
     run_blocks<M, Fixed, 1>(x, ldx, K, packed, whole, b1, bias, out, ldo, N);
 }
 
-using BlocksFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, const float*, float*,
-                          int64_t, int64_t);
+template <typename W>
+using BlocksFn = void (*)(const float*, int64_t, int64_t, const W*, int64_t, int64_t, const float*, float*, int64_t,
+                          int64_t);
 
-template <int M, bool Fixed>
-void blocks_generic(const float* x, int64_t ldx, int64_t K, const float* packed, int64_t b0, int64_t b1,
+template <int M, bool Fixed, typename W>
+void blocks_generic(const float* x, int64_t ldx, int64_t K, const W* packed, int64_t b0, int64_t b1,
                     const float* bias, float* out, int64_t ldo, int64_t N) {
   run_blocks<M, Fixed, 1>(x, ldx, K, packed, b0, b1, bias, out, ldo, N);
 }
 
 #ifdef SPECDEC_HAVE_AVX2_VERSION
-template <int M, bool Fixed>
-__attribute__((target("avx2,fma"))) void blocks_avx2(const float* x, int64_t ldx, int64_t K, const float* packed,
+template <int M, bool Fixed, typename W>
+__attribute__((target("avx2,fma"))) void blocks_avx2(const float* x, int64_t ldx, int64_t K, const W* packed,
                                                       int64_t b0, int64_t b1, const float* bias, float* out,
                                                       int64_t ldo, int64_t N) {
   run_blocks<M, Fixed, 1>(x, ldx, K, packed, b0, b1, bias, out, ldo, N);
@@ -189,17 +245,20 @@ __attribute__((target("avx2,fma"))) void blocks_avx2(const float* x, int64_t ldx
 #endif
 
 #ifdef SPECDEC_HAVE_AVX512_VERSION
-template <int M, bool Fixed>
+template <int M, bool Fixed, typename W>
 __attribute__((target("avx512f,avx2,fma"))) void blocks_avx512(const float* x, int64_t ldx, int64_t K,
-                                                                const float* packed, int64_t b0, int64_t b1,
+                                                                const W* packed, int64_t b0, int64_t b1,
                                                                 const float* bias, float* out, int64_t ldo,
                                                                 int64_t N) {
   run_blocks<M, Fixed, 2>(x, ldx, K, packed, b0, b1, bias, out, ldo, N);
 }
 #endif
 
-#define SPECDEC_ROW_TABLE(fn, fixed) \
-  { fn<1, fixed>, fn<2, fixed>, fn<3, fixed>, fn<4, fixed>, fn<5, fixed>, fn<6, fixed>, fn<7, fixed>, fn<8, fixed> }
+#define SPECDEC_ROW_TABLE(fn, fixed)                                                                    \
+  {                                                                                                     \
+    fn<1, fixed, W>, fn<2, fixed, W>, fn<3, fixed, W>, fn<4, fixed, W>, fn<5, fixed, W>, fn<6, fixed, W>, \
+        fn<7, fixed, W>, fn<8, fixed, W>                                                                \
+  }
 
 enum class Version { generic, avx2, avx512 };
 
@@ -219,21 +278,22 @@ Version skinny_version() {
 #endif
 }
 
-// The kernel for a pass of `rows` rows (1 .. kMaxRows), in the version this CPU runs; `fixed`: the row-invariant
-// order.
-BlocksFn kernel_for(int64_t rows, bool fixed) {
+// The kernel for a pass of `rows` rows (1 .. kMaxRows) over a pack of W (float, or uint16_t: bfloat16 bits), in the
+// version this CPU runs; `fixed`: the row-invariant order.
+template <typename W>
+BlocksFn<W> kernel_for(int64_t rows, bool fixed) {
 #ifdef SPECDEC_HAVE_AVX512_VERSION
-  static constexpr BlocksFn avx512[2][kMaxRows] = {SPECDEC_ROW_TABLE(blocks_avx512, false),
-                                                   SPECDEC_ROW_TABLE(blocks_avx512, true)};
+  static constexpr BlocksFn<W> avx512[2][kMaxRows] = {SPECDEC_ROW_TABLE(blocks_avx512, false),
+                                                      SPECDEC_ROW_TABLE(blocks_avx512, true)};
   if (skinny_version() == Version::avx512) return avx512[fixed][rows - 1];
 #endif
 #ifdef SPECDEC_HAVE_AVX2_VERSION
-  static constexpr BlocksFn avx2[2][kMaxRows] = {SPECDEC_ROW_TABLE(blocks_avx2, false),
-                                                 SPECDEC_ROW_TABLE(blocks_avx2, true)};
+  static constexpr BlocksFn<W> avx2[2][kMaxRows] = {SPECDEC_ROW_TABLE(blocks_avx2, false),
+                                                    SPECDEC_ROW_TABLE(blocks_avx2, true)};
   if (skinny_version() == Version::avx2) return avx2[fixed][rows - 1];
 #endif
-  static constexpr BlocksFn generic[2][kMaxRows] = {SPECDEC_ROW_TABLE(blocks_generic, false),
-                                                    SPECDEC_ROW_TABLE(blocks_generic, true)};
+  static constexpr BlocksFn<W> generic[2][kMaxRows] = {SPECDEC_ROW_TABLE(blocks_generic, false),
+                                                       SPECDEC_ROW_TABLE(blocks_generic, true)};
   return generic[fixed][rows - 1];
 }
 
@@ -250,15 +310,26 @@ void check_float_cpu(const at::Tensor& t, const char* name) {
                     t.scalar_type(), " on ", t.device());
 }
 
-// weight [N, K] -> packed [ceil(N / 8), K, 8]: packed[b, k, j] = weight[8 b + j, k], 0 past N.
-at::Tensor skinny_linear_pack(const at::Tensor& weight) {
+// weight [N, K] -> packed [ceil(N / 8), K, 8]: packed[b, k, j] = weight[8 b + j, k], 0 past N; with `bf16`
+// (every value of weight must be a bfloat16: a bfloat16 checkpoint's weights widened to float32) a bfloat16 pack
+// [ceil(N / 8), ceil(K / 2), 16] of the same values: packed[b, k / 2, 2 j + k % 2] (load_lanes).
+at::Tensor skinny_linear_pack(const at::Tensor& weight, bool bf16) {
   check_float_cpu(weight, "weight");
   TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(0) > 0 && weight.size(1) > 0,
                     "weight must be a non-empty 2-D [out_features, in_features] tensor, got shape ", weight.sizes());
   const int64_t N = weight.size(0), K = weight.size(1), blocks = (N + kLanes - 1) / kLanes;
-  at::Tensor padded = at::zeros({blocks * kLanes, K}, weight.options());
-  padded.narrow(0, 0, N).copy_(weight);
-  return padded.view({blocks, kLanes, K}).transpose(1, 2).contiguous();
+  if (!bf16) {
+    at::Tensor padded = at::zeros({blocks * kLanes, K}, weight.options());
+    padded.narrow(0, 0, N).copy_(weight);
+    return padded.view({blocks, kLanes, K}).transpose(1, 2).contiguous();
+  }
+  const int64_t pairs = (K + 1) / 2;
+  at::Tensor padded = at::zeros({blocks * kLanes, 2 * pairs}, weight.options().dtype(at::kBFloat16));
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
+  TORCH_CHECK_VALUE(padded.narrow(0, 0, N).narrow(1, 0, K).to(at::kFloat).equal(weight),
+                    "bf16=True needs a weight whose every value is a bfloat16 (one widened from a bfloat16 "
+                    "checkpoint); this weight has other values: pack it with bf16=False");
+  return padded.view({blocks, kLanes, pairs, 2}).permute({0, 2, 1, 3}).contiguous().view({blocks, pairs, kPairRow});
 }
 
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
@@ -269,6 +340,27 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   return out;
 }
 
+// out = x . W^T (+ bias) over a checked pack of W (float, or uint16_t: bfloat16 bits). Threads split the output
+// features. More than 8 rows take several passes; each pass runs over a slice of blocks small enough (~16 KB of
+// float32 pack) to stay in the L1 cache for the next pass, and at least two, so the AVX-512 version has a pair to run.
+template <typename W>
+void run_passes(const at::Tensor& x, const W* wp, const float* bias, at::Tensor& out, bool row_invariant) {
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), blocks = (N + kLanes - 1) / kLanes;
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ldx = x.stride(0), ldo = out.stride(0);
+  const int64_t slice = std::max<int64_t>(2, 4096 / (K * kLanes));
+  at::parallel_for(0, blocks, /*grain_size=*/slice, [&](int64_t b0, int64_t b1) {
+    for (int64_t s0 = b0; s0 < b1; s0 += slice) {
+      const int64_t s1 = std::min(b1, s0 + slice);
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+        const int64_t rows = std::min(kMaxRows, M - m0);
+        kernel_for<W>(rows, row_invariant)(xp + m0 * ldx, ldx, K, wp, s0, s1, bias, op + m0 * ldo, ldo, N);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 namespace specdec {
@@ -276,18 +368,24 @@ namespace specdec {
 void skinny_linear_into(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                         at::Tensor& out, bool row_invariant) {
   check_float_cpu(x, "x");
-  check_float_cpu(packed, "packed");
+  TORCH_CHECK_VALUE(packed.device().is_cpu() && (packed.scalar_type() == at::kFloat ||
+                                                 packed.scalar_type() == at::kBFloat16),
+                    "packed must be a float32 or bfloat16 CPU tensor from skinny_linear_pack, got ",
+                    packed.scalar_type(), " on ", packed.device());
   check_float_cpu(out, "out");
   TORCH_CHECK_VALUE(x.dim() == 2 && x.stride(1) == 1, "x must be a 2-D [rows, in_features] tensor with unit stride "
                     "along in_features, got shape ", x.sizes(), " and strides ", x.strides());
   TORCH_CHECK_VALUE(out.dim() == 2 && out.size(0) == x.size(0) && out.stride(1) == 1, "out must be a 2-D [",
                     x.size(0), ", out_features] tensor with unit stride along out_features, got shape ", out.sizes(),
                     " and strides ", out.strides());
-  TORCH_CHECK_VALUE(packed.dim() == 3 && packed.size(2) == kLanes && packed.is_contiguous(),
-                    "packed must be a contiguous [blocks, in_features, 8] tensor from skinny_linear_pack, got shape ",
-                    packed.sizes());
+  const bool bf16 = packed.scalar_type() == at::kBFloat16;
   const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0), N = out.size(1);
-  TORCH_CHECK_VALUE(packed.size(1) == K, "x has ", K, " in_features but packed was made for ", packed.size(1));
+  TORCH_CHECK_VALUE(packed.dim() == 3 && packed.size(2) == (bf16 ? kPairRow : kLanes) && packed.is_contiguous(),
+                    "packed must be a contiguous [blocks, in_features, 8] float32 or [blocks, ceil(in_features / 2), "
+                    "16] bfloat16 tensor from skinny_linear_pack, got shape ", packed.sizes(), " of ",
+                    packed.scalar_type());
+  TORCH_CHECK_VALUE(packed.size(1) == (bf16 ? (K + 1) / 2 : K), "x has ", K, " in_features but packed was made "
+                    "for ", bf16 ? "a different count (" : "", packed.size(1), bf16 ? " pairs)" : "");
   TORCH_CHECK_VALUE(N > (blocks - 1) * kLanes && N <= blocks * kLanes, "out_features=", N,
                     " does not match packed's ", blocks, " blocks of ", kLanes, " features");
   const float* bias_ptr = nullptr;
@@ -298,29 +396,16 @@ void skinny_linear_into(const at::Tensor& x, const at::Tensor& packed, const c10
     bias_ptr = bias->data_ptr<float>();
   }
   if (M == 0) return;
-  const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t ldx = x.stride(0), ldo = out.stride(0);
-  // Threads split the output features. More than 8 rows take several passes; each pass runs over a slice of
-  // blocks small enough (~16 KB of pack) to stay in the L1 cache for the next pass.
-  // (At least two blocks a slice, so the AVX-512 version has a pair to run.)
-  const int64_t slice = std::max<int64_t>(2, 4096 / (K * kLanes));
-  at::parallel_for(0, blocks, /*grain_size=*/slice, [&](int64_t b0, int64_t b1) {
-    for (int64_t s0 = b0; s0 < b1; s0 += slice) {
-      const int64_t s1 = std::min(b1, s0 + slice);
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-        const int64_t rows = std::min(kMaxRows, M - m0);
-        kernel_for(rows, row_invariant)(xp + m0 * ldx, ldx, K, wp, s0, s1, bias_ptr, op + m0 * ldo, ldo, N);
-      }
-    }
-  });
+  if (bf16)
+    run_passes(x, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), bias_ptr, out, row_invariant);
+  else
+    run_passes(x, packed.data_ptr<float>(), bias_ptr, out, row_invariant);
 }
 
 }  // namespace specdec
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
-  m.def("skinny_linear_pack(Tensor weight) -> Tensor");
+  m.def("skinny_linear_pack(Tensor weight, bool bf16=False) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor packed, int out_features, Tensor? bias=None, bool row_invariant=False) "
         "-> Tensor");
   m.def("skinny_linear_version() -> str", &skinny_linear_version);

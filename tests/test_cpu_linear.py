@@ -179,6 +179,43 @@ def test_skinny_pack_layout_and_refresh():
 
 
 @needs_skinny
+def test_bfloat16_pack_layout_and_the_float32_packs_bits():
+    """A weight of bfloat16 values packs to bfloat16, features k and k + 1 side by side per lane
+    ([blocks, ceil(K / 2), 16]); the kernel widens it exactly, so every row count, both summation orders and odd
+    feature counts give the float32 pack's bits."""
+    weight = torch.arange(10 * 3, dtype=torch.float32).view(10, 3)
+    packed = torch.ops.specdec.skinny_linear_pack(weight, True)
+    assert packed.dtype == torch.bfloat16 and packed.shape == (2, 2, 16)
+    assert torch.equal(packed[0, 0].float(), weight[:8, :2].reshape(-1))  # lane j: features 0 and 1
+    assert torch.equal(packed[0, 1, 0::2].float(), weight[:8, 2]) and not packed[0, 1, 1::2].any()  # K padded
+    gen = torch.Generator().manual_seed(5)
+    for n, k in ((37, 29), (512, 256), (40, 300), (9, 1)):
+        weight = torch.randn(n, k, generator=gen).bfloat16().float()
+        bias = torch.randn(n, generator=gen)
+        wide, narrow = torch.ops.specdec.skinny_linear_pack(weight), torch.ops.specdec.skinny_linear_pack(weight, True)
+        for rows in (1, 2, 3, 4, 5, 8, 11, 17):
+            x = torch.randn(rows, k, generator=gen)
+            for row_invariant in (False, True):
+                got = torch.ops.specdec.skinny_linear(x, narrow, n, bias, row_invariant)
+                assert torch.equal(got, torch.ops.specdec.skinny_linear(x, wide, n, bias, row_invariant))
+        _assert_linear(got, x, weight, bias)
+
+
+@needs_skinny
+def test_skinny_pack_is_bfloat16_for_large_weights_of_bfloat16_values():
+    """The model's packs: bfloat16 for a large weight of bfloat16 values (a bfloat16 checkpoint's), float32 for other
+    values (the pack op refuses them by name) and for small weights (in cache, where widening costs more)."""
+    gen = torch.Generator().manual_seed(6)
+    large = torch.randn(*BIG, generator=gen)
+    small = torch.randn(64, 64, generator=gen).bfloat16().float()
+    assert cpu_linear.skinny_pack(large.bfloat16().float()).dtype == torch.bfloat16
+    assert cpu_linear.skinny_pack(large).dtype == torch.float32
+    assert cpu_linear.skinny_pack(small).dtype == torch.float32
+    with pytest.raises(ValueError, match="bf16=True needs a weight whose every value is a bfloat16"):
+        torch.ops.specdec.skinny_linear_pack(large, True)
+
+
+@needs_skinny
 @pytest.mark.parametrize(
     "call, match",
     [
@@ -189,6 +226,8 @@ def test_skinny_pack_layout_and_refresh():
         (lambda p: torch.ops.specdec.skinny_linear(torch.randn(2, 4), p, 17), "out_features=17"),
         (lambda p: torch.ops.specdec.skinny_linear(torch.randn(2, 4), p, 8), "out_features=8"),
         (lambda p: torch.ops.specdec.skinny_linear(torch.randn(2, 4), p[:, :, :4], 10), "packed must be"),
+        (lambda p: torch.ops.specdec.skinny_linear(torch.randn(2, 4), p.half(), 10), "packed must be a float32 or"),
+        (lambda p: torch.ops.specdec.skinny_linear(torch.randn(2, 4), p.bfloat16(), 10), "packed must be a contig"),
         (lambda p: torch.ops.specdec.skinny_linear(torch.randn(2, 4), p, 10, torch.randn(9)), "bias must be"),
         (lambda p: torch.ops.specdec.skinny_linear_pack(torch.randn(3)), "weight must be a non-empty 2-D"),
         (lambda p: torch.ops.specdec.skinny_linear_pack(torch.randn(0, 3)), "weight must be a non-empty 2-D"),
@@ -204,12 +243,15 @@ def test_skinny_ops_name_the_bad_argument(call, match):
 @needs_skinny
 def test_skinny_opcheck():
     weight, bias = torch.randn(20, 16), torch.randn(20)
-    packed = torch.ops.specdec.skinny_linear_pack(weight)
+    weight = weight.bfloat16().float()  # so that it packs either way
+    packs = [torch.ops.specdec.skinny_linear_pack(weight, bf16) for bf16 in (False, True)]
     torch.library.opcheck(torch.ops.specdec.skinny_linear_pack.default, (weight,))
+    torch.library.opcheck(torch.ops.specdec.skinny_linear_pack.default, (weight, True))
     for rows in (1, 6, 11):
         x = torch.randn(rows, 16)
-        torch.library.opcheck(torch.ops.specdec.skinny_linear.default, (x, packed, 20, bias))
-        torch.library.opcheck(torch.ops.specdec.skinny_linear.default, (x, packed, 20, None))
+        for packed in packs:
+            torch.library.opcheck(torch.ops.specdec.skinny_linear.default, (x, packed, 20, bias))
+            torch.library.opcheck(torch.ops.specdec.skinny_linear.default, (x, packed, 20, None))
 
 
 GENERIC_CHECK = """
@@ -243,12 +285,13 @@ g = torch.Generator().manual_seed(0)
 for rows in (1, 2, 3, 5, 8, 11, 16):
     for n, k in ((37, 29), (40, 300), (512, 256), (24, 3)):  # odd and even block counts, K below one partial sum
         w, b, x = torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(rows, k, generator=g)
-        packed = torch.ops.specdec.skinny_linear_pack(w)
-        for row_invariant in (False, True):
-            got = torch.ops.specdec.skinny_linear(x, packed, n, b, row_invariant)
-            ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
-            assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-4), (rows, n, k, row_invariant)
-            print(got.numpy().tobytes().hex())
+        w = w.bfloat16().float()  # both packs
+        for packed in (torch.ops.specdec.skinny_linear_pack(w), torch.ops.specdec.skinny_linear_pack(w, True)):
+            for row_invariant in (False, True):
+                got = torch.ops.specdec.skinny_linear(x, packed, n, b, row_invariant)
+                ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
+                assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-4), (rows, n, k, row_invariant)
+                print(got.numpy().tobytes().hex())
 """
 
 
@@ -256,13 +299,13 @@ for rows in (1, 2, 3, 5, 8, 11, 16):
 @pytest.mark.skipif(not cpu_flags() >= {"avx512f", "avx2", "fma"}, reason="this CPU runs no AVX-512 version")
 def test_skinny_avx512_version_gives_the_avx2_versions_bits():
     """On an AVX-512 CPU the kernel runs two packed blocks as one 16-lane vector, each sum in the AVX2 version's
-    order: the same bits, in both summation orders (SPECDEC_SKINNY_AVX2=1 forces the AVX2 version in a fresh
-    process; the choice is made once per process)."""
+    order: the same bits, in both summation orders and from both packs (SPECDEC_SKINNY_AVX2=1 forces the AVX2
+    version in a fresh process; the choice is made once per process)."""
     runs = {avx2: run_python(WIDE_CHECK, {"SPECDEC_SKINNY_AVX2": avx2}).split() for avx2 in ("1", "0")}
     if runs["0"][0] == "avx2":
         pytest.skip("the extension was built without the AVX-512 version (a compiler without __builtin_shufflevector)")
     assert runs["1"][0] == "avx2" and runs["0"][0] == "avx512"
-    assert len(runs["1"]) == 1 + 7 * 4 * 2 and runs["1"][1:] == runs["0"][1:]
+    assert len(runs["1"]) == 1 + 7 * 4 * 2 * 2 and runs["1"][1:] == runs["0"][1:]
 
 
 @needs_skinny

@@ -27,7 +27,9 @@ to ``torch``), the forward stands in for a GPU's and keeps a GPU's GEMMs: ``F.li
 ``tests/test_launches.py`` counts).
 
 Both packs are made on a weight's first use and kept on the weight tensor itself: a pack lives as long
-as the weight and costs a second copy of it. A decoder makes its models' skinny packs when it is built
+as the weight and costs a second copy of it (half a copy for the skinny pack of a weight whose every value is a
+bfloat16, as a bfloat16 checkpoint's are: that pack holds bfloat16, which the kernel widens exactly, so it streams
+half the bytes for the same sums). A decoder makes its models' skinny packs when it is built
 (``pack_ahead``): made lazily, they landed in the first few-rows step, which then ran several times its
 later time -- the first plain step the adaptive controller measured, so plain decoding was priced out. A
 pack records the weight's version and storage, so a weight changed in place or swapped by loading is
@@ -67,8 +69,11 @@ def skinny_available() -> bool:
 if skinny_available():  # shapes for torch.compile and torch.library.opcheck
 
     @torch.library.register_fake("specdec::skinny_linear_pack")
-    def _(weight):
-        return weight.new_empty(-(-weight.shape[0] // 8), weight.shape[1], 8)
+    def _(weight, bf16=False):
+        blocks = -(-weight.shape[0] // 8)
+        if bf16:  # input features in pairs: [blocks, ceil(K / 2), 16]
+            return weight.new_empty(blocks, -(-weight.shape[1] // 2), 16, dtype=torch.bfloat16)
+        return weight.new_empty(blocks, weight.shape[1], 8)
 
     @torch.library.register_fake("specdec::skinny_linear")
     def _(x, packed, out_features, bias=None, row_invariant=False):
@@ -91,7 +96,15 @@ def skinny_pack(weight: torch.Tensor) -> torch.Tensor | None:
     (no version counter: a pack could go stale unseen)."""
     if weight.is_inference():
         return None
-    return _pack(weight, "_specdec_skinny", torch.ops.specdec.skinny_linear_pack)
+    return _pack(weight, "_specdec_skinny", _make_skinny_pack)
+
+
+def _make_skinny_pack(weight: torch.Tensor) -> torch.Tensor:
+    """The skinny kernel's pack of ``weight``: for a large weight (``PACK_MIN_ELEMENTS`` and up) whose every value is a
+    bfloat16 (a bfloat16 checkpoint's), in bfloat16: half the bytes to stream from beyond the caches, the same
+    products and sums; else in float32 (a small weight stays in cache, where widening costs more than it saves)."""
+    in_bfloat16 = weight.numel() >= PACK_MIN_ELEMENTS and torch.equal(weight.to(torch.bfloat16).float(), weight)
+    return torch.ops.specdec.skinny_linear_pack(weight, in_bfloat16)
 
 
 def skinny_row_range(weight: torch.Tensor) -> tuple[int, int]:
@@ -118,7 +131,7 @@ def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     built). An inference-mode weight, which cannot keep a pack safely, is packed on every call."""
     packed = skinny_pack(weight)
     if packed is None:
-        packed = torch.ops.specdec.skinny_linear_pack(weight)
+        packed = _make_skinny_pack(weight)
     rows, out_features = x.reshape(-1, x.shape[-1]).contiguous(), weight.shape[0]
     return torch.ops.specdec.skinny_linear(rows, packed, out_features, bias, True).view(*x.shape[:-1], out_features)
 
