@@ -187,12 +187,24 @@ __attribute__((always_inline)) inline void fixed_blocks_kernel(const float* x, i
       V acc[C][M];
       for (int c = 0; c < C; ++c)
         for (int m = 0; m < M; ++m) acc[c][m] = V{};
-      for (int64_t j = 0; j < seg; ++j) {
-        for (int c = 0; c < C; ++c) {
-          const int64_t k = (s0 + c) * seg + j;
-          V wk;
-          Lanes<P>::load(wk, w, K, k);
-          for (int m = 0; m < M; ++m) acc[c][m] += x[m * ldx + k] * wk;
+      if (seg % 2 == 0) {  // every segment starts at an even k: input features in pairs, in order
+        for (int64_t j = 0; j < seg; j += 2) {
+          for (int c = 0; c < C; ++c) {
+            const int64_t k = (s0 + c) * seg + j;
+            V even, odd;
+            Lanes<P>::load_pair(even, odd, w, K, k);
+            for (int m = 0; m < M; ++m) acc[c][m] += x[m * ldx + k] * even;
+            for (int m = 0; m < M; ++m) acc[c][m] += x[m * ldx + k + 1] * odd;
+          }
+        }
+      } else {
+        for (int64_t j = 0; j < seg; ++j) {
+          for (int c = 0; c < C; ++c) {
+            const int64_t k = (s0 + c) * seg + j;
+            V wk;
+            Lanes<P>::load(wk, w, K, k);
+            for (int m = 0; m < M; ++m) acc[c][m] += x[m * ldx + k] * wk;
+          }
         }
       }
       if (s0 + C == S)  // the last segment's rest
