@@ -8,7 +8,8 @@
 // streams the pack contiguously while up to 8 rows of x (a few KB, cache-resident) are broadcast against it and 8
 // accumulators per row stay in vector registers. Each output is a float32 sum over k in partial sums whose number
 // depends on the rows in a pass (another order than BLAS's: results agree up to rounding, not bit for bit), or,
-// with row_invariant, in one order for every row count (fixed_blocks_kernel).
+// with row_invariant, in one order for every row count (fixed_blocks_kernel). A weight whose every value is a
+// bfloat16 may be packed in bfloat16 (load_lanes): the same sums from half the bytes.
 //
 // On x86-64 an AVX-512 and an AVX2 + FMA version are compiled beside the generic one and chosen at run time; elsewhere
 // (or without AVX2, or with SPECDEC_SKINNY_GENERIC=1 set when the process first calls it: how the tests reach it)
@@ -99,6 +100,18 @@ struct Lanes<2> {
     load_lanes(low, w, k);
     load_lanes(high, w + block_stride(w, K), k);
     v = __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  }
+  // A bfloat16 pack: the two blocks' words joined first, so one shuffle, one shift and one mask serve 16 lanes.
+  __attribute__((always_inline)) static inline void load_pair(type& even, type& odd, const uint16_t* w, int64_t K,
+                                                              int64_t k) {
+    typedef uint32_t wide_words_t __attribute__((vector_size(2 * kLanes * sizeof(uint32_t))));
+    words_t low, high;
+    std::memcpy(&low, w + (k >> 1) * kPairRow, sizeof(low));
+    std::memcpy(&high, w + block_stride(w, K) + (k >> 1) * kPairRow, sizeof(high));
+    const wide_words_t words =
+        __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    even = (type)(words << 16);
+    odd = (type)(words & 0xFFFF0000u);
   }
   template <typename W>
   __attribute__((always_inline)) static inline void load_pair(type& even, type& odd, const W* w, int64_t K, int64_t k) {
