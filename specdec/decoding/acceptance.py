@@ -57,17 +57,21 @@ class AcceptanceModel:
 
     def observe(self, request: int, depth: int, accepted: int) -> None:
         """Request ``request`` proposed a tree of ``depth`` levels and ``accepted`` of its nodes were accepted."""
-        own = self.requests.setdefault(request, [])
+        own, pooled, decay = self.requests.setdefault(request, []), self.pooled, self.pooled_decay
         for counts in own:
             counts[0] *= self.request_decay
             counts[1] *= self.request_decay
-        for i in range(min(depth, accepted + 1)):  # positions 1 .. accepted + 1 were tested
-            hit = float(accepted > i)
-            for table, decay in ((own, 1.0), (self.pooled, self.pooled_decay)):
-                while len(table) <= i:
-                    table.append([0.0, 0.0])
-                table[i][0] = decay * table[i][0] + hit
-                table[i][1] = decay * table[i][1] + 1.0
+        tested = min(depth, accepted + 1)  # positions 1 .. accepted + 1 were tested
+        for table in (own, pooled):
+            while len(table) < tested:
+                table.append([0.0, 0.0])
+        for i in range(tested):
+            hit = 1.0 if accepted > i else 0.0
+            mine, everyone = own[i], pooled[i]
+            mine[0] += hit
+            mine[1] += 1.0
+            everyone[0] = decay * everyone[0] + hit
+            everyone[1] = decay * everyone[1] + 1.0
 
     def expected_tokens(self, running: Sequence[int], caps: Sequence[int]) -> list[list[float]]:
         """Per running request, the tokens it is expected to emit when drafting d levels, d = 0 .. its cap: 1 plus
