@@ -40,6 +40,15 @@
 //   stream after the last layer (the predicted features). Layer 0's q/k/v read first_input where given (EAGLE-3's
 //   [embedding, feature] rows), else the residual, normalised by layer 0's input norm if first_norm (else its
 //   layer_weights entry is not read). The kept rows pass the final norm where given, then the LM head.
+// head_chain_greedy_cpu(features [R, H], logits [R, Vd], slots, num_drafts K >= 1, embed, fc_weight?, fc_bias?,
+//   input_norm?, hidden_norm?, norm_before_residual, draft_to_target?, layer_weights, ..., drafts [R, K] int64 out):
+//   an EAGLE head's greedy chain in one call, as a draft model's. Draft 0 is the argmax of `logits` (the root's, from
+//   the catch-up that predicted `features`); draft j > 0 the argmax after a forward of one row per request -- draft
+//   j - 1 with the feature predicted for it -- written and rotated at seq_lens[slot] + j - 1: K - 1 cache rows.
+//   Draft ids map to target ids through draft_to_target [Vd] where given (EAGLE-3's reduced vocabulary); the
+//   target ids are drafted and fed back. A row enters as fc([embed(token), feature]) (EAGLE-1/2: fc_weight), or
+//   (EAGLE-3: input_norm and hidden_norm) as the normalised feature (norm_before_residual) or the feature itself,
+//   with layer 0 reading [input_norm(embed(token)), hidden_norm(feature)].
 
 #include "skinny_linear.h"
 
@@ -623,6 +632,121 @@ void head_forward_cpu(at::Tensor& residual, const c10::optional<at::Tensor>& fir
   });
 }
 
+// The row a chain level feeds an EAGLE head: `tokens` [R] (target ids) with the features [R, H] predicted for them.
+struct HeadInput {
+  const c10::optional<at::Tensor>& fc_weight;  // EAGLE-1/2: [H, 2 H]
+  const c10::optional<at::Tensor>& fc_bias;
+  const c10::optional<at::Tensor>& input_norm;  // EAGLE-3: [H] each
+  const c10::optional<at::Tensor>& hidden_norm;
+  bool norm_before_residual;
+
+  template <typename scalar_t>
+  void enter(Stream& in, at::Tensor& first_input, const at::Tensor& embed, const at::Tensor& tokens,
+             const at::Tensor& feature, double eps) const {
+    const at::Tensor embedded = at::embedding(embed, tokens);
+    if (fc_weight.has_value()) {  // the head's nn.Linear over [embedding, feature]: F.linear's call
+      in.residual = at::linear(at::cat({embedded, feature}, 1), *fc_weight, fc_bias).contiguous();
+      in.first_norm = false;
+      return;
+    }
+    const int64_t R = feature.size(0), H = feature.size(1);
+    at::Tensor normed = at::empty({2, R, H}, feature.options());  // the embedding's and the feature's norms
+    rms_norm_rows(embedded.contiguous().data_ptr<scalar_t>(), input_norm->data_ptr<scalar_t>(),
+                  normed.data_ptr<scalar_t>(), R, H, eps);
+    rms_norm_rows(feature.data_ptr<scalar_t>(), hidden_norm->data_ptr<scalar_t>(), normed.data_ptr<scalar_t>() + R * H,
+                  R, H, eps);
+    first_input = at::cat({normed[0], normed[1]}, 1);
+    in.residual = norm_before_residual ? normed[1].clone() : feature.clone();
+    in.first_input = &first_input;
+  }
+};
+
+void check_head_input(const HeadInput& head, const at::Tensor& like) {
+  const int64_t H = like.size(1);
+  const bool eagle3 = head.input_norm.has_value() || head.hidden_norm.has_value();
+  TORCH_CHECK_VALUE(head.fc_weight.has_value() != eagle3 && head.input_norm.has_value() == head.hidden_norm.has_value(),
+                    "give fc_weight (an EAGLE-1/2 head) or input_norm and hidden_norm (an EAGLE-3 head), not both");
+  auto check = [&](const c10::optional<at::Tensor>& t, const char* name, at::IntArrayRef shape) {
+    TORCH_CHECK_VALUE(!t.has_value() || (t->sizes() == shape && t->scalar_type() == like.scalar_type() &&
+                                         t->is_cpu() && t->is_contiguous()),
+                      name, " must be a contiguous CPU ", like.scalar_type(), " tensor of ", shape, ", got ",
+                      t.has_value() ? t->sizes() : at::IntArrayRef{});
+  };
+  check(head.fc_weight, "fc_weight", {H, 2 * H});
+  check(head.fc_bias, "fc_bias", {H});
+  check(head.input_norm, "input_norm", {H});
+  check(head.hidden_norm, "hidden_norm", {H});
+  TORCH_CHECK_VALUE(head.fc_weight.has_value() || !head.fc_bias.has_value(), "fc_bias needs fc_weight");
+}
+
+void head_chain_greedy_cpu(const at::Tensor& features, const at::Tensor& logits, const at::Tensor& slots,
+                           int64_t num_drafts, const at::Tensor& embed, const c10::optional<at::Tensor>& fc_weight,
+                           const c10::optional<at::Tensor>& fc_bias, const c10::optional<at::Tensor>& input_norm,
+                           const c10::optional<at::Tensor>& hidden_norm, bool norm_before_residual,
+                           const c10::optional<at::Tensor>& draft_to_target, at::TensorList layer_weights,
+                           const c10::List<c10::optional<at::Tensor>>& layer_biases,
+                           const c10::optional<at::Tensor>& final_norm, const at::Tensor& lm_head,
+                           const c10::List<c10::optional<at::Tensor>>& packs, at::IntArrayRef pack_rows,
+                           const at::Tensor& rotary_table, at::Tensor& cache, const at::Tensor& seq_lens,
+                           const c10::optional<at::Tensor>& block_tables, double eps, double softmax_scale,
+                           int64_t num_heads, at::Tensor& drafts) {
+  TORCH_CHECK_VALUE(num_drafts >= 1, "num_drafts must be >= 1, got ", num_drafts);
+  TORCH_CHECK_VALUE(features.dim() == 2 && features.is_cpu() && features.is_contiguous(),
+                    "features must be a contiguous CPU [R, hidden] tensor, got ", features.sizes());
+  check_embed(embed);
+  TORCH_CHECK_VALUE(embed.size(1) == features.size(1) && embed.scalar_type() == features.scalar_type(),
+                    "embed must be [vocab, ", features.size(1), "] of the features' dtype, got ", embed.sizes());
+  const HeadInput head{fc_weight, fc_bias, input_norm, hidden_norm, norm_before_residual};
+  check_head_input(head, features);
+  const bool eagle3 = !fc_weight.has_value();
+  const int64_t R = features.size(0);
+  const at::Tensor shape = at::empty({R, 1}, at::kLong);  // one row per request and forward
+  Call c = prepare(shape, "features", slots, num_drafts - 1, features, eagle3 ? 2 * features.size(1) : features.size(1),
+                   false, layer_weights, layer_biases, final_norm.has_value() ? &*final_norm : nullptr, lm_head, packs,
+                   pack_rows, rotary_table, cache, seq_lens, block_tables, num_heads);
+  check_logits(logits, features, R, c.g.vocab);
+  if (draft_to_target.has_value()) {
+    TORCH_CHECK_VALUE(draft_to_target->scalar_type() == at::kLong && draft_to_target->dim() == 1 &&
+                          draft_to_target->size(0) == c.g.vocab && draft_to_target->is_cpu(),
+                      "draft_to_target must be an int64 CPU [", c.g.vocab, "] tensor (a target id per draft id), got ",
+                      draft_to_target->sizes());
+    const at::Tensor d2t = draft_to_target->contiguous();
+    const int64_t* ids = d2t.data_ptr<int64_t>();
+    const int64_t target_vocab = embed.size(0);
+    TORCH_CHECK_VALUE(std::all_of(ids, ids + c.g.vocab, [&](int64_t t) { return t >= 0 && t < target_vocab; }),
+                      "draft_to_target holds ids outside embed's ", target_vocab, " tokens");
+  }
+  TORCH_CHECK_VALUE(drafts.scalar_type() == at::kLong && drafts.sizes() == at::IntArrayRef({R, num_drafts}),
+                    "drafts must be int64 [R, num_drafts]");
+  std::vector<Rows> forwards;  // forward j feeds draft j (j < K - 1): one row per request
+  std::vector<int64_t> first(c.start);
+  for (int64_t j = 0; j + 1 < num_drafts; ++j) {
+    forwards.push_back(causal_rows(1, first));
+    check_positions(forwards.back(), rotary_table);
+    for (int64_t& f : first) f += 1;
+  }
+  if (R == 0) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, features.scalar_type(), "head_chain_greedy_cpu", [&] {
+    scalar_t* cache_p = cache.data_ptr<scalar_t>();
+    at::Tensor feature = features, step_logits = logits;
+    for (int64_t j = 0; j < num_drafts; ++j) {
+      at::Tensor ids = at::argmax(step_logits, -1);
+      at::Tensor tokens = draft_to_target.has_value() ? draft_to_target->index_select(0, ids) : ids;
+      drafts.select(1, j).copy_(tokens);
+      if (j + 1 == num_drafts) break;
+      Stream in{};
+      at::Tensor first_input;
+      head.enter<scalar_t>(in, first_input, embed, tokens, feature, eps);
+      in.final_norm = final_norm.has_value() ? &*final_norm : nullptr;
+      at::Tensor last = forward_rows<scalar_t>(in, forwards[j], 1, c.slots, c.weights, c.biases, c.packs,
+                                               rotary_table, cache_p, c.rows, c.g, eps, softmax_scale);
+      step_logits = at::empty({R, c.g.vocab}, features.options());
+      lm_head_into(step_logits, last, lm_head, c.packs, c.g.layers);
+      feature = in.residual;  // the stream after the last layer: the feature predicted for draft j + 1
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
@@ -641,12 +765,19 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
       "Tensor? tree_mask, Tensor? tree_start, int kept, Tensor[] layer_weights, Tensor?[] layer_biases, "
       "Tensor? final_norm, Tensor lm_head, Tensor?[] packs, int[] pack_rows, Tensor rotary_table, Tensor(b!) cache, "
       "Tensor seq_lens, Tensor? block_tables, float eps, float softmax_scale, int num_heads, Tensor(c!) logits) -> ()");
+  m.def(
+      "head_chain_greedy_cpu(Tensor features, Tensor logits, Tensor slots, int num_drafts, Tensor embed, "
+      "Tensor? fc_weight, Tensor? fc_bias, Tensor? input_norm, Tensor? hidden_norm, bool norm_before_residual, "
+      "Tensor? draft_to_target, Tensor[] layer_weights, Tensor?[] layer_biases, Tensor? final_norm, Tensor lm_head, "
+      "Tensor?[] packs, int[] pack_rows, Tensor rotary_table, Tensor(a!) cache, Tensor seq_lens, Tensor? block_tables, "
+      "float eps, float softmax_scale, int num_heads, Tensor(b!) drafts) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("draft_chain_greedy_cpu", &draft_chain_greedy_cpu);
   m.impl("draft_forward_cpu", &draft_forward_cpu);
   m.impl("head_forward_cpu", &head_forward_cpu);
+  m.impl("head_chain_greedy_cpu", &head_chain_greedy_cpu);
 }
 
 }  // namespace specdec

@@ -19,7 +19,9 @@ implementation does, rather than keeping K/V computed from the head's own predic
 Trees. EAGLE-1 (``static_tree``): fixed top-k index paths (``StaticTree``), node i's token the
 ``rank[i]``-th best of its parent's logits. EAGLE-2 (default): each level expands the ``top_k`` most
 confident nodes of the level before, each with its ``top_k`` best children, and the ``tree_budget - 1``
-most confident drafted nodes form the tree (``eagle_trees``), chosen on the device (``DeviceTrees``).
+most confident drafted nodes form the tree (``eagle_trees``), chosen on the device (``DeviceTrees``). At ``top_k`` 1
+that tree is a chain of each level's best token, which on the CPU the head drafts in one C++ call (``chain_greedy``:
+the levels' forwards and their argmax feedback without a Python loop between them).
 
 Children are the head's best tokens, not samples: the deterministic rule verifies them, so outputs are the target's
 (greedy, or exactly its distribution). An ``Eagle3Head`` reads the target's layers (``feature_layers``, the
@@ -33,13 +35,14 @@ import itertools
 import torch
 
 from specdec._transfer import offsets_to_device, to_device
-from specdec.decoding.eagle_trees import default_static_tree, log_probs, rerank
+from specdec.decoding.eagle_trees import default_static_tree, levels_on, log_probs, rerank, static_levels
 from specdec.decoding.proposal import DeviceTrees, Proposal
 from specdec.decoding.static_tree import StaticTree
 from specdec.decoding.strategy import BaseStrategy, Prefill, StepContext, StepResult
 from specdec.kernels import pack_mask_rows
 from specdec.model import Eagle3Head, EagleHead
 from specdec.model.attention_metadata import AttentionMetadata, causal_positions
+from specdec.model.draft_forward_cpu import head_chain_available
 
 
 class EagleStrategy(BaseStrategy):
@@ -101,7 +104,7 @@ class EagleStrategy(BaseStrategy):
             self.static = StaticTree(
                 static_tree, max_depth=depth, top_k=top_k, max_nodes=tree_budget, name="static_tree"
             )
-            self._levels = _static_levels(self.static)
+            self._levels = static_levels(self.static)
             self._layouts: dict[int, tuple[list[int], dict[int, int]]] = {}
         self.cache = None
         self.lengths: list[int] = []  # host: rows committed in the head cache per batch slot
@@ -175,6 +178,10 @@ class EagleStrategy(BaseStrategy):
         roots = to_device(step.roots, torch.int64, step.device)
         if max(nodes) == 1:  # nothing to draft (the catch-up kept the head in step)
             return Proposal(roots, [[-1]] * rows, rule="deterministic")
+        if self.static is None and self.top_k == 1 and head_chain_available(self.head, self.cache):
+            proposal = self._draft_chain(step, root_feature, root_logits, roots, limits, nodes)
+            self.cache.truncate(self.lengths)
+            return proposal
         tree_start = self.cache.seq_lens.clone()  # the drafted levels are written from here
         if self.static is not None:
             proposal = self._draft_static(step, root_feature, root_logits, roots, limits, nodes, tree_start)
@@ -302,10 +309,27 @@ class EagleStrategy(BaseStrategy):
         trees = DeviceTrees(tree_parents.flatten(), list(nodes), depths)
         return Proposal(tree_tokens.flatten(), trees, rule="deterministic")
 
+    def _draft_chain(self, step, root_feature, root_logits, roots, limits, nodes) -> Proposal:
+        """EAGLE-2 at ``top_k`` 1 on the CPU: each level's one node is the best child of the last, so the tree is a
+        chain, drafted in one C++ call (the head's ``chain_greedy``) where the levels would cost a Python loop."""
+        lengths = [min(d, n - 1) for d, n in zip(limits, nodes)]
+        levels = max(lengths)
+        self.cache.reserve(step.full_counts(levels - 1))  # the levels' rows, dropped after drafting like a tree's
+        slots = to_device(step.running, torch.int64, self.head.device)
+        drafts = self.head.chain_greedy(root_feature, root_logits, slots, levels, self.cache)  # [R, levels]
+        chains = torch.cat((roots[:, None], drafts), dim=1)
+        if any(n != levels for n in lengths):
+            width = levels + 1
+            kept = [r * width + i for r, n in enumerate(lengths) for i in range(n + 1)]
+            tokens = chains.flatten().index_select(0, to_device(kept, torch.int64, chains.device))
+        else:
+            tokens = chains.flatten()
+        return Proposal(tokens, [list(range(-1, n)) for n in lengths], rule="deterministic")
+
     def _draft_static(self, step, root_feature, root_logits, roots, limits, nodes, tree_start) -> Proposal:
         """EAGLE-1: each level's tokens are fixed ranks of the logits of the level above."""
         rows, device, tree = len(step.running), self.head.device, self.static
-        choose, fed, masks = _to(self._levels, device)
+        choose, fed, masks = levels_on(self._levels, device)
         levels = max(limits)
         logits, feats = root_logits, root_feature
         by_depth = []
@@ -349,49 +373,6 @@ class EagleStrategy(BaseStrategy):
             within = [i for i in range(tree.size) if tree.depth[i] <= levels]
             self._layouts[levels] = ([column[i] for i in within], {i: j for j, i in enumerate(within)})
         return self._layouts[levels]
-
-
-def _static_levels(tree: StaticTree):
-    """Per level of a static tree (host tensors): what ``_draft_static`` gathers and feeds.
-
-    Returns (choose, fed, masks): ``choose[l] = (take, parent_slot, widest)``: the level-(l+1) nodes' tokens are
-    ``topk(parents' logits).view(R, -1)[:, take]`` (take = parent slot * widest + rank), ``parent_slot`` each node's
-    slot among the fed nodes above; ``fed[l]``: the level-(l+1) nodes with children (positions within the level),
-    fed in that order; ``masks[l]``: their ancestor-or-self rows over every fed node, in head-cache order.
-    """
-    depth, parents, rank = tree.depth, tree.parents, tree.rank
-    by_level = [[i for i in range(tree.size) if depth[i] == d] for d in range(1, tree.max_depth + 1)]
-    has_children = {p for p in parents if p >= 0}
-    fed_nodes = [[i for i in level if i in has_children] for level in by_level]
-    head_index = {i: j for j, i in enumerate(itertools.chain.from_iterable(fed_nodes))}
-    bits = max(len(head_index), 1)
-    choose, fed, masks = [], [], []
-    for d, level in enumerate(by_level):
-        above = [0] if d == 0 else fed_nodes[d - 1]
-        slot = {node: s for s, node in enumerate(above)}
-        widest = max(rank[i] for i in level) + 1
-        parent_slot = [slot[parents[i]] for i in level]
-        take = [s * widest + rank[i] for s, i in zip(parent_slot, level)]
-        choose.append((torch.tensor(take), torch.tensor(parent_slot), widest))  # widest stays a host int
-        fed.append(torch.tensor([level.index(i) for i in fed_nodes[d]], dtype=torch.int64))
-        rows = []
-        for i in fed_nodes[d]:
-            row, node = [False] * bits, i
-            while node > 0:
-                row[head_index[node]] = True
-                node = parents[node]
-            rows.append(row)
-        masks.append(pack_mask_rows(torch.tensor(rows, dtype=torch.bool).view(len(rows), bits)))
-    return choose, fed, masks
-
-
-def _to(values, device):
-    """Host tensors (or tuples and lists of them) on ``device``, sent without waiting."""
-    if isinstance(values, torch.Tensor):
-        return to_device(values, values.dtype, device)
-    if isinstance(values, (list, tuple)):
-        return type(values)(_to(v, device) for v in values)
-    return values
 
 
 def _pad_width(features: torch.Tensor, width: int) -> torch.Tensor:

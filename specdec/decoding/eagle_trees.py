@@ -1,4 +1,5 @@
-"""The token trees EAGLE drafts: a default static tree (EAGLE-1) and the dynamic tree's rerank (EAGLE-2).
+"""The token trees EAGLE drafts: a default static tree (EAGLE-1) and what its levels gather, and the dynamic tree's
+rerank (EAGLE-2).
 
 EAGLE-2 (Li et al. 2024, "EAGLE-2: Faster Inference of Language Models with Dynamic Draft
 Trees") scores every drafted node by its path confidence, the product of the head's
@@ -13,8 +14,13 @@ ancestors: the selection is a tree. Everything here runs on the device, without 
 from __future__ import annotations
 
 import heapq
+import itertools
 
 import torch
+
+from specdec._transfer import to_device
+from specdec.decoding.static_tree import StaticTree
+from specdec.kernels import pack_mask_rows
 
 
 def log_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -101,3 +107,46 @@ def default_static_tree(tree_budget: int, depth: int, top_k: int, *, top1: float
             for r in range(top_k):
                 heapq.heappush(heap, (value * top1 * decay**r, length + 1, path + (r,)))
     return paths
+
+
+def static_levels(tree: StaticTree):
+    """Per level of a static tree (host tensors): what ``EagleStrategy._draft_static`` gathers and feeds.
+
+    Returns (choose, fed, masks): ``choose[l] = (take, parent_slot, widest)``: the level-(l+1) nodes' tokens are
+    ``topk(parents' logits).view(R, -1)[:, take]`` (take = parent slot * widest + rank), ``parent_slot`` each node's
+    slot among the fed nodes above; ``fed[l]``: the level-(l+1) nodes with children (positions within the level),
+    fed in that order; ``masks[l]``: their ancestor-or-self rows over every fed node, in head-cache order.
+    """
+    depth, parents, rank = tree.depth, tree.parents, tree.rank
+    by_level = [[i for i in range(tree.size) if depth[i] == d] for d in range(1, tree.max_depth + 1)]
+    has_children = {p for p in parents if p >= 0}
+    fed_nodes = [[i for i in level if i in has_children] for level in by_level]
+    head_index = {i: j for j, i in enumerate(itertools.chain.from_iterable(fed_nodes))}
+    bits = max(len(head_index), 1)
+    choose, fed, masks = [], [], []
+    for d, level in enumerate(by_level):
+        above = [0] if d == 0 else fed_nodes[d - 1]
+        slot = {node: s for s, node in enumerate(above)}
+        widest = max(rank[i] for i in level) + 1
+        parent_slot = [slot[parents[i]] for i in level]
+        take = [s * widest + rank[i] for s, i in zip(parent_slot, level)]
+        choose.append((torch.tensor(take), torch.tensor(parent_slot), widest))  # widest stays a host int
+        fed.append(torch.tensor([level.index(i) for i in fed_nodes[d]], dtype=torch.int64))
+        rows = []
+        for i in fed_nodes[d]:
+            row, node = [False] * bits, i
+            while node > 0:
+                row[head_index[node]] = True
+                node = parents[node]
+            rows.append(row)
+        masks.append(pack_mask_rows(torch.tensor(rows, dtype=torch.bool).view(len(rows), bits)))
+    return choose, fed, masks
+
+
+def levels_on(values, device):
+    """Host tensors (or tuples and lists of them) on ``device``, sent without waiting."""
+    if isinstance(values, torch.Tensor):
+        return to_device(values, values.dtype, device)
+    if isinstance(values, (list, tuple)):
+        return type(values)(levels_on(v, device) for v in values)
+    return values

@@ -45,6 +45,7 @@ UNAVAILABLE = (
 
 OPS = ("draft_chain_greedy_cpu", "draft_forward_cpu")
 HEAD_OP = "head_forward_cpu"
+HEAD_CHAIN_OP = "head_chain_greedy_cpu"
 
 
 @functools.cache
@@ -58,8 +59,13 @@ def _has_head_op() -> bool:
     return _backend.extension_has_op(HEAD_OP)
 
 
+@functools.cache
+def _has_head_chain_op() -> bool:
+    return _backend.extension_has_op(HEAD_CHAIN_OP)
+
+
 # the ops only write their output buffers (and the head's residual): what torch.compile and opcheck need
-for _op in (*OPS, HEAD_OP):
+for _op in (*OPS, HEAD_OP, HEAD_CHAIN_OP):
     if _backend.extension_has_op(_op):
         torch.library.register_fake(f"specdec::{_op}")(lambda *args: None)
 
@@ -223,25 +229,38 @@ class HeadRows(NamedTuple):
     kept: int
 
 
+def _head_op_runs(head, cache) -> bool:
+    """The head's C++ ops may run its forwards: a CPU head and cache in a supported dtype, the backend not forced to
+    ``torch``, no autograd over trainable weights, no ``torch.compile``, no Triton interpreter standing in for a GPU
+    (whose forward is then the one to run)."""
+    return (
+        head.device.type == "cpu"
+        and head.dtype in DTYPES
+        and _backend.forced_backend() != "torch"
+        and not torch.compiler.is_compiling()
+        and not (torch.is_grad_enabled() and head._layer_params[0].qkv["weight"].requires_grad)
+        and cache.device.type == "cpu"
+        and not _backend.interpreter_enabled()
+    )
+
+
+def head_chain_available(head, cache) -> bool:
+    """Whether ``head_chain_greedy`` can draft with ``head`` over ``cache`` (else the head's ``forward`` drafts)."""
+    return _head_op_runs(head, cache) and _has_head_chain_op()
+
+
 def head_rows(
     head, metadata: AttentionMetadata, cache, num_rows: int, logits_rows: torch.Tensor | None
 ) -> HeadRows | None:
     """The rows of an EAGLE head's forward if ``head_forward`` can run it, else None (the head runs it in PyTorch):
-    not a CPU head in a supported dtype with the op built and the backend not forced to ``torch``, autograd
-    recording, ``torch.compile``, a different row count per request, or ``logits_rows`` other than each request's
-    last rows, or Triton's interpreter standing in for a GPU. Admits the forward's K/V write in ``cache``
+    not where the ops run (``_head_op_runs``) or the op is not built, a different row count per request, or
+    ``logits_rows`` other than each request's last rows. Admits the forward's K/V write in ``cache``
     (``KVCache.begin_forward``) when it returns rows."""
     if not (
-        head.device.type == "cpu"
-        and head.dtype in DTYPES
-        and _backend.forced_backend() != "torch"
+        _head_op_runs(head, cache)
         and _has_head_op()
-        and not torch.compiler.is_compiling()
-        and not (torch.is_grad_enabled() and head._layer_params[0].qkv["weight"].requires_grad)
         and (metadata.tree_mask is None or metadata.tree_start is not None)
         and metadata.batch_size == cache.batch_size
-        and cache.device.type == "cpu"
-        and not _backend.interpreter_enabled()  # Triton's interpreter stands in for a GPU: the GPU's forward
     ):
         return None
     counts = metadata.q_offsets.diff().tolist()  # a CPU tensor: no device read
@@ -277,6 +296,30 @@ def head_forward(head, rows: HeadRows, residual: torch.Tensor, positions: torch.
         metadata.tree_start, rows.kept, *_head_arguments(head, cache, final_norm, lm_head), logits,
     )  # fmt: skip
     return logits
+
+
+def head_chain_greedy(head, cache, features: torch.Tensor, logits: torch.Tensor, slots: torch.Tensor, num_drafts: int,
+                      *, lm_head: torch.Tensor, fc: torch.nn.Linear | None = None, norms: tuple | None = None,
+                      final_norm: torch.Tensor | None = None, draft_to_target: torch.Tensor | None = None,
+                      ) -> torch.Tensor:  # fmt: skip
+    """An EAGLE head's greedy chain through ``head_chain_greedy_cpu`` (``head_chain_available``): the drafts
+    ``[R, num_drafts]`` int64, target ids.
+
+    Draft 0 is the argmax of ``logits [R, Vd]`` (each request's root, from the catch-up that predicted ``features [R,
+    H]``); draft j > 0 the argmax after a head forward of draft j - 1 with the feature predicted for it, written at
+    ``seq_lens[slot] + j - 1`` (the caller reserves the ``num_drafts - 1`` rows and drops them after, as for the tree
+    levels). ``fc``: an EAGLE-1/2 head's; ``norms``: an EAGLE-3 head's (input norm, hidden norm, norm before the
+    residual); ``final_norm``, ``lm_head``: as for ``head_forward``; ``draft_to_target``: draft id -> target id.
+    """
+    drafts = torch.empty(features.shape[0], num_drafts, dtype=torch.int64)
+    fc_weight, fc_bias = (fc.weight, fc.bias) if fc is not None else (None, None)
+    input_norm, hidden_norm, norm_first = norms if norms is not None else (None, None, False)
+    torch.ops.specdec.head_chain_greedy_cpu(
+        features.contiguous(), logits.contiguous(), slots, num_drafts, head.embedding_weight, fc_weight, fc_bias,
+        input_norm, hidden_norm, norm_first, draft_to_target, *_head_arguments(head, cache, final_norm, lm_head),
+        drafts,
+    )  # fmt: skip
+    return drafts
 
 
 def _head_arguments(head, cache, final_norm, lm_head) -> tuple:

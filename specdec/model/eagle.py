@@ -34,7 +34,7 @@ from specdec.model.attention_metadata import AttentionMetadata
 from specdec.model.block import RotaryRows, layer_params, run_layers
 from specdec.model.config import ModelConfig
 from specdec.model.cpu_linear import linear_for
-from specdec.model.draft_forward_cpu import head_forward, head_rows
+from specdec.model.draft_forward_cpu import head_chain_greedy, head_forward, head_rows
 from specdec.model.draft_head import DraftHead
 from specdec.model.forward_plan import plan_forward
 from specdec.model.head_loading import check_fits_target, head_checkpoint_files, read_config_json
@@ -150,6 +150,12 @@ class EagleHead(DraftHead):
         x = run_layers(self._layer_params, x, plan, self.config, self.rope_inv_freq, first_norm=False)
         rows = x if logits_rows is None else x.index_select(0, logits_rows)
         return x, linear_for(rows)(rows, self.lm_head_weight)
+
+    def chain_greedy(self, features, logits, slots, num_drafts: int, cache: KVCache) -> torch.Tensor:
+        """A greedy chain of ``num_drafts`` drafts per request in one C++ call (``head_chain_greedy``, where
+        ``head_chain_available``): from each root's predicted feature ``features [R, H]`` and logits ``[R, V]``."""
+        return head_chain_greedy(self, cache, features, logits, slots, num_drafts, lm_head=self.lm_head_weight,
+                                 fc=self.fc)  # fmt: skip
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target: LlamaModel) -> EagleHead:

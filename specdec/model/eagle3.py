@@ -39,7 +39,7 @@ from specdec.model.attention_metadata import AttentionMetadata
 from specdec.model.block import RotaryRows, layer_params, run_layers
 from specdec.model.config import ModelConfig
 from specdec.model.cpu_linear import linear_for
-from specdec.model.draft_forward_cpu import head_forward, head_rows
+from specdec.model.draft_forward_cpu import head_chain_greedy, head_forward, head_rows
 from specdec.model.draft_head import DraftHead
 from specdec.model.forward_plan import LAYER_OPS, plan_forward
 from specdec.model.head_loading import check_fits_target, head_checkpoint_files, read_config_json
@@ -219,6 +219,16 @@ class Eagle3Head(DraftHead):
                        final_norm=self.norm._parameters)  # fmt: skip
         rows = x if logits_rows is None else x.index_select(0, logits_rows)
         return residual, linear_for(rows)(rows, self.lm_head.weight)
+
+    def chain_greedy(self, features, logits, slots, num_drafts: int, cache: KVCache) -> torch.Tensor:
+        """A greedy chain of ``num_drafts`` drafts per request (target ids) in one C++ call (``head_chain_greedy``,
+        where ``head_chain_available``): from each root's predicted feature ``features [R, H]`` and draft logits."""
+        layer = self.midlayer
+        norms = (layer.input_layernorm.weight, layer.hidden_norm.weight, self.norm_before_residual)
+        return head_chain_greedy(
+            self, cache, features, logits, slots, num_drafts, lm_head=self.lm_head.weight, norms=norms,
+            final_norm=self.norm.weight, draft_to_target=self.draft_to_target,
+        )  # fmt: skip
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target: LlamaModel) -> Eagle3Head:
