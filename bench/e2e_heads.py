@@ -62,6 +62,7 @@ def eagle_table(target, draft, prompts, new_tokens: int, device: str, repeats: i
         ("draft tree " + ",".join(map(str, TREE)), DraftModelStrategy(draft, TREE, rule="deterministic")),
         eagle_row(target),
         eagle_row(target, eagle3=True),
+        *(eagle_row(target, eagle3=e3, top_k=1, tree_budget=d + 1, depth=d) for e3 in (False, True) for d in (5, 6)),
         eagle_row(target, tree_budget=64, depth=6, top_k=8),
         paper,
         eagle_row(target, static_tree="default", tree_budget=8),

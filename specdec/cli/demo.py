@@ -66,6 +66,8 @@ def eagle_row(target, assets: str | Path = ASSETS, *, eagle3: bool = False, **op
     strategy = EagleStrategy(head, **options)
     kind = "EAGLE-1" if options.get("static_tree") else "EAGLE-2"
     kind += " (EAGLE-3 head)" if eagle3 else ""
+    if options["top_k"] == 1 and not options.get("static_tree"):  # the tree is a chain of the best tokens
+        return f"{kind} top-1 chain, depth {strategy.max_nodes - 1}", strategy
     return f"{kind} {options['tree_budget']} nodes, depth {options['depth']}", strategy
 
 
