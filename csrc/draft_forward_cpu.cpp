@@ -40,14 +40,11 @@
 //   stream after the last layer (the predicted features). Layer 0's q/k/v read first_input where given (EAGLE-3's
 //   [embedding, feature] rows), else the residual, normalised by layer 0's input norm if first_norm (else its
 //   layer_weights entry is not read). The kept rows pass the final norm where given, then the LM head.
-// head_chain_greedy_cpu(features, tokens?, logits?, slots, num_drafts K >= 1, embed, fc_weight?, fc_bias?,
+// head_chain_greedy_cpu(features [R, H], logits [R, Vd], slots, num_drafts K >= 1, embed, fc_weight?, fc_bias?,
 //   input_norm?, hidden_norm?, norm_before_residual, draft_to_target?, layer_weights, ..., drafts [R, K] int64 out):
-//   an EAGLE head's greedy chain in one call, as a draft model's. With tokens [R, n] (the catch-up: features
-//   [R * n, H] are the target's features of the accepted rows, tokens the tokens after them), forward 0 feeds them
-//   as causal rows at seq_lens[slot] .. + n - 1 and draft 0 is the argmax of each request's last row; with logits
-//   [R, Vd] instead (the catch-up done: features [R, H] the roots' predicted ones), draft 0 is their argmax. Draft
-//   j > 0 is the argmax after a forward of one row per request -- draft j - 1 with the feature predicted for it --
-//   written and rotated after the rows before it: n + K - 1 cache rows in all (n = 0 without tokens).
+//   an EAGLE head's greedy chain in one call, as a draft model's. Draft 0 is the argmax of `logits` (the root's, from
+//   the catch-up that predicted `features`); draft j > 0 the argmax after a forward of one row per request -- draft
+//   j - 1 with the feature predicted for it -- written and rotated at seq_lens[slot] + j - 1: K - 1 cache rows.
 //   Draft ids map to target ids through draft_to_target [Vd] where given (EAGLE-3's reduced vocabulary); the
 //   target ids are drafted and fed back. A row enters as fc([embed(token), feature]) (EAGLE-1/2: fc_weight), or
 //   (EAGLE-3: input_norm and hidden_norm) as the normalised feature (norm_before_residual) or the feature itself,
@@ -682,9 +679,8 @@ void check_head_input(const HeadInput& head, const at::Tensor& like) {
   TORCH_CHECK_VALUE(head.fc_weight.has_value() || !head.fc_bias.has_value(), "fc_bias needs fc_weight");
 }
 
-void head_chain_greedy_cpu(const at::Tensor& features, const c10::optional<at::Tensor>& tokens,
-                           const c10::optional<at::Tensor>& logits, const at::Tensor& slots, int64_t num_drafts,
-                           const at::Tensor& embed, const c10::optional<at::Tensor>& fc_weight,
+void head_chain_greedy_cpu(const at::Tensor& features, const at::Tensor& logits, const at::Tensor& slots,
+                           int64_t num_drafts, const at::Tensor& embed, const c10::optional<at::Tensor>& fc_weight,
                            const c10::optional<at::Tensor>& fc_bias, const c10::optional<at::Tensor>& input_norm,
                            const c10::optional<at::Tensor>& hidden_norm, bool norm_before_residual,
                            const c10::optional<at::Tensor>& draft_to_target, at::TensorList layer_weights,
@@ -695,26 +691,20 @@ void head_chain_greedy_cpu(const at::Tensor& features, const c10::optional<at::T
                            const c10::optional<at::Tensor>& block_tables, double eps, double softmax_scale,
                            int64_t num_heads, at::Tensor& drafts) {
   TORCH_CHECK_VALUE(num_drafts >= 1, "num_drafts must be >= 1, got ", num_drafts);
-  TORCH_CHECK_VALUE(tokens.has_value() != logits.has_value(),
-                    "give tokens (the catch-up's rows) or logits (the roots', the catch-up done), not both");
   TORCH_CHECK_VALUE(features.dim() == 2 && features.is_cpu() && features.is_contiguous(),
-                    "features must be a contiguous CPU 2-D [rows, hidden] tensor, got ", features.sizes());
+                    "features must be a contiguous CPU [R, hidden] tensor, got ", features.sizes());
   check_embed(embed);
   TORCH_CHECK_VALUE(embed.size(1) == features.size(1) && embed.scalar_type() == features.scalar_type(),
                     "embed must be [vocab, ", features.size(1), "] of the features' dtype, got ", embed.sizes());
   const HeadInput head{fc_weight, fc_bias, input_norm, hidden_norm, norm_before_residual};
   check_head_input(head, features);
   const bool eagle3 = !fc_weight.has_value();
-  // the catch-up's rows per request (none without tokens), and a [R, n] tensor of the first forward's shape
-  const at::Tensor shape = tokens.has_value() ? *tokens : at::empty({features.size(0), 1}, at::kLong);
-  const int64_t R = shape.size(0), n = tokens.has_value() && shape.dim() == 2 ? shape.size(1) : 0;
-  Call c = prepare(shape, tokens.has_value() ? "tokens" : "features", slots, n + num_drafts - 1, features,
-                   eagle3 ? 2 * features.size(1) : features.size(1), false, layer_weights, layer_biases,
-                   final_norm.has_value() ? &*final_norm : nullptr, lm_head, packs, pack_rows, rotary_table, cache,
-                   seq_lens, block_tables, num_heads);
-  TORCH_CHECK_VALUE(features.size(0) == R * std::max<int64_t>(n, 1), "features must hold ", R * std::max<int64_t>(n, 1),
-                    " rows (", tokens.has_value() ? "one per token" : "one per request", "), got ", features.size(0));
-  if (logits.has_value()) check_logits(*logits, features, R, c.g.vocab);
+  const int64_t R = features.size(0);
+  const at::Tensor shape = at::empty({R, 1}, at::kLong);  // one row per request and forward
+  Call c = prepare(shape, "features", slots, num_drafts - 1, features, eagle3 ? 2 * features.size(1) : features.size(1),
+                   false, layer_weights, layer_biases, final_norm.has_value() ? &*final_norm : nullptr, lm_head, packs,
+                   pack_rows, rotary_table, cache, seq_lens, block_tables, num_heads);
+  check_logits(logits, features, R, c.g.vocab);
   if (draft_to_target.has_value()) {
     TORCH_CHECK_VALUE(draft_to_target->scalar_type() == at::kLong && draft_to_target->dim() == 1 &&
                           draft_to_target->size(0) == c.g.vocab && draft_to_target->is_cpu(),
@@ -728,37 +718,31 @@ void head_chain_greedy_cpu(const at::Tensor& features, const c10::optional<at::T
   }
   TORCH_CHECK_VALUE(drafts.scalar_type() == at::kLong && drafts.sizes() == at::IntArrayRef({R, num_drafts}),
                     "drafts must be int64 [R, num_drafts]");
-  std::vector<Rows> forwards;  // the catch-up (with tokens), then one row per request feeding drafts 0 .. K - 2
+  std::vector<Rows> forwards;  // forward j feeds draft j (j < K - 1): one row per request
   std::vector<int64_t> first(c.start);
-  for (int64_t j = n > 0 ? -1 : 0; j + 1 < num_drafts; ++j) {
-    const int64_t rows = j < 0 ? n : 1;
-    forwards.push_back(causal_rows(rows, first));
+  for (int64_t j = 0; j + 1 < num_drafts; ++j) {
+    forwards.push_back(causal_rows(1, first));
     check_positions(forwards.back(), rotary_table);
-    for (int64_t& f : first) f += rows;
+    for (int64_t& f : first) f += 1;
   }
   if (R == 0) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, features.scalar_type(), "head_chain_greedy_cpu", [&] {
     scalar_t* cache_p = cache.data_ptr<scalar_t>();
-    at::Tensor feature = features, step_logits = logits.has_value() ? logits->contiguous() : at::Tensor();
-    auto forward = [&](const at::Tensor& fed, const Rows& rows) {  // feature and logits of each request's last row
-      Stream in{};
-      at::Tensor first_input;
-      head.enter<scalar_t>(in, first_input, embed, fed, feature, eps);
-      in.final_norm = final_norm.has_value() ? &*final_norm : nullptr;
-      at::Tensor last = forward_rows<scalar_t>(in, rows, 1, c.slots, c.weights, c.biases, c.packs, rotary_table,
-                                               cache_p, c.rows, c.g, eps, softmax_scale);
-      step_logits = at::empty({R, c.g.vocab}, features.options());
-      lm_head_into(step_logits, last, lm_head, c.packs, c.g.layers);
-      // the stream after the last layer: the feature predicted for the next draft
-      feature = in.residual.view({R, rows.n, -1}).select(1, rows.n - 1).contiguous();
-    };
-    size_t next = 0;
-    if (n > 0) forward(tokens->contiguous().view({-1}), forwards[next++]);
+    at::Tensor feature = features, step_logits = logits;
     for (int64_t j = 0; j < num_drafts; ++j) {
       at::Tensor ids = at::argmax(step_logits, -1);
-      at::Tensor drafted = draft_to_target.has_value() ? draft_to_target->index_select(0, ids) : ids;
-      drafts.select(1, j).copy_(drafted);
-      if (j + 1 < num_drafts) forward(drafted, forwards[next++]);
+      at::Tensor tokens = draft_to_target.has_value() ? draft_to_target->index_select(0, ids) : ids;
+      drafts.select(1, j).copy_(tokens);
+      if (j + 1 == num_drafts) break;
+      Stream in{};
+      at::Tensor first_input;
+      head.enter<scalar_t>(in, first_input, embed, tokens, feature, eps);
+      in.final_norm = final_norm.has_value() ? &*final_norm : nullptr;
+      at::Tensor last = forward_rows<scalar_t>(in, forwards[j], 1, c.slots, c.weights, c.biases, c.packs,
+                                               rotary_table, cache_p, c.rows, c.g, eps, softmax_scale);
+      step_logits = at::empty({R, c.g.vocab}, features.options());
+      lm_head_into(step_logits, last, lm_head, c.packs, c.g.layers);
+      feature = in.residual;  // the stream after the last layer: the feature predicted for draft j + 1
     }
   });
 }
@@ -782,8 +766,8 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
       "Tensor? final_norm, Tensor lm_head, Tensor?[] packs, int[] pack_rows, Tensor rotary_table, Tensor(b!) cache, "
       "Tensor seq_lens, Tensor? block_tables, float eps, float softmax_scale, int num_heads, Tensor(c!) logits) -> ()");
   m.def(
-      "head_chain_greedy_cpu(Tensor features, Tensor? tokens, Tensor? logits, Tensor slots, int num_drafts, "
-      "Tensor embed, Tensor? fc_weight, Tensor? fc_bias, Tensor? input_norm, Tensor? hidden_norm, bool norm_before_residual, "
+      "head_chain_greedy_cpu(Tensor features, Tensor logits, Tensor slots, int num_drafts, Tensor embed, "
+      "Tensor? fc_weight, Tensor? fc_bias, Tensor? input_norm, Tensor? hidden_norm, bool norm_before_residual, "
       "Tensor? draft_to_target, Tensor[] layer_weights, Tensor?[] layer_biases, Tensor? final_norm, Tensor lm_head, "
       "Tensor?[] packs, int[] pack_rows, Tensor rotary_table, Tensor(a!) cache, Tensor seq_lens, Tensor? block_tables, "
       "float eps, float softmax_scale, int num_heads, Tensor(b!) drafts) -> ()");

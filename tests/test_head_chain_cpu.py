@@ -15,7 +15,7 @@ from specdec import _backend
 from specdec.decoding import AdaptiveSpeculation, SpeculativeDecoder
 from specdec.decoding.autoregressive import generate as autoregressive_generate
 from specdec.decoding.eagle import EagleStrategy
-from specdec.model import AttentionMetadata, Eagle3Head, EagleHead, causal_positions
+from specdec.model import AttentionMetadata, Eagle3Head, EagleHead
 from specdec.model.draft_forward_cpu import _has_head_chain_op, _head_arguments
 from specdec.testing import ASSETS, heldout_token_ids, load_pair
 
@@ -50,16 +50,16 @@ def proposals(monkeypatch):
 
 @pytest.fixture
 def chain_calls(monkeypatch):
-    """(draft count, whether the catch-up rode in the call) of every chain drafted in one call."""
+    """The draft count of every chain the strategy drafts in one call."""
     calls = []
-    for head_class in (EagleHead, Eagle3Head):
-        real = head_class.chain_greedy
+    real = eagle_strategy.EagleStrategy._draft_chain
 
-        def spy(self, features, slots, num_drafts, cache, *, tokens=None, logits=None, real=real):
-            calls.append((num_drafts, tokens is not None))
-            return real(self, features, slots, num_drafts, cache, tokens=tokens, logits=logits)
+    def spy(self, step, *args):
+        proposal = real(self, step, *args)
+        calls.append(max(len(p) for p in proposal.parents) - 1)
+        return proposal
 
-        monkeypatch.setattr(head_class, "chain_greedy", spy)
+    monkeypatch.setattr(eagle_strategy.EagleStrategy, "_draft_chain", spy)
     return calls
 
 
@@ -76,17 +76,14 @@ def level_by_level(monkeypatch):
 
 @pytest.mark.parametrize("ragged", [False, True], ids=["fixed", "ragged"])
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
-@pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("kind", HEADS)
-def test_greedy_chains_emit_the_targets_tokens_with_the_level_by_level_drafts(
-    kind, batch, layout, ragged, chain_calls, proposals, monkeypatch
-):  # fmt: skip
+def test_greedy_chains_emit_the_targets_tokens_with_the_level_by_level_drafts(kind, layout, ragged, chain_calls,
+                                                                              proposals, monkeypatch):  # fmt: skip
     """Fixed depths, or ragged ones (each request's own, as an adaptive controller sets them, forced here: a timed
-    choice would differ between the two runs); batch 1 (the catch-up rides in the chain's call) and a batch of 3
-    (it does where every request feeds as many rows: random heads are rarely accepted, so always here)."""
+    choice would differ between the two runs)."""
     head = head_of(kind)
-    prompts = random_prompts([7, 3, 5][:batch], head.target.config.vocab_size, seed=6)
-    options = dict(max_new_tokens=[16, 6, 11][:batch], eos_token_id=None)
+    prompts = random_prompts([7, 3, 5], head.target.config.vocab_size, seed=6)
+    options = dict(max_new_tokens=[16, 6, 11], eos_token_id=None)
 
     def run():
         strategy = EagleStrategy(head, tree_budget=5, depth=4, top_k=1)
@@ -96,8 +93,7 @@ def test_greedy_chains_emit_the_targets_tokens_with_the_level_by_level_drafts(
         return decoder.generate(prompts, **options)
 
     fused = run()
-    assert chain_calls and max(n for n, _ in chain_calls) == 4, "the chains were drafted in one call, 4 drafts deep"
-    assert batch > 1 or all(caught for _, caught in chain_calls), "batch 1: every catch-up rode in the call"
+    assert chain_calls and max(chain_calls) == 4, "the chains were drafted in one call, 4 drafts deep"
     fused_proposals = list(proposals)
     proposals.clear()
     level_by_level(monkeypatch)
@@ -111,7 +107,7 @@ def test_greedy_chains_emit_the_targets_tokens_with_the_level_by_level_drafts(
 @pytest.mark.parametrize("eagle3", [False, True], ids=["eagle", "eagle3"])
 def test_the_shipped_heads_on_heldout_prompts(eagle3, chain_calls, proposals, monkeypatch):
     """The embedded target's own heads, a batch of 4: greedy equals the target's, the trees equal the level-by-level
-    path's step by step, and ragged catch-ups (requests accepting different counts) take the two-call path."""
+    path's step by step."""
     target, _, tokenizer = load_pair()
     head = (Eagle3Head if eagle3 else EagleHead).from_pretrained(
         ASSETS.parent / ("eagle3" if eagle3 else "eagle"), target
@@ -124,8 +120,7 @@ def test_the_shipped_heads_on_heldout_prompts(eagle3, chain_calls, proposals, mo
         return SpeculativeDecoder(target, strategy, adaptive=False).generate(prompts, **options)
 
     fused = run()
-    modes = {caught for _, caught in chain_calls}
-    assert modes == {True, False}, "uniform catch-ups ride in the call, ragged ones do not"
+    assert chain_calls, "the chains were drafted in one call"
     fused_proposals = list(proposals)
     proposals.clear()
     level_by_level(monkeypatch)
@@ -154,20 +149,16 @@ def test_seeded_sampling_through_it_equals_the_level_by_level_path(kind, chain_c
     assert fused == run()
 
 
-def chain_call(kind: str, num_drafts: int = 3, catch_up: int = 0, **change):
+def chain_call(kind: str, num_drafts: int = 3, **change):
     """A well-formed ``head_chain_greedy_cpu`` call for two running requests (slots 0 and 2 of a contiguous cache
-    with 6, 11 and 9 rows): from the roots' features and logits, or (``catch_up`` n > 0) after a catch-up of n rows
-    each; ``change`` replaces arguments by name."""
+    with 6, 11 and 9 rows), with ``change`` replacing arguments by name."""
     head = head_of(kind)
     cache = filled_cache(head, "contiguous")
     hidden, gen = head.config.hidden_size, torch.Generator().manual_seed(8)
     eagle3 = kind.startswith("eagle3")
     layer = head.midlayer if eagle3 else None
-    vocab = head.config.vocab_size
     args = dict(
-        features=torch.randn(2 * max(catch_up, 1), hidden, generator=gen),
-        tokens=torch.randint(0, vocab, (2, catch_up), generator=gen) if catch_up else None,
-        logits=None if catch_up else torch.randn(2, head.draft_vocab_size, generator=gen),
+        features=torch.randn(2, hidden, generator=gen), logits=torch.randn(2, head.draft_vocab_size, generator=gen),
         slots=torch.tensor([0, 2]), num_drafts=num_drafts, embed=head.embedding_weight,
         fc_weight=None if eagle3 else head.fc.weight, fc_bias=None if eagle3 else head.fc.bias,
         input_norm=layer.input_layernorm.weight if eagle3 else None, hidden_norm=layer.hidden_norm.weight if eagle3
@@ -180,80 +171,51 @@ def chain_call(kind: str, num_drafts: int = 3, catch_up: int = 0, **change):
     return head, cache, (*args.values(), *_head_arguments(head, cache, final_norm, lm_head), drafts)
 
 
-@pytest.mark.parametrize("catch_up", [0, 3], ids=["from-roots", "with-catch-up"])
 @pytest.mark.parametrize("kind", HEADS)
-def test_the_op_against_the_heads_forwards(kind, catch_up):
-    """The op's drafts and K/V rows against the head's own forwards (PyTorch path): the catch-up's causal rows with
-    each request's last logits, then one row per level."""
-    head, cache, args = chain_call(kind, num_drafts=4, catch_up=catch_up)
-    features, tokens, logits, drafts = args[0], args[1], args[2], args[-1]
+def test_the_op_against_the_heads_forwards(kind):
+    """The op's drafts and K/V rows against the head's own forwards (PyTorch path), level by level."""
+    head, cache, args = chain_call(kind, num_drafts=4)
+    features, logits, drafts = args[0], args[1], args[-1]
     torch.ops.specdec.head_chain_greedy_cpu(*args)
     reference_cache = filled_cache(head, "contiguous")
-    rows = AttentionMetadata(torch.tensor([0, catch_up, catch_up, 2 * catch_up], dtype=torch.int32))  # slots 0, 2
-    one_row = AttentionMetadata(torch.tensor([0, 1, 1, 2], dtype=torch.int32))
+    one_row = AttentionMetadata(torch.tensor([0, 1, 1, 2], dtype=torch.int32))  # slots 0 and 2
     expected, feature, step_logits = [], features, logits
     with _backend.use_backend("torch"):
-        if catch_up:
-            reference_cache.reserve([catch_up, 0, catch_up])
-            positions = causal_positions(rows.q_offsets, reference_cache.seq_lens, 2 * catch_up)
-            last = torch.tensor([catch_up - 1, 2 * catch_up - 1])
-            predicted, step_logits = head(features, tokens.flatten(), positions, rows, reference_cache, last)
-            feature = predicted.index_select(0, last)
-            reference_cache.advance([catch_up, 0, catch_up])
         for j in range(4):
             expected.append(head.target_ids(step_logits.argmax(-1)))
-            if j < 3:  # draft j after the rows before it, as the op writes it (committed here, level by level)
+            if j < 3:  # draft j at seq_lens + j, as the op writes it (committed here, level by level)
                 reference_cache.reserve([1, 0, 1])
                 positions = reference_cache.seq_lens[[0, 2]].long()
                 feature, step_logits = head(feature, expected[-1], positions, one_row, reference_cache)
                 reference_cache.advance([1, 0, 1])
     assert torch.equal(drafts, torch.stack(expected, dim=1))
-    assert rel_err(cache.data, reference_cache.data) <= 1e-5, "the K/V rows of the catch-up and the levels"
+    assert rel_err(cache.data, reference_cache.data) <= 1e-5, "the K/V rows of the levels"
 
 
-BAD_ARGUMENTS = {  # name: (head kind, catch-up rows, changed arguments, error, message)
-    "num-drafts": ("eagle-bias", 0, dict(num_drafts=0), ValueError, "num_drafts must be >= 1"),
-    "tokens-and-logits": (
-        "eagle-bias",
-        0,
-        dict(tokens=torch.zeros(2, 1, dtype=torch.int64)),
-        ValueError,
-        "give tokens",
-    ),  # fmt: skip
-    "neither": ("eagle-bias", 0, dict(logits=None), ValueError, "give tokens"),
-    "both-inputs": ("eagle3", 0, dict(fc_weight=torch.zeros(32, 64)), ValueError, "give fc_weight"),
-    "no-input": ("eagle-bias", 0, dict(fc_weight=None, fc_bias=None), ValueError, "give fc_weight"),
-    "fc-shape": ("eagle-bias", 0, dict(fc_weight=torch.zeros(32, 63)), ValueError, "fc_weight must be"),
-    "fc-bias-alone": ("eagle3", 0, dict(fc_bias=torch.zeros(32)), ValueError, "fc_bias needs fc_weight"),
-    "norm-shape": ("eagle3", 0, dict(hidden_norm=torch.ones(31)), ValueError, "hidden_norm must be"),
-    "features-width": ("eagle-bias", 0, dict(features=torch.zeros(2, 31)), ValueError, "embed must be"),
-    "features-rows": ("eagle-bias", 0, dict(features=torch.zeros(3, 32)), ValueError, "features must be"),
-    "catch-up-rows": ("eagle-bias", 3, dict(features=torch.zeros(5, 32)), ValueError, "features must hold 6 rows"),
-    "tokens-1d": ("eagle-bias", 3, dict(tokens=torch.zeros(6, dtype=torch.int64)), ValueError, "tokens must be"),
-    "tokens-dtype": ("eagle-bias", 3, dict(tokens=torch.zeros(2, 3, dtype=torch.int32)), TypeError, "tokens and slots"),
-    "logits": ("eagle-bias", 0, dict(logits=torch.zeros(2, 63)), ValueError, "logits must be"),
-    "d2t-range": ("eagle3", 0, dict(draft_to_target=torch.full((20,), 64)), ValueError, "draft_to_target holds ids"),
-    "d2t-size": (
-        "eagle3",
-        0,
-        dict(draft_to_target=torch.zeros(19, dtype=torch.int64)),
-        ValueError,
-        "draft_to_target",
-    ),  # fmt: skip
-    "drafts": ("eagle-bias", 0, dict(drafts=torch.empty(2, 2, dtype=torch.int64)), ValueError, "drafts must be"),
-    "slot": ("eagle-bias", 0, dict(slots=torch.tensor([0, 3])), ValueError, r"slots\[1\] = 3 is not a request slot"),
-    "past-capacity": ("eagle-bias", 0, dict(num_drafts=30), ValueError, "past the cache's capacity"),
+BAD_ARGUMENTS = {  # name: (head kind, changed arguments, error, message)
+    "num-drafts": ("eagle-bias", dict(num_drafts=0), ValueError, "num_drafts must be >= 1"),
+    "both-inputs": ("eagle3", dict(fc_weight=torch.zeros(32, 64)), ValueError, "give fc_weight"),
+    "no-input": ("eagle-bias", dict(fc_weight=None, fc_bias=None), ValueError, "give fc_weight"),
+    "fc-shape": ("eagle-bias", dict(fc_weight=torch.zeros(32, 63)), ValueError, "fc_weight must be"),
+    "fc-bias-alone": ("eagle3", dict(fc_bias=torch.zeros(32)), ValueError, "fc_bias needs fc_weight"),
+    "norm-shape": ("eagle3", dict(hidden_norm=torch.ones(31)), ValueError, "hidden_norm must be"),
+    "features-width": ("eagle-bias", dict(features=torch.zeros(2, 31)), ValueError, "embed must be"),
+    "features-rows": ("eagle-bias", dict(features=torch.zeros(3, 32)), ValueError, "features must be"),
+    "logits": ("eagle-bias", dict(logits=torch.zeros(2, 63)), ValueError, "logits must be"),
+    "d2t-range": ("eagle3", dict(draft_to_target=torch.full((20,), 64)), ValueError, "draft_to_target holds ids"),
+    "d2t-size": ("eagle3", dict(draft_to_target=torch.zeros(19, dtype=torch.int64)), ValueError, "draft_to_target"),
+    "drafts": ("eagle-bias", dict(drafts=torch.empty(2, 2, dtype=torch.int64)), ValueError, "drafts must be"),
+    "slot": ("eagle-bias", dict(slots=torch.tensor([0, 3])), ValueError, r"slots\[1\] = 3 is not a request slot"),
 }
 
 
-@pytest.mark.parametrize("kind, catch_up, change, error, match", BAD_ARGUMENTS.values(), ids=BAD_ARGUMENTS)
-def test_arguments_are_checked_by_name(kind, catch_up, change, error, match):
-    torch.ops.specdec.head_chain_greedy_cpu(*chain_call(kind, catch_up=catch_up)[2])  # well-formed
+@pytest.mark.parametrize("kind, change, error, match", BAD_ARGUMENTS.values(), ids=BAD_ARGUMENTS)
+def test_arguments_are_checked_by_name(kind, change, error, match):
+    torch.ops.specdec.head_chain_greedy_cpu(*chain_call(kind)[2])  # well-formed
     with pytest.raises(error, match=match):
-        torch.ops.specdec.head_chain_greedy_cpu(*chain_call(kind, catch_up=catch_up, **change)[2])
+        torch.ops.specdec.head_chain_greedy_cpu(*chain_call(kind, **change)[2])
 
 
-@pytest.mark.parametrize("catch_up", [0, 2], ids=["from-roots", "with-catch-up"])
 @pytest.mark.parametrize("kind", ["eagle-bias", "eagle3"])
-def test_opcheck(kind, catch_up):
-    torch.library.opcheck(torch.ops.specdec.head_chain_greedy_cpu.default, chain_call(kind, catch_up=catch_up)[2])
+def test_opcheck(kind):
+    torch.library.opcheck(torch.ops.specdec.head_chain_greedy_cpu.default, chain_call(kind)[2])

@@ -172,16 +172,16 @@ class EagleStrategy(BaseStrategy):
 
     def propose(self, step: StepContext) -> Proposal:
         rows = len(step.running)
+        root_feature, root_logits = self._catch_up(step)
         limits = [max(min(d, self.max_depth), 0) for d in step.max_depth]
         nodes = [1 if d == 0 else min(n, self._nodes_within(d)) for d, n in zip(limits, step.max_nodes)]
         roots = to_device(step.roots, torch.int64, step.device)
-        if max(nodes) > 1 and self.static is None and self.top_k == 1 and head_chain_available(self.head, self.cache):
-            proposal = self._draft_chain(step, roots, limits, nodes)
-            self.cache.truncate(self.lengths)
-            return proposal
-        root_feature, root_logits = self._catch_up(step, *self._catch_up_rows(step))
         if max(nodes) == 1:  # nothing to draft (the catch-up kept the head in step)
             return Proposal(roots, [[-1]] * rows, rule="deterministic")
+        if self.static is None and self.top_k == 1 and head_chain_available(self.head, self.cache):
+            proposal = self._draft_chain(step, root_feature, root_logits, roots, limits, nodes)
+            self.cache.truncate(self.lengths)
+            return proposal
         tree_start = self.cache.seq_lens.clone()  # the drafted levels are written from here
         if self.static is not None:
             proposal = self._draft_static(step, root_feature, root_logits, roots, limits, nodes, tree_start)
@@ -225,9 +225,9 @@ class EagleStrategy(BaseStrategy):
 
     # ---- drafting ------------------------------------------------------------------------------
 
-    def _catch_up_rows(self, step: StepContext) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """The accepted nodes the catch-up feeds: their target features ``[T, H]``, the tokens after them ``[T]``
-        and the rows per running request."""
+    def _catch_up(self, step: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed the accepted nodes (true features, next tokens); the roots' predicted features ``[R, H]`` and
+        logits ``[R, V]``."""
         device = self.head.device
         slots, features, pending = self.pending
         index = {b: i for i, b in enumerate(slots)}
@@ -236,25 +236,15 @@ class EagleStrategy(BaseStrategy):
         picked = [index[b] * width + j for b, c in zip(step.running, counts) for j in range(c)]
         feed = features.flatten(0, 1).index_select(0, to_device(picked, torch.int64, device))
         tokens = to_device([t for h, c in zip(step.histories, counts) for t in h[len(h) - c :]], torch.int64, device)
-        return feed, tokens, counts
-
-    def _caught_up(self, step: StepContext, counts: list[int]) -> None:
-        """Commit the catch-up's rows in the head cache."""
-        self.cache.advance(step.full_counts(counts))
-        for b, c in zip(step.running, counts):
-            self.lengths[b] += c
-
-    def _catch_up(self, step: StepContext, feed, tokens, counts) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed the accepted nodes (``_catch_up_rows``); the roots' predicted features ``[R, H]`` and logits
-        ``[R, V]``."""
-        device = self.head.device
         full = step.full_counts(counts)
         q_offsets = offsets_to_device(full, device)
         self.cache.reserve(full)
-        positions = causal_positions(q_offsets, self.cache.seq_lens, feed.shape[0])
+        positions = causal_positions(q_offsets, self.cache.seq_lens, len(picked))
         last = to_device([e - 1 for e in itertools.accumulate(counts)], torch.int64, device)
         predicted, logits = self.head(feed, tokens, positions, AttentionMetadata(q_offsets), self.cache, last)
-        self._caught_up(step, counts)
+        self.cache.advance(full)
+        for b, c in zip(step.running, counts):
+            self.lengths[b] += c
         return predicted.index_select(0, last), logits
 
     def _level(self, step, features, tokens, level: int, mask, tree_start) -> tuple[torch.Tensor, torch.Tensor]:
@@ -319,23 +309,15 @@ class EagleStrategy(BaseStrategy):
         trees = DeviceTrees(tree_parents.flatten(), list(nodes), depths)
         return Proposal(tree_tokens.flatten(), trees, rule="deterministic")
 
-    def _draft_chain(self, step, roots, limits, nodes) -> Proposal:
+    def _draft_chain(self, step, root_feature, root_logits, roots, limits, nodes) -> Proposal:
         """EAGLE-2 at ``top_k`` 1 on the CPU: each level's one node is the best child of the last, so the tree is a
-        chain, drafted in one C++ call (the head's ``chain_greedy``) where the levels would cost a Python loop; the
-        catch-up rides in the same call where every request feeds as many rows (always at batch 1)."""
+        chain, drafted in one C++ call (the head's ``chain_greedy``) where the levels would cost a Python loop."""
         lengths = [min(d, n - 1) for d, n in zip(limits, nodes)]
         levels = max(lengths)
+        self.cache.reserve(step.full_counts(levels - 1))  # the levels' rows, dropped after drafting like a tree's
         slots = to_device(step.running, torch.int64, self.head.device)
-        feed, tokens, counts = self._catch_up_rows(step)
-        if len(set(counts)) == 1:
-            self.cache.reserve(step.full_counts(counts[0] + levels - 1))  # the levels' rows are dropped after
-            drafts = self.head.chain_greedy(feed, slots, levels, self.cache, tokens=tokens.view(len(counts), -1))
-            self._caught_up(step, counts)
-        else:
-            root_feature, root_logits = self._catch_up(step, feed, tokens, counts)
-            self.cache.reserve(step.full_counts(levels - 1))
-            drafts = self.head.chain_greedy(root_feature, slots, levels, self.cache, logits=root_logits)
-        chains = torch.cat((roots[:, None], drafts), dim=1)  # [R, levels + 1]
+        drafts = self.head.chain_greedy(root_feature, root_logits, slots, levels, self.cache)  # [R, levels]
+        chains = torch.cat((roots[:, None], drafts), dim=1)
         if any(n != levels for n in lengths):
             width = levels + 1
             kept = [r * width + i for r, n in enumerate(lengths) for i in range(n + 1)]

@@ -298,28 +298,24 @@ def head_forward(head, rows: HeadRows, residual: torch.Tensor, positions: torch.
     return logits
 
 
-def head_chain_greedy(head, cache, features: torch.Tensor, slots: torch.Tensor, num_drafts: int, *,
-                      tokens: torch.Tensor | None = None, logits: torch.Tensor | None = None, lm_head: torch.Tensor,
-                      fc: torch.nn.Linear | None = None, norms: tuple | None = None,
+def head_chain_greedy(head, cache, features: torch.Tensor, logits: torch.Tensor, slots: torch.Tensor, num_drafts: int,
+                      *, lm_head: torch.Tensor, fc: torch.nn.Linear | None = None, norms: tuple | None = None,
                       final_norm: torch.Tensor | None = None, draft_to_target: torch.Tensor | None = None,
                       ) -> torch.Tensor:  # fmt: skip
     """An EAGLE head's greedy chain through ``head_chain_greedy_cpu`` (``head_chain_available``): the drafts
     ``[R, num_drafts]`` int64, target ids.
 
-    With ``tokens [R, n]``, the chain starts with the catch-up: ``features [R * n, H]`` (the target's features of the
-    accepted rows) are fed with ``tokens`` (the tokens after them) at ``seq_lens[slot]`` .. ``+ n - 1``, and draft 0
-    is the argmax of each request's last row. With ``logits [R, Vd]`` instead (the catch-up done: ``features [R, H]``
-    the roots' predicted features), draft 0 is their argmax. Draft j > 0 is the argmax after a head forward of draft
-    j - 1 with the feature predicted for it, written after the rows before it: the caller reserves the ``n +
-    num_drafts - 1`` rows, commits the catch-up's and drops the rest after. ``fc``: an EAGLE-1/2 head's; ``norms``: an
-    EAGLE-3 head's (input norm, hidden norm, norm before the residual); ``final_norm``, ``lm_head``: as for
-    ``head_forward``; ``draft_to_target``: draft id -> target id.
+    Draft 0 is the argmax of ``logits [R, Vd]`` (each request's root, from the catch-up that predicted ``features [R,
+    H]``); draft j > 0 the argmax after a head forward of draft j - 1 with the feature predicted for it, written at
+    ``seq_lens[slot] + j - 1`` (the caller reserves the ``num_drafts - 1`` rows and drops them after, as for the tree
+    levels). ``fc``: an EAGLE-1/2 head's; ``norms``: an EAGLE-3 head's (input norm, hidden norm, norm before the
+    residual); ``final_norm``, ``lm_head``: as for ``head_forward``; ``draft_to_target``: draft id -> target id.
     """
-    drafts = torch.empty(slots.shape[0], num_drafts, dtype=torch.int64)
+    drafts = torch.empty(features.shape[0], num_drafts, dtype=torch.int64)
     fc_weight, fc_bias = (fc.weight, fc.bias) if fc is not None else (None, None)
     input_norm, hidden_norm, norm_first = norms if norms is not None else (None, None, False)
     torch.ops.specdec.head_chain_greedy_cpu(
-        features.contiguous(), tokens, logits, slots, num_drafts, head.embedding_weight, fc_weight, fc_bias,
+        features.contiguous(), logits.contiguous(), slots, num_drafts, head.embedding_weight, fc_weight, fc_bias,
         input_norm, hidden_norm, norm_first, draft_to_target, *_head_arguments(head, cache, final_norm, lm_head),
         drafts,
     )  # fmt: skip

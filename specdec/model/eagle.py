@@ -151,12 +151,11 @@ class EagleHead(DraftHead):
         rows = x if logits_rows is None else x.index_select(0, logits_rows)
         return x, linear_for(rows)(rows, self.lm_head_weight)
 
-    def chain_greedy(self, features, slots, num_drafts: int, cache: KVCache, *, tokens=None, logits=None):
+    def chain_greedy(self, features, logits, slots, num_drafts: int, cache: KVCache) -> torch.Tensor:
         """A greedy chain of ``num_drafts`` drafts per request in one C++ call (``head_chain_greedy``, where
-        ``head_chain_available``): after a catch-up of ``features`` with ``tokens``, or from the roots' predicted
-        ``features`` and their ``logits``."""
-        return head_chain_greedy(self, cache, features, slots, num_drafts, tokens=tokens, logits=logits,
-                                 lm_head=self.lm_head_weight, fc=self.fc)  # fmt: skip
+        ``head_chain_available``): from each root's predicted feature ``features [R, H]`` and logits ``[R, V]``."""
+        return head_chain_greedy(self, cache, features, logits, slots, num_drafts, lm_head=self.lm_head_weight,
+                                 fc=self.fc)  # fmt: skip
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target: LlamaModel) -> EagleHead:

@@ -220,15 +220,14 @@ class Eagle3Head(DraftHead):
         rows = x if logits_rows is None else x.index_select(0, logits_rows)
         return residual, linear_for(rows)(rows, self.lm_head.weight)
 
-    def chain_greedy(self, features, slots, num_drafts: int, cache: KVCache, *, tokens=None, logits=None):
+    def chain_greedy(self, features, logits, slots, num_drafts: int, cache: KVCache) -> torch.Tensor:
         """A greedy chain of ``num_drafts`` drafts per request (target ids) in one C++ call (``head_chain_greedy``,
-        where ``head_chain_available``): after a catch-up of ``features`` with ``tokens``, or from the roots'
-        predicted ``features`` and their draft ``logits``."""
+        where ``head_chain_available``): from each root's predicted feature ``features [R, H]`` and draft logits."""
         layer = self.midlayer
         norms = (layer.input_layernorm.weight, layer.hidden_norm.weight, self.norm_before_residual)
         return head_chain_greedy(
-            self, cache, features, slots, num_drafts, tokens=tokens, logits=logits, lm_head=self.lm_head.weight,
-            norms=norms, final_norm=self.norm.weight, draft_to_target=self.draft_to_target,
+            self, cache, features, logits, slots, num_drafts, lm_head=self.lm_head.weight, norms=norms,
+            final_norm=self.norm.weight, draft_to_target=self.draft_to_target,
         )  # fmt: skip
 
     @classmethod
