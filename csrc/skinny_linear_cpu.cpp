@@ -39,6 +39,11 @@ typedef uint32_t words_t __attribute__((vector_size(kLanes * sizeof(uint32_t))))
 // each word's low half: [blocks, ceil(K / 2), 16]. Block b + 1 starts kPairRow * ceil(K / 2) elements after block b.
 constexpr int64_t kPairRow = 2 * kLanes;
 
+// The 8 words of a bfloat16 pack's block holding input features k and k + 1 (k even; k odd reads k - 1's row).
+__attribute__((always_inline)) inline void load_words(words_t& words, const uint16_t* w, int64_t k) {
+  std::memcpy(&words, w + (k >> 1) * kPairRow, sizeof(words));
+}
+
 // One block's 8 lanes at input feature k, from a float32 pack or a bfloat16 one (uint16_t: the bits). A bfloat16 is
 // the top half of the float32 of the same value, so widening is exact and every product and sum is the float32
 // pack's, from half the bytes; each half is taken by a shift or a mask, no shuffle.
@@ -48,7 +53,7 @@ __attribute__((always_inline)) inline void load_lanes(lanes_t& v, const float* w
 
 __attribute__((always_inline)) inline void load_lanes(lanes_t& v, const uint16_t* w, int64_t k) {
   words_t words;
-  std::memcpy(&words, w + (k >> 1) * kPairRow, sizeof(words));
+  load_words(words, w, k);
   const uint32_t shift = (k & 1) ? 0 : 16;
   v = (lanes_t)((words << shift) & 0xFFFF0000u);
 }
@@ -61,7 +66,7 @@ __attribute__((always_inline)) inline void load_pair(lanes_t& even, lanes_t& odd
 
 __attribute__((always_inline)) inline void load_pair(lanes_t& even, lanes_t& odd, const uint16_t* w, int64_t k) {
   words_t words;
-  std::memcpy(&words, w + (k >> 1) * kPairRow, sizeof(words));
+  load_words(words, w, k);
   even = (lanes_t)(words << 16);
   odd = (lanes_t)(words & 0xFFFF0000u);
 }
@@ -106,8 +111,8 @@ struct Lanes<2> {
                                                               int64_t k) {
     typedef uint32_t wide_words_t __attribute__((vector_size(2 * kLanes * sizeof(uint32_t))));
     words_t low, high;
-    std::memcpy(&low, w + (k >> 1) * kPairRow, sizeof(low));
-    std::memcpy(&high, w + block_stride(w, K) + (k >> 1) * kPairRow, sizeof(high));
+    load_words(low, w, k);
+    load_words(high, w + block_stride(w, K), k);
     const wide_words_t words =
         __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     even = (type)(words << 16);

@@ -87,14 +87,17 @@ def extension_status() -> tuple[object | None, str]:
     return module, "CPU and CUDA" if has_cuda else "CPU only"
 
 
-def extension_has_op(name: str, dispatch_key: str = "CPU") -> bool:
-    """The loaded extension defines ``specdec::name`` with a kernel for ``dispatch_key`` (an extension built
-    before the op was added has not: then its callers take their PyTorch paths)."""
-    return (
-        extension_status()[0] is not None
-        and hasattr(torch.ops.specdec, name)
-        and torch._C._dispatch_has_kernel_for_dispatch_key(f"specdec::{name}", dispatch_key)
-    )
+def extension_has_op(name: str, dispatch_key: str | None = "CPU", arguments: tuple[str, ...] = ()) -> bool:
+    """The loaded extension defines ``specdec::name`` with a kernel for ``dispatch_key`` (None: any, e.g. an op defined
+    with its one function) and every argument named in ``arguments`` (an extension built before the op, or the
+    argument, was added has not: then its callers take their PyTorch paths)."""
+    if extension_status()[0] is None or not hasattr(torch.ops.specdec, name):
+        return False
+    qualified = f"specdec::{name}"
+    if dispatch_key is not None and not torch._C._dispatch_has_kernel_for_dispatch_key(qualified, dispatch_key):
+        return False
+    names = {a.name for a in getattr(torch.ops.specdec, name).default._schema.arguments}
+    return all(a in names for a in arguments)
 
 
 def extension_has_cuda() -> bool:

@@ -56,6 +56,11 @@ def test_extension_has_op_answers_for_ops_an_older_build_lacks():
     assert not _backend.extension_has_op("an_op_no_build_has")
     if _backend.extension_status()[0] is not None:
         assert _backend.extension_has_op("tree_metadata")
+        # an argument a newer build added: an older build's op lacks it, and its callers must not call it with it
+        assert _backend.extension_has_op("skinny_linear_pack", arguments=("bf16",))
+        assert not _backend.extension_has_op("skinny_linear_pack", arguments=("bf16", "an_argument_no_build_has"))
+        # an op defined with its one function has no CPU kernel of its own: any dispatch key then
+        assert _backend.extension_has_op("skinny_linear_version", dispatch_key=None)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("objdump") is None, reason="needs objdump")

@@ -62,8 +62,13 @@ SKINNY_MAX_ROWS = 16
 
 @functools.cache
 def skinny_available() -> bool:
-    """The loaded extension has the skinny-GEMM ops (one built before they were added has not)."""
-    return all(_backend.extension_has_op(op) for op in ("skinny_linear", "skinny_linear_pack"))
+    """The loaded extension has the skinny-GEMM ops as this package calls them (one built before they, or their
+    bfloat16 packs, were added has not)."""
+    return (
+        _backend.extension_has_op("skinny_linear")
+        and _backend.extension_has_op("skinny_linear_pack", arguments=("bf16",))
+        and _backend.extension_has_op("skinny_linear_version", dispatch_key=None)
+    )
 
 
 if skinny_available():  # shapes for torch.compile and torch.library.opcheck
