@@ -79,7 +79,7 @@ def test_few_rows_linear_sends_large_weights_and_few_rows_to_the_skinny_kernel(m
     small, large = torch.randn(16, 8), torch.randn(PACK_MIN_ELEMENTS // 8, 8)
     for rows in (1, 2, cpu_linear.SKINNY_ALL_ROWS, cpu_linear.SKINNY_ALL_ROWS + 1):
         cpu_linear.few_rows_linear(torch.randn(rows, 8), small)
-    assert calls == [2, cpu_linear.SKINNY_ALL_ROWS]  # small weights: one row and past SKINNY_ALL_ROWS on F.linear
+    assert calls == [1, 2, cpu_linear.SKINNY_ALL_ROWS]  # small weights: past SKINNY_ALL_ROWS on F.linear
     calls.clear()
     for rows in (1, 2, cpu_linear.SKINNY_MAX_ROWS):
         cpu_linear.few_rows_linear(torch.randn(rows, 8), large)
@@ -202,13 +202,14 @@ def test_bfloat16_pack_layout_and_the_float32_packs_bits():
 
 
 @needs_skinny
-def test_skinny_pack_is_bfloat16_for_large_weights_of_bfloat16_values():
-    """The model's packs: bfloat16 for a large weight of bfloat16 values (a bfloat16 checkpoint's), float32 for other
-    values (the pack op refuses them by name) and for small weights (in cache, where widening costs more)."""
+def test_skinny_pack_is_bfloat16_for_weights_of_bfloat16_values():
+    """The model's packs: bfloat16 for a weight of bfloat16 values (a bfloat16 checkpoint's), large or small, float32
+    for other values (the pack op refuses them by name)."""
     gen = torch.Generator().manual_seed(6)
     large = torch.randn(*BIG, generator=gen)
-    small = torch.randn(64, 64, generator=gen).bfloat16().float()
+    small = torch.randn(64, 64, generator=gen)
     assert cpu_linear.skinny_pack(large.bfloat16().float()).dtype == torch.bfloat16
+    assert cpu_linear.skinny_pack(small.bfloat16().float()).dtype == torch.bfloat16
     assert cpu_linear.skinny_pack(large).dtype == torch.float32
     assert cpu_linear.skinny_pack(small).dtype == torch.float32
     with pytest.raises(ValueError, match="bf16=True needs a weight whose every value is a bfloat16"):

@@ -320,16 +320,23 @@ def chain_with_packs(model, packs, pack_rows, slots, first, k):
 
 @pytest.mark.skipif(not cpu_linear.skinny_available(), reason="specdec._C without the skinny-GEMM ops")
 @pytest.mark.parametrize("running", [1, 3])
-def test_skinny_packs_give_atens_logits(running):
+def test_skinny_packs_give_atens_logits(running, monkeypatch):
     """A float32 draft's GEMMs through the skinny kernel (every layer at every row count here: 1 row, several, and
     more than one pass of 8) equal ATen's up to float rounding; the model's own packs and row ranges are passed by
-    default, none for other dtypes."""
+    default (where the skinny kernel serves the model: not with Triton's interpreter standing in for a GPU), none
+    for other dtypes."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    config = tiny_config(num_heads=4, num_kv_heads=2, qkv_bias=True)
+    interpreted = random_model(config, seed=13)
+    packs = model_arguments(interpreted, prefilled(interpreted, "paged"))[PACKS_ARGUMENT]
+    assert packs == [], "the interpreter's forwards keep ATen's GEMMs"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     config = tiny_config(num_heads=4, num_kv_heads=2, qkv_bias=True)
     model, half = random_model(config, seed=13), random_model(config, seed=13).half()
     args = model_arguments(model, prefilled(model, "paged"))
     packs, pack_rows = args[PACKS_ARGUMENT], args[PACKS_ARGUMENT + 1]
     assert len(packs) == 2 * 4 + 1 and all(p is not None for p in packs)
-    assert pack_rows == [n for w in packs for n in (2, cpu_linear.SKINNY_ALL_ROWS)]  # tiny weights: 2 .. 8 rows
+    assert pack_rows == [n for w in packs for n in (1, cpu_linear.SKINNY_ALL_ROWS)]  # tiny weights: 1 .. 8 rows
     assert model_arguments(half, prefilled(half, "paged"))[PACKS_ARGUMENT] == []
     packs = [cpu_linear.skinny_pack(w) for w in linear_weights(model)]
     slots = torch.tensor([0, 1, 2][:running])

@@ -7,9 +7,10 @@ the path that runs each layer at its row count fastest (``bench/bench_cpu_linear
 
 * up to ``SKINNY_MAX_ROWS`` rows: ``few_rows_linear``, which sends a layer to ``skinny_linear``, the
   extension's kernel (``csrc/skinny_linear_cpu.cpp``: it streams a packed copy of the weight once per 8
-  rows), where that kernel was measured faster: from 2 to 8 rows every layer, from 9 rows and at one
-  row the large weights (``PACK_MIN_ELEMENTS`` and up: the fused gate/up, the LM head); the rest stays on
-  ``F.linear``;
+  rows), where that kernel was measured faster: from 1 to 8 rows every layer, from 9 rows the large weights
+  (``PACK_MIN_ELEMENTS`` and up: the fused gate/up, the LM head); the rest stays on ``F.linear``. A forward's
+  weights do not stay in cache from one forward to the next, so the choice is measured end to end (timed alone
+  and hot in cache, ``F.linear`` wins a small weight at one or two rows);
 * more rows, or without the extension (or with ``SPECDEC_BACKEND=torch``): ``packed_linear``, oneDNN with
   the weight reordered ("packed") for it, which wins over ``F.linear`` on the larger weights of such
   forwards (by a margin that depends on the CPU), and ``F.linear`` for one row.
@@ -29,7 +30,8 @@ to ``torch``), the forward stands in for a GPU's and keeps a GPU's GEMMs: ``F.li
 Both packs are made on a weight's first use and kept on the weight tensor itself: a pack lives as long
 as the weight and costs a second copy of it (half a copy for the skinny pack of a weight whose every value is a
 bfloat16, as a bfloat16 checkpoint's are: that pack holds bfloat16, which the kernel widens exactly, so it streams
-half the bytes for the same sums). A decoder makes its models' skinny packs when it is built
+half the bytes for the same sums; every weight so, small ones too, since a forward streams them all from beyond
+L2). A decoder makes its models' skinny packs when it is built
 (``pack_ahead``): made lazily, they landed in the first few-rows step, which then ran several times its
 later time -- the first plain step the adaptive controller measured, so plain decoding was priced out. A
 pack records the weight's version and storage, so a weight changed in place or swapped by loading is
@@ -105,17 +107,17 @@ def skinny_pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def _make_skinny_pack(weight: torch.Tensor) -> torch.Tensor:
-    """The skinny kernel's pack of ``weight``: for a large weight (``PACK_MIN_ELEMENTS`` and up) whose every value is a
-    bfloat16 (a bfloat16 checkpoint's), in bfloat16: half the bytes to stream from beyond the caches, the same
-    products and sums; else in float32 (a small weight stays in cache, where widening costs more than it saves)."""
-    in_bfloat16 = weight.numel() >= PACK_MIN_ELEMENTS and torch.equal(weight.to(torch.bfloat16).float(), weight)
+    """The skinny kernel's pack of ``weight``: in bfloat16 where its every value is a bfloat16 (a bfloat16
+    checkpoint's): half the bytes to stream from beyond the caches, the same products and sums; else in float32."""
+    in_bfloat16 = torch.equal(weight.to(torch.bfloat16).float(), weight)
     return torch.ops.specdec.skinny_linear_pack(weight, in_bfloat16)
 
 
 def skinny_row_range(weight: torch.Tensor) -> tuple[int, int]:
     """The row counts ``(lo, hi)`` at which the skinny kernel runs ``weight``'s layer: where it was measured faster
-    than ``F.linear`` (every layer from 2 to ``SKINNY_ALL_ROWS`` rows, large weights from 1 to ``SKINNY_MAX_ROWS``)."""
-    return (1, SKINNY_MAX_ROWS) if weight.numel() >= PACK_MIN_ELEMENTS else (2, SKINNY_ALL_ROWS)
+    than ``F.linear`` end to end (every layer from 1 to ``SKINNY_ALL_ROWS`` rows, large weights up to
+    ``SKINNY_MAX_ROWS``)."""
+    return (1, SKINNY_MAX_ROWS) if weight.numel() >= PACK_MIN_ELEMENTS else (1, SKINNY_ALL_ROWS)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -153,14 +155,14 @@ def pack_ahead(weights: list[torch.Tensor]) -> None:
     """Make the skinny-kernel packs of the linear ``weights`` now, where ``linear_for`` would use them (float32 CPU
     weights, the extension's kernel, no Triton interpreter standing in for a GPU), instead of on their first
     few-rows forward."""
-    if not _skinny_serves() and not _row_invariant_serves():
+    if not skinny_serves() and not _row_invariant_serves():
         return
     for weight in weights:
         if weight.dtype == torch.float32 and weight.device.type == "cpu":
             skinny_pack(weight)
 
 
-def _skinny_serves() -> bool:
+def skinny_serves() -> bool:
     """The skinny kernel serves few-row float32 CPU forwards: the extension has it, the backend is not forced to
     ``torch``, and no Triton interpreter stands in for a GPU (then every GEMM is ``F.linear``)."""
     return _backend.forced_backend() != "torch" and not _backend.interpreter_enabled() and skinny_available()
@@ -195,6 +197,6 @@ def linear_for(x: torch.Tensor) -> Callable[..., torch.Tensor]:
                 "build it with `pip install --no-build-isolation -e .`"
             )
         return row_invariant_linear
-    if rows <= SKINNY_MAX_ROWS and _skinny_serves():
+    if rows <= SKINNY_MAX_ROWS and skinny_serves():
         return few_rows_linear
     return packed_linear if AVAILABLE and rows > 1 else F.linear

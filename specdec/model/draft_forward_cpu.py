@@ -209,7 +209,7 @@ def model_arguments(model, cache) -> tuple:
                     p.gate_up["weight"], p.down["weight"]]  # fmt: skip
         biases += [p.qkv["bias"], p.o["bias"], p.gate_up["bias"], p.down["bias"]]
     packs, pack_rows = [], []
-    if model.dtype == torch.float32 and cpu_linear.skinny_available():  # the model's own GEMM policy, in C++
+    if model.dtype == torch.float32 and cpu_linear.skinny_serves():  # the model's own GEMM policy, in C++
         packs = [cpu_linear.skinny_pack(w) for w in linears]
         pack_rows = [n for w in linears for n in cpu_linear.skinny_row_range(w)]
     table = model._rotary.table(cache.position_bound, model.rope_inv_freq, model.dtype)
@@ -334,7 +334,7 @@ def _head_arguments(head, cache, final_norm, lm_head) -> tuple:
         linears += [p.qkv["weight"], p.o["weight"], p.gate_up["weight"], p.down["weight"]]
     linears.append(lm_head)
     packs, pack_rows = [], []
-    if head.dtype == torch.float32 and cpu_linear.skinny_available():  # the model layer's GEMM policy, in C++
+    if head.dtype == torch.float32 and cpu_linear.skinny_serves():  # the model layer's GEMM policy, in C++
         packs = [cpu_linear.skinny_pack(w) for w in linears]
         pack_rows = [n for w in linears for n in cpu_linear.skinny_row_range(w)]
     table = head._rotary.table(cache.position_bound, head.rope_inv_freq, head.dtype)
