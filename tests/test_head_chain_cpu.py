@@ -8,7 +8,7 @@ PyTorch path where the op cannot run; the op's argument checks by name; ``torch.
 import pytest
 import torch
 from helpers import random_prompts, rel_err
-from test_head_forward_cpu import filled_cache, random_head
+from test_head_forward_cpu import cpu_path, filled_cache, random_head  # noqa: F401 (cpu_path: an autouse fixture)
 
 import specdec.decoding.eagle as eagle_strategy
 from specdec import _backend
@@ -24,12 +24,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 HEADS = ["eagle-bias", "eagle-nobias-2layers", "eagle3", "eagle3-norm-first"]
-
-
-@pytest.fixture(autouse=True)
-def cpu_path(monkeypatch):
-    """The CPU's own path: conftest sets Triton's interpreter, which stands in for a GPU and turns the op off."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
 @pytest.fixture
