@@ -325,14 +325,12 @@ def test_skinny_packs_give_atens_logits(running, monkeypatch):
     more than one pass of 8) equal ATen's up to float rounding; the model's own packs and row ranges are passed by
     default (where the skinny kernel serves the model: not with Triton's interpreter standing in for a GPU), none
     for other dtypes."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    config = tiny_config(num_heads=4, num_kv_heads=2, qkv_bias=True)
-    interpreted = random_model(config, seed=13)
-    packs = model_arguments(interpreted, prefilled(interpreted, "paged"))[PACKS_ARGUMENT]
-    assert packs == [], "the interpreter's forwards keep ATen's GEMMs"
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
     config = tiny_config(num_heads=4, num_kv_heads=2, qkv_bias=True)
     model, half = random_model(config, seed=13), random_model(config, seed=13).half()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    packs = model_arguments(model, prefilled(model, "paged"))[PACKS_ARGUMENT]
+    assert packs == [], "the interpreter's forwards keep ATen's GEMMs"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     args = model_arguments(model, prefilled(model, "paged"))
     packs, pack_rows = args[PACKS_ARGUMENT], args[PACKS_ARGUMENT + 1]
     assert len(packs) == 2 * 4 + 1 and all(p is not None for p in packs)

@@ -178,13 +178,11 @@ class EagleStrategy(BaseStrategy):
         roots = to_device(step.roots, torch.int64, step.device)
         if max(nodes) == 1:  # nothing to draft (the catch-up kept the head in step)
             return Proposal(roots, [[-1]] * rows, rule="deterministic")
-        if self.static is None and self.top_k == 1 and head_chain_available(self.head, self.cache):
-            proposal = self._draft_chain(step, root_feature, root_logits, roots, limits, nodes)
-            self.cache.truncate(self.lengths)
-            return proposal
         tree_start = self.cache.seq_lens.clone()  # the drafted levels are written from here
         if self.static is not None:
             proposal = self._draft_static(step, root_feature, root_logits, roots, limits, nodes, tree_start)
+        elif self.top_k == 1 and head_chain_available(self.head, self.cache):
+            proposal = self._draft_chain(step, root_feature, root_logits, roots, limits, nodes)
         else:
             proposal = self._draft_dynamic(step, root_feature, root_logits, roots, limits, nodes, tree_start)
         self.cache.truncate(self.lengths)  # the levels go; the accepted nodes come back with true features
