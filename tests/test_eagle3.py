@@ -307,7 +307,8 @@ def test_bad_arguments_are_refused_by_name():
 @pytest.mark.interpreter
 def test_the_target_returns_its_layers_residual_streams(backend):
     target = make_target()
-    prompts = [torch.randint(0, VOCAB, (n,)) for n in (5, 3)]
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen) for n in (5, 3)]
     tokens = torch.cat(prompts)
     meta = AttentionMetadata(torch.tensor([0, 5, 8], dtype=torch.int32))
 
@@ -326,7 +327,9 @@ def test_the_target_returns_its_layers_residual_streams(backend):
         streams = target_streams(target, prompts[b])
         for slot, layer in enumerate(layers):
             got = tapped[rows, slot * HIDDEN : (slot + 1) * HIDDEN]
-            assert_close(got, streams[layer], 1e-4, 1e-4, f"request {b}, layer {layer}")
+            # float32 rounding grows with the stream (tens here, through random weights): atol scales with it
+            scale = float(streams[layer].abs().max())
+            assert_close(got, streams[layer], 1e-5 * scale, 1e-4, f"request {b}, layer {layer}")
         eps = target.config.rms_norm_eps
         assert_close(final[rows], rms(streams[-1], target.model.norm.weight, eps), 1e-4, 1e-4, "final norm")
     target.output_layer_features(None)
