@@ -3,7 +3,7 @@ once) and ``skinny_linear`` (the extension's kernel for a few rows; ``specdec.mo
 interleaved in one run, one thread, float32.
 
 Shapes: the embedded target's qkv, o, fused gate/up, down and LM head, at the row counts of a decode
-(1), a chain or tree verification or a small batch (2, 6, 8, 12, 16, 24) and a short prefill (64). The
+(1), a chain or tree verification or a small batch (2, 6, 8, 12, 16, 24) and prefills (64, 128, 256). The
 last column is the function ``linear_for`` picks for the shape (what the model runs). When vLLM's CPU
 build is importable (its own environment), its prepacked oneDNN GEMM (``onednn_mm``) is one more
 column: the engine peer's GEMM.
@@ -20,8 +20,6 @@ from common import Table, bench_args, cpu_threads, measure_many_us
 
 from specdec.model.cpu_linear import (
     PACK_MIN_ELEMENTS,
-    SKINNY_ALL_ROWS,
-    few_rows_linear,
     linear_for,
     packed_linear,
     skinny_available,
@@ -46,8 +44,8 @@ def vllm_gemm():
 def model_runs(x: torch.Tensor, weight: torch.Tensor) -> str:
     """The GEMM the model runs for this layer at this row count (``linear_for``'s choice, then its own)."""
     chosen, large = linear_for(x), weight.numel() >= PACK_MIN_ELEMENTS
-    if chosen is few_rows_linear:
-        return "skinny" if 1 < x.shape[0] <= SKINNY_ALL_ROWS or large else "F.linear"
+    if chosen is skinny_linear:
+        return "skinny"
     return "packed" if chosen is packed_linear and large else "F.linear"
 
 
@@ -56,7 +54,7 @@ def main() -> None:
     cpu_threads("cpu")
     peer = vllm_gemm()
     skinny = skinny_available()
-    rows_list = (1, 6) if args.quick else (1, 2, 6, 8, 12, 16, 24, 64)
+    rows_list = (1, 6) if args.quick else (1, 2, 6, 8, 12, 16, 24, 64, 128, 256)
     columns = ["layer", "K x N", "rows", "F.linear us", "packed us", "F.linear / packed"]
     columns += ["skinny us", "F.linear / skinny", "packed / skinny", "float32 pack / skinny"] if skinny else []
     columns += ["vLLM onednn_mm us", "F.linear / vLLM"] if peer else []

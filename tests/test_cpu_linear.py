@@ -56,34 +56,20 @@ def test_small_and_inference_weights_are_not_packed():
 def test_linear_for_picks_by_rows_dtype_and_autograd(monkeypatch):
     x = torch.randn(3 * cpu_linear.SKINNY_MAX_ROWS, 8)
     multi_row = packed_linear if cpu_linear.AVAILABLE else F.linear
-    few_rows = cpu_linear.few_rows_linear
+    skinny = cpu_linear.skinny_linear
     with torch.inference_mode():
         monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreted Triton path stands in for a GPU: F.linear
         assert linear_for(x[:2]) is F.linear and linear_for(x) is F.linear
         with use_backend("torch"):  # unless the PyTorch path is forced
             assert linear_for(x[:2]) is multi_row
         monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU user's default
-        assert linear_for(x[:1]) is (few_rows if skinny_available() else F.linear)
-        assert linear_for(x[: cpu_linear.SKINNY_MAX_ROWS]) is (few_rows if skinny_available() else multi_row)
+        assert linear_for(x[:1]) is (skinny if skinny_available() else F.linear)
+        assert linear_for(x[: cpu_linear.SKINNY_MAX_ROWS]) is (skinny if skinny_available() else multi_row)
         assert linear_for(x[: cpu_linear.SKINNY_MAX_ROWS + 1]) is multi_row
         with use_backend("torch"):  # the PyTorch path: no extension op
             assert linear_for(x[:2]) is multi_row and linear_for(x[:1]) is F.linear
         assert linear_for(x.half()) is F.linear
     assert linear_for(x) is F.linear  # autograd on: the packed ops have no backward
-
-
-@needs_skinny
-def test_few_rows_linear_sends_large_weights_and_few_rows_to_the_skinny_kernel(monkeypatch):
-    calls = []
-    monkeypatch.setattr(cpu_linear, "skinny_linear", lambda x, w, b=None: calls.append(x.shape[0]) or F.linear(x, w, b))
-    small, large = torch.randn(16, 8), torch.randn(PACK_MIN_ELEMENTS // 8, 8)
-    for rows in (1, 2, cpu_linear.SKINNY_ALL_ROWS, cpu_linear.SKINNY_ALL_ROWS + 1):
-        cpu_linear.few_rows_linear(torch.randn(rows, 8), small)
-    assert calls == [1, 2, cpu_linear.SKINNY_ALL_ROWS]  # small weights: past SKINNY_ALL_ROWS on F.linear
-    calls.clear()
-    for rows in (1, 2, cpu_linear.SKINNY_MAX_ROWS):
-        cpu_linear.few_rows_linear(torch.randn(rows, 8), large)
-    assert calls == [1, 2, cpu_linear.SKINNY_MAX_ROWS]
 
 
 @needs_skinny
@@ -322,7 +308,7 @@ def test_embedded_pair_decodes_the_same_with_and_without_the_skinny_kernel(monke
     prompts = heldout_token_ids(tokenizer)[:6]
     runs = {}
     for skinny in (True, False):
-        monkeypatch.setattr(cpu_linear, "SKINNY_MAX_ROWS", 16 if skinny else 0)
+        monkeypatch.setattr(cpu_linear, "SKINNY_MAX_ROWS", cpu_linear.SKINNY_MAX_ROWS if skinny else 0)
         runs[skinny] = _chain_and_batch_tokens(target, draft, prompts[:1], prompts, 24)
     assert hasattr(target.model.layers[0].mlp.gate_up_proj.weight, "_specdec_skinny")
     assert runs[True] == runs[False]

@@ -71,8 +71,9 @@ def test_the_switch_follows_the_variable_unless_set(monkeypatch):
 def test_the_mode_off_keeps_the_default_paths(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the CPU's own path
     assert not specdec.row_invariant()
-    expected = {1: cpu_linear.few_rows_linear, 2: cpu_linear.few_rows_linear, 16: cpu_linear.few_rows_linear}
-    expected[17] = cpu_linear.packed_linear if cpu_linear.AVAILABLE else F.linear
+    most = cpu_linear.SKINNY_MAX_ROWS
+    expected = {1: cpu_linear.skinny_linear, 2: cpu_linear.skinny_linear, most: cpu_linear.skinny_linear}
+    expected[most + 1] = cpu_linear.packed_linear if cpu_linear.AVAILABLE else F.linear
     with torch.no_grad():
         for rows, linear in expected.items():
             assert cpu_linear.linear_for(torch.zeros(rows, 8)) is linear, rows

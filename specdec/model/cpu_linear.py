@@ -1,16 +1,15 @@
-"""Linear layers of multi-row forwards on the CPU: a skinny-GEMM kernel for a few rows, oneDNN for more.
+"""Linear layers of CPU forwards: a skinny-GEMM kernel up to a hundred-odd rows, oneDNN for more.
 
 Multi-row forwards are every verification of a chain or tree, a batch's decode, a draft level of a
 batch and the prefill. PyTorch's ``F.linear`` runs one row (decode at batch 1) well, but a few rows
 poorly on some CPUs (far slower than reading the weight once). So ``linear_for`` picks, once per forward,
 the path that runs each layer at its row count fastest (``bench/bench_cpu_linear.py`` times all three):
 
-* up to ``SKINNY_MAX_ROWS`` rows: ``few_rows_linear``, which sends a layer to ``skinny_linear``, the
-  extension's kernel (``csrc/skinny_linear_cpu.cpp``: it streams a packed copy of the weight once per 8
-  rows), where that kernel was measured faster: from 1 to 8 rows every layer, from 9 rows the large weights
-  (``PACK_MIN_ELEMENTS`` and up: the fused gate/up, the LM head); the rest stays on ``F.linear``. A forward's
-  weights do not stay in cache from one forward to the next, so the choice is measured end to end (timed alone
-  and hot in cache, ``F.linear`` wins a small weight at one or two rows);
+* up to ``SKINNY_MAX_ROWS`` rows: ``skinny_linear``, the extension's kernel (``csrc/skinny_linear_cpu.cpp``: it
+  streams a packed copy of the weight once, in passes of 8 rows over slices that stay in L1), for every layer. A
+  forward streams its weights from beyond L2 (they do not stay in cache from one forward to the next), and
+  there, measured end to end, the kernel over a half-size pack (below) wins from one row to about a hundred:
+  decode, verification of chains and trees, a batch's decode and draft levels, short prefills;
 * more rows, or without the extension (or with ``SPECDEC_BACKEND=torch``): ``packed_linear``, oneDNN with
   the weight reordered ("packed") for it, which wins over ``F.linear`` on the larger weights of such
   forwards (by a margin that depends on the CPU), and ``F.linear`` for one row.
@@ -51,15 +50,14 @@ import torch.nn.functional as F
 
 from specdec import _backend
 
-# Below this size a weight runs alike or slower packed (the call's own cost wins); the fused gate/up and an LM
-# head of the embedded target are above it (bench/bench_cpu_linear.py).
+# Below this size a weight runs alike or slower packed for oneDNN (the call's own cost wins); the fused gate/up and
+# an LM head of the embedded target are above it (bench/bench_cpu_linear.py).
 PACK_MIN_ELEMENTS = 1 << 18
 PACK_ROWS = 32  # the row count the layout is packed for (any count >= 2 runs alike)
 AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-# The skinny kernel reads the weight once per pass of 8 rows: up to 8 rows it serves every layer, up to 16 the
-# large ones only; beyond that oneDNN's blocking is the choice (bench/bench_cpu_linear.py decides both).
-SKINNY_ALL_ROWS = 8
-SKINNY_MAX_ROWS = 16
+# Up to this many rows every layer runs the skinny kernel; beyond, oneDNN's blocking ties with it end to end (a
+# prefill of 150 to 600 rows) and takes over (bench/RESULTS.md, "CPU GEMMs").
+SKINNY_MAX_ROWS = 128
 
 
 @functools.cache
@@ -111,13 +109,6 @@ def _make_skinny_pack(weight: torch.Tensor) -> torch.Tensor:
     checkpoint's): half the bytes to stream from beyond the caches, the same products and sums; else in float32."""
     in_bfloat16 = torch.equal(weight.to(torch.bfloat16).float(), weight)
     return torch.ops.specdec.skinny_linear_pack(weight, in_bfloat16)
-
-
-def skinny_row_range(weight: torch.Tensor) -> tuple[int, int]:
-    """The row counts ``(lo, hi)`` at which the skinny kernel runs ``weight``'s layer: where it was measured faster
-    than ``F.linear`` end to end (every layer from 1 to ``SKINNY_ALL_ROWS`` rows, large weights up to
-    ``SKINNY_MAX_ROWS``)."""
-    return (1, SKINNY_MAX_ROWS) if weight.numel() >= PACK_MIN_ELEMENTS else (1, SKINNY_ALL_ROWS)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -174,15 +165,6 @@ def _row_invariant_serves() -> bool:
     return _backend.row_invariant() and not _backend.interpreter_enabled() and skinny_available()
 
 
-def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for ``x [rows, features]`` of at most ``SKINNY_MAX_ROWS`` rows: the skinny kernel within
-    ``skinny_row_range``, ``F.linear`` otherwise (where each was measured faster)."""
-    lo, hi = skinny_row_range(weight)
-    if lo <= x.shape[0] <= hi:
-        return skinny_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
 def linear_for(x: torch.Tensor) -> Callable[..., torch.Tensor]:
     """The linear function for a forward whose activations are ``x [rows, features]`` (a host decision)."""
     rows, own_ops = x.shape[0], _backend.forced_backend() != "torch"
@@ -198,5 +180,5 @@ def linear_for(x: torch.Tensor) -> Callable[..., torch.Tensor]:
             )
         return row_invariant_linear
     if rows <= SKINNY_MAX_ROWS and skinny_serves():
-        return few_rows_linear
+        return skinny_linear
     return packed_linear if AVAILABLE and rows > 1 else F.linear

@@ -211,7 +211,7 @@ def model_arguments(model, cache) -> tuple:
     packs, pack_rows = [], []
     if model.dtype == torch.float32 and cpu_linear.skinny_serves():  # the model's own GEMM policy, in C++
         packs = [cpu_linear.skinny_pack(w) for w in linears]
-        pack_rows = [n for w in linears for n in cpu_linear.skinny_row_range(w)]
+        pack_rows = [1, cpu_linear.SKINNY_MAX_ROWS] * len(linears)
     table = model._rotary.table(cache.position_bound, model.rope_inv_freq, model.dtype)
     return (
         model.model.embed_tokens.weight, weights, biases, model.model.norm.weight, model.lm_head_weight, packs,
@@ -336,7 +336,7 @@ def _head_arguments(head, cache, final_norm, lm_head) -> tuple:
     packs, pack_rows = [], []
     if head.dtype == torch.float32 and cpu_linear.skinny_serves():  # the model layer's GEMM policy, in C++
         packs = [cpu_linear.skinny_pack(w) for w in linears]
-        pack_rows = [n for w in linears for n in cpu_linear.skinny_row_range(w)]
+        pack_rows = [1, cpu_linear.SKINNY_MAX_ROWS] * len(linears)
     table = head._rotary.table(cache.position_bound, head.rope_inv_freq, head.dtype)
     return (
         weights, biases, final_norm, lm_head, packs, pack_rows, table, cache.data, cache.seq_lens,
