@@ -355,3 +355,15 @@ def test_the_gemm_benchmark_runs_and_names_what_the_model_runs(tmp_path):
     rows = table_rows(tmp_path / "cpu_linear.md", "qkv")
     assert len(rows) == 2 and {cells[-1] for cells in rows} <= {"F.linear", "packed", "skinny"}
     assert ("skinny us" in (tmp_path / "cpu_linear.md").read_text()) == skinny_available()
+
+
+@needs_skinny
+def test_the_policy_benchmark_runs_every_case(tmp_path):
+    """``bench/bench_gemm_policy.py --dry-run``: one pair per case, the table written with a positive ratio for each
+    case (decodes and prefills)."""
+    done = run_bench("bench_gemm_policy.py", "--dry-run", "--out", str(tmp_path), cpu_path=True)
+    assert done.returncode == 0, done.stderr
+    text = (tmp_path / "gemm_policy.md").read_text()
+    rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| ") and "x |" in line]
+    assert len(rows) == 10 and all(float(cells[2].strip().rstrip("x")) > 0 for cells in rows), text
+    assert sum("prefill" in cells[0] for cells in rows) == 3
