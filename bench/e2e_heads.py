@@ -48,8 +48,8 @@ def medusa_table(target, draft, prompts, new_tokens: int, device: str, repeats: 
 
 
 def eagle_table(target, draft, prompts, new_tokens: int, device: str, repeats: int) -> Table:
-    """EAGLE-2 and EAGLE-1 (the shipped head, ``specdec/assets/eagle``; EAGLE-3's, ``assets/eagle3``, at the demo's
-    settings) against the draft chain, interleaved:
+    """EAGLE-2 and EAGLE-1 (the shipped head, ``specdec/assets/eagle``, also over the target's 1024 most frequent
+    tokens; EAGLE-3's, ``assets/eagle3``) against the draft chain, interleaved:
     greedy tokens/s, tau, acceptance by depth (accepted / reached, depths 1..8), identical to AR greedy."""
     from specdec.cli.demo import eagle_row
     from specdec.decoding import NoDraft
@@ -62,7 +62,8 @@ def eagle_table(target, draft, prompts, new_tokens: int, device: str, repeats: i
         ("draft tree " + ",".join(map(str, TREE)), DraftModelStrategy(draft, TREE, rule="deterministic")),
         eagle_row(target),
         eagle_row(target, eagle3=True),
-        *(eagle_row(target, eagle3=e3, top_k=1, tree_budget=d + 1, depth=d) for e3 in (False, True) for d in (5, 6)),
+        *(eagle_row(target, top_k=1, tree_budget=d + 1, depth=d, frequent=f) for f in (False, True) for d in (6, 8)),
+        *(eagle_row(target, eagle3=True, top_k=1, tree_budget=d + 1, depth=d) for d in (6, 8)),
         eagle_row(target, tree_budget=64, depth=6, top_k=8),
         paper,
         eagle_row(target, static_tree="default", tree_budget=8),

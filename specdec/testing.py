@@ -58,3 +58,14 @@ def heldout_prompts(assets: str | Path = ASSETS) -> list[dict]:
 def heldout_token_ids(tokenizer, assets: str | Path = ASSETS) -> list[list[int]]:
     """The held-out prompts as ``tokenizer``'s token ids: the prompt pool of the benchmarks and tests."""
     return [tokenizer.encode(p["text"]).ids for p in heldout_prompts(assets)]
+
+
+def frequent_token_ids(assets: str | Path = ASSETS) -> torch.Tensor:
+    """The embedded target's 1024 most frequent tokens (ids, ascending): the EAGLE-3 head's draft vocabulary
+    (``ASSETS.parent / "eagle3"``; ``scripts/train_eagle3_head.py`` ranked its training rows' tokens), for an
+    EAGLE-1/2 head's ``set_draft_vocabulary``."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(assets).parent / "eagle3" / "model.safetensors"), framework="pt") as f:
+        d2t = f.get_tensor("d2t")
+    return torch.arange(d2t.numel()) + d2t  # draft id i is target id i + d2t[i]

@@ -1,5 +1,6 @@
 """``python -m specdec generate`` on the embedded pair: streams text, ends with a summary line."""
 
+import json
 import os
 import subprocess
 import sys
@@ -79,3 +80,14 @@ def test_generate_with_a_parallel_draft_gives_target_greedy_text(plain_text, fla
     assert summary.startswith(label) and "24 tokens" in summary
     tau = float(summary.split(" tau ")[1].split(",")[0])
     assert tau > 1, f"the shipped parallel draft gets no token accepted: {summary}"
+
+
+def test_generate_with_an_eagle_draft_vocabulary_gives_target_greedy_text(plain_text, tmp_path):
+    from specdec.testing import frequent_token_ids
+
+    vocabulary = tmp_path / "frequent.json"
+    vocabulary.write_text(json.dumps(frequent_token_ids().tolist()))
+    flags = ["--eagle-top-k", "1", "--tree-budget", "7", "--depth", "6", "--draft-vocabulary", str(vocabulary)]
+    text, summary = completion("--eagle", str(PAIR.parent / "eagle"), *flags)
+    assert text == plain_text and summary.startswith("[EAGLE-2 (budget 7, depth 6, top-k 1)]")
+    assert float(summary.split(" tau ")[1].split(",")[0]) > 1

@@ -71,6 +71,9 @@ def paths(tmp_path_factory):
         "no_weights": str(root / "empty"),
         "eagle": str(PAIR.parent / "eagle"),
         "eagle_pickle": eagle_pickle(root / "eagle_pickle"),
+        "eagle3": str(PAIR.parent / "eagle3"),
+        "ids_repeated": write_text(root / "repeated.json", "[5, 9, 5]"),
+        "ids_not_json": write_text(root / "not.json", "5, 9"),
         "parallel": str(PAIR.parent / "parallel"),
         "parallel_other_tokenizer": parallel_other_tokenizer(root / "parallel_other_tokenizer"),
     }
@@ -84,6 +87,11 @@ def parallel_other_tokenizer(path: Path) -> str:
     first, second = list(vocab)[:2]
     vocab[first], vocab[second] = vocab[second], vocab[first]
     (path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return str(path)
+
+
+def write_text(path: Path, text: str) -> str:
+    path.write_text(text)
     return str(path)
 
 
@@ -156,6 +164,25 @@ CASES = {
         ["--eagle", "{eagle}", "--tree-budget", "0"], 2, r"argument --tree-budget: must be an int >= 1, got 0$",
     ),
     "depth 0": (["--eagle", "{eagle}", "--depth", "0"], 2, r"argument --depth: must be an int >= 1, got 0$"),
+    "draft vocabulary without eagle": (
+        ["--draft-vocabulary", "{ids_repeated}"], 2, r"--draft-vocabulary needs --eagle$",
+    ),
+    "draft vocabulary with repeated ids": (
+        ["--eagle", "{eagle}", "--draft-vocabulary", "{ids_repeated}"], 2,
+        r"^error: --draft-vocabulary .*repeated.json: its ids must be distinct, got 5 more than once$",
+    ),
+    "draft vocabulary not json": (
+        ["--eagle", "{eagle}", "--draft-vocabulary", "{ids_not_json}"], 2,
+        r"^error: --draft-vocabulary .*not.json: Extra data",
+    ),
+    "draft vocabulary missing": (
+        ["--eagle", "{eagle}", "--draft-vocabulary", "{no_weights}/ids.json"], 2,
+        r"^error: --draft-vocabulary .*ids.json: \[Errno 2\] No such file or directory",
+    ),
+    "draft vocabulary for an eagle-3 head": (
+        ["--eagle", "{eagle3}", "--draft-vocabulary", "{ids_repeated}"], 2,
+        r"--draft-vocabulary is for EAGLE-1/2 heads: an EAGLE-3 head has its own \(d2t\)$",
+    ),
     "eagle head for another target": (
         ["--eagle", "{draft}"], 1,
         r"--eagle .*draft: EAGLE head .* does not fit the target: its hidden_size is 128, the target's is 256$",

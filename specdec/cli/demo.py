@@ -53,19 +53,25 @@ def strategies(draft, tree_rule: str = "deterministic") -> list[tuple[str, objec
 EAGLE = dict(tree_budget=12, depth=5, top_k=2, confidence_temperature=0.3)
 
 
-def eagle_row(target, assets: str | Path = ASSETS, *, eagle3: bool = False, **options) -> tuple[str, object]:
+def eagle_row(target, assets: str | Path = ASSETS, *, eagle3: bool = False, frequent: bool = False,
+              **options) -> tuple[str, object]:  # fmt: skip
     """(label, EagleStrategy) with the EAGLE head shipped for the embedded target (``eagle3``: the EAGLE-3 head,
-    ``specdec/assets/eagle3``); ``options`` override ``EAGLE``."""
+    ``specdec/assets/eagle3``; ``frequent``: the EAGLE head drafting over the target's 1024 most frequent tokens,
+    ``frequent_token_ids``); ``options`` override ``EAGLE``."""
     from specdec.decoding.eagle import EagleStrategy
     from specdec.model.eagle import EagleHead
     from specdec.model.eagle3 import Eagle3Head
+    from specdec.testing import frequent_token_ids
 
     loader, directory = (Eagle3Head, "eagle3") if eagle3 else (EagleHead, "eagle")
     head = loader.from_pretrained(Path(assets).parent / directory, target)
+    if frequent:
+        head.set_draft_vocabulary(frequent_token_ids(assets))
     options = {**EAGLE, **options}
     strategy = EagleStrategy(head, **options)
     kind = "EAGLE-1" if options.get("static_tree") else "EAGLE-2"
     kind += " (EAGLE-3 head)" if eagle3 else ""
+    kind += f" ({head.draft_vocab_size}-token draft vocabulary)" if frequent else ""
     if options["top_k"] == 1 and not options.get("static_tree"):  # the tree is a chain of the best tokens
         return f"{kind} top-1 chain, depth {strategy.max_nodes - 1}", strategy
     return f"{kind} {options['tree_budget']} nodes, depth {options['depth']}", strategy

@@ -9,6 +9,7 @@ that ends other than 'eos' or 'length' is reported on stderr and exits 1.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from contextlib import contextmanager
@@ -124,6 +125,14 @@ def eagle_strategy(args: argparse.Namespace, target):
 
     with loading("--eagle", args.eagle):
         head = (Eagle3Head if is_eagle3_checkpoint(args.eagle) else EagleHead).from_pretrained(args.eagle, target)
+    if args.draft_vocabulary is not None:
+        if isinstance(head, Eagle3Head):
+            raise CliError("--draft-vocabulary is for EAGLE-1/2 heads: an EAGLE-3 head has its own (d2t)", USAGE)
+        try:
+            head.set_draft_vocabulary(json.loads(Path(args.draft_vocabulary).read_text()))
+        except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+            message = str(exc).replace("token_ids", "its ids")
+            raise CliError(f"--draft-vocabulary {args.draft_vocabulary}: {message}", USAGE) from exc
     try:
         return EagleStrategy(
             head, tree_budget=args.tree_budget, depth=args.depth, top_k=args.eagle_top_k,
@@ -146,6 +155,8 @@ def main(args: argparse.Namespace) -> int:
     for flag in ("medusa_choices", "medusa_top_k"):
         if getattr(args, flag) is not None and args.medusa is None:
             raise CliError(f"--{flag.replace('_', '-')} needs --medusa", USAGE)
+    if args.draft_vocabulary is not None and args.eagle is None:
+        raise CliError("--draft-vocabulary needs --eagle", USAGE)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)

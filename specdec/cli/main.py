@@ -130,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     gen.add_argument("--static-tree", action="store_true", help="EAGLE-1: a static tree instead of EAGLE-2's")
     gen.add_argument(
+        "--draft-vocabulary", metavar="FILE",
+        help="EAGLE-1/2: draft over the target ids of FILE only (a JSON list, e.g. the most frequent tokens)",
+    )  # fmt: skip
+    gen.add_argument(
         "--confidence-temperature", type=_checked(as_float, float, low=0.0, low_open=True), default=1.0,
         help="EAGLE-2: temperature of the head's confidences (below 1 sharpens an under-confident head)",
     )  # fmt: skip

@@ -14,6 +14,11 @@ its checkpoint has one (the authors' checkpoints usually carry a copy of the tar
 the target's otherwise. The head keeps its own KV cache (``new_cache``), written and
 committed like the target's: ``forward`` never advances it.
 
+A draft vocabulary (``set_draft_vocabulary``, FR-Spec's frequency-ranked drafting; SGLang's token map): the head
+drafts over a subset of the target's ids, usually its most frequent tokens, and its logits come from those rows of
+the LM head only, a fraction of its bytes per draft level. Draft ids map back to target ids before verification, so
+greedy output stays the target's and sampling stays exact; a token outside the subset is never drafted.
+
 Checkpoints load in the authors' layout (``config.json`` of a one-layer LLaMA plus an
 optional ``"bias"`` flag for ``fc``, default true; tensors ``fc.weight``, ``fc.bias``,
 ``layers.0.*`` without ``input_layernorm``, optionally ``embed_tokens.weight``) from
@@ -76,6 +81,8 @@ class EagleHead(DraftHead):
         self._rotary = RotaryRows()
         # A plain attribute, not a submodule: the target's weights stay the target's (no copy, not in state_dict).
         object.__setattr__(self, "target", target)
+        self.register_buffer("draft_ids", None, persistent=False)  # the draft vocabulary; None: the target's
+        self._draft_rows = None  # (stamp, the LM head's rows of draft_ids)
 
     @property
     def embedding_weight(self) -> torch.Tensor:
@@ -83,16 +90,59 @@ class EagleHead(DraftHead):
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        return self.target.lm_head_weight
+        """The target's LM head, or its rows of the draft vocabulary (a copy, made again when the LM head changed)."""
+        weight = self.target.lm_head_weight
+        if self.draft_ids is None:
+            return weight
+        stamp = (None if weight.is_inference() else weight._version, weight.data_ptr(), self.draft_ids.data_ptr())
+        if self._draft_rows is None or self._draft_rows[0] != stamp:
+            with torch.inference_mode(False):  # an ordinary tensor, so it can keep a skinny-kernel pack
+                self._draft_rows = (stamp, weight.index_select(0, self.draft_ids))
+        return self._draft_rows[1]
 
     feature_layers = None  # the target's hidden output it reads: the final norm's (``Eagle3Head`` reads layers)
 
     @property
     def draft_vocab_size(self) -> int:
-        return self.config.vocab_size  # the target's: draft ids are target ids
+        return self.config.vocab_size if self.draft_ids is None else self.draft_ids.numel()
 
     def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids
+        return draft_ids if self.draft_ids is None else self.draft_ids[draft_ids]
+
+    def set_draft_vocabulary(self, token_ids) -> EagleHead:
+        """Draft over ``token_ids`` only (distinct target ids: a 1-D integer tensor or sequence), or over the whole
+        vocabulary again with None; returns the head. Set it before building a strategy over the head (the
+        strategy checks its ``top_k`` against the vocabulary). Raises ValueError naming ``token_ids``.
+
+        Example
+        -------
+        >>> from specdec.testing import ASSETS                          # the embedded target and its head
+        >>> target = LlamaModel.from_pretrained(ASSETS / "target")
+        >>> head = EagleHead.from_pretrained(ASSETS.parent / "eagle", target).set_draft_vocabulary(range(1024))
+        >>> head.draft_vocab_size, head.lm_head_weight.shape, head.target_ids(torch.tensor([0, 1023])).tolist()
+        (1024, torch.Size([1024, 256]), [0, 1023])
+        """
+        self._draft_rows = None
+        if token_ids is None:
+            self.draft_ids = None
+            return self
+        try:
+            ids = torch.as_tensor(token_ids if isinstance(token_ids, torch.Tensor) else list(token_ids))
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise ValueError(f"token_ids must be a 1-D sequence of integer target ids, got {token_ids!r:.60}") from exc
+        if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point or ids.dtype.is_complex:
+            raise ValueError(f"token_ids must be a non-empty 1-D sequence of integer target ids, got shape "
+                             f"{tuple(ids.shape)} of {ids.dtype}")  # fmt: skip
+        if ids.dtype == torch.bool:
+            raise ValueError("token_ids must be integer target ids, got a bool mask")
+        ids, vocab = ids.long().cpu().sort().values, self.config.vocab_size
+        if ids[0] < 0 or ids[-1] >= vocab:
+            raise ValueError(f"token_ids must be target ids in [0, {vocab}), got {ids[0]} .. {ids[-1]}")
+        repeated = ids[1:][ids[1:] == ids[:-1]]
+        if repeated.numel():
+            raise ValueError(f"token_ids must be distinct, got {int(repeated[0])} more than once")
+        self.draft_ids = ids.to(self.device)
+        return self
 
     def features_from_target(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden  # the target's final-norm hidden states, read as they are
@@ -155,7 +205,7 @@ class EagleHead(DraftHead):
         """A greedy chain of ``num_drafts`` drafts per request in one C++ call (``head_chain_greedy``, where
         ``head_chain_available``): from each root's predicted feature ``features [R, H]`` and logits ``[R, V]``."""
         return head_chain_greedy(self, cache, features, logits, slots, num_drafts, lm_head=self.lm_head_weight,
-                                 fc=self.fc)  # fmt: skip
+                                 fc=self.fc, draft_to_target=self.draft_ids)  # fmt: skip
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target: LlamaModel) -> EagleHead:
