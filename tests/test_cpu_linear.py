@@ -4,10 +4,20 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import cpu_flags, generic_version_runs, run_bench, run_python, table_rows, tiny_config
+from helpers import (
+    cpu_flags,
+    generic_version_runs,
+    random_eagle3_head,
+    random_eagle_head,
+    run_bench,
+    run_python,
+    table_rows,
+    tiny_config,
+)
 
 from specdec import use_backend
 from specdec.decoding import DraftModelStrategy, SpeculativeDecoder
+from specdec.decoding.eagle import EagleStrategy
 from specdec.model import LlamaModel, cpu_linear
 from specdec.model.cpu_linear import PACK_MIN_ELEMENTS, linear_for, packed_linear, skinny_available, skinny_linear
 
@@ -74,9 +84,9 @@ def test_linear_for_picks_by_rows_dtype_and_autograd(monkeypatch):
 
 @needs_skinny
 def test_a_decoder_packs_its_models_weights_when_built(monkeypatch):
-    """``SpeculativeDecoder`` makes the skinny packs of the target's and the draft's linear weights when it is built,
-    so their one-off cost does not land in the first decode step; with the Triton interpreter standing in for a
-    GPU (``F.linear`` throughout) or the PyTorch backend forced, nothing is packed."""
+    """``SpeculativeDecoder`` makes the skinny packs of the target's, the draft's and an EAGLE head's linear weights
+    when it is built, so their one-off cost does not land in the first decode step; with the Triton interpreter
+    standing in for a GPU (``F.linear`` throughout) or the PyTorch backend forced, nothing is packed."""
     def fresh():
         return LlamaModel(tiny_config(vocab_size=64)).requires_grad_(False)
 
@@ -92,6 +102,12 @@ def test_a_decoder_packs_its_models_weights_when_built(monkeypatch):
     weights = target.linear_weights() + draft.linear_weights()
     assert len(weights) == 2 * (4 * target.config.num_layers + 1)
     assert all(hasattr(w, "_specdec_skinny") for w in weights)
+    eagle = random_eagle_head(target, seed=0).set_draft_vocabulary(range(0, 64, 2))
+    for head in (eagle, random_eagle3_head(target, seed=0, draft_vocab=20)):
+        SpeculativeDecoder(target, EagleStrategy(head, tree_budget=4, depth=2, top_k=2))
+        weights = head.linear_weights()  # an EAGLE head's: fc, its layer, its LM head (the draft vocabulary's rows)
+        assert len(weights) == 6 and weights[-1].shape[0] in (20, 32)
+        assert all(hasattr(w, "_specdec_skinny") for w in weights)
 
 
 def _assert_linear(got, x, weight, bias=None):

@@ -138,8 +138,9 @@ class SpeculativeDecoder:
             for model in models:
                 if model.cuda_graphs is None:
                     model.use_cuda_graphs()
-        for model in models:  # the packs' one-off cost here, not in the first decode step (and the controller's)
-            pack_ahead(model.linear_weights())
+        head = getattr(strategy, "head", None)  # an EAGLE head's forwards run the same GEMMs
+        for model in models + ([head] if head is not None else []):  # the packs' one-off cost here, not in the first
+            pack_ahead(model.linear_weights())  # decode step (and the controller's)
         if num_blocks is not None:
             num_blocks = as_int("num_blocks", num_blocks, low=1)
             if cache_layout != "paged":

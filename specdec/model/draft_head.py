@@ -14,8 +14,8 @@ from specdec.model.llama import config_cache
 
 
 class DraftHead(nn.Module):
-    """Base of the EAGLE heads: a subclass defines ``config``, ``fc``, ``rope_inv_freq`` and ``_rotary``
-    (``block.RotaryRows``)."""
+    """Base of the EAGLE heads: a subclass defines ``config``, ``fc``, ``lm_head_weight``, ``_layer_params``,
+    ``rope_inv_freq`` and ``_rotary`` (``block.RotaryRows``)."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -24,6 +24,12 @@ class DraftHead(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.fc.weight.device
+
+    def linear_weights(self) -> list[torch.Tensor]:
+        """Every linear layer's weight: fc's, each layer's (qkv, o, gate/up, down), the LM head's
+        (``SpeculativeDecoder`` makes their CPU packs when it is built, as for its models)."""
+        layers = [getattr(p, name)["weight"] for p in self._layer_params for name in ("qkv", "o", "gate_up", "down")]
+        return [self.fc.weight, *layers, self.lm_head_weight]
 
     def rotary_rows(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[T, 1, D]`` of ``positions`` below ``max_position`` (the forward plan asks for them)."""

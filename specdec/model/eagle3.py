@@ -161,6 +161,10 @@ class Eagle3Head(DraftHead):
         self.t2d = t2d.to(device=self.device, dtype=torch.bool)
         self.draft_to_target = torch.arange(self.draft_vocab_size, device=self.device) + self.d2t
 
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.lm_head.weight
+
     def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """The target ids of ``draft_ids`` (any shape, int64), gathered on the device."""
         return self.draft_to_target[draft_ids]
