@@ -41,7 +41,7 @@ _ONEDNN_PACKS: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight) -
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` through oneDNN with the weight reordered for it (``cpu_linear.packed_linear``'s call), for
-    every weight and row count (the library runs up to 16 rows, and small weights, on other paths)."""
+    every weight and row count (the library runs up to 128 rows on the skinny kernel instead)."""
     entry = _ONEDNN_PACKS.get(id(weight))
     if entry is None or entry[0] is not weight:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, cpu_linear.PACK_ROWS)

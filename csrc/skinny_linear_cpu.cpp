@@ -1,10 +1,11 @@
 // Linear layers of a few rows on the CPU: y [M, N] = x [M, K] . W^T (+ bias), float32, the weight packed once.
 //
-// A decode batch, a chain's verification or a draft level hands the linear layers 2 to ~16 rows. There the GEMM
-// should cost what reading the weight costs, but the BLAS and oneDNN paths of PyTorch's CPU build take several
-// times that on some CPUs (bench/RESULTS.md, "A skinny-GEMM kernel for a few rows": the fused gate/up of the
-// embedded target at 6 rows, on an AMD EPYC). This kernel reads each weight element once per 8 rows: the weight is
-// packed as [ceil(N / 8), K, 8] (8 output features interleaved per input feature, zero-padded), so one pass over k
+// A decode batch, a chain's or a tree's verification, a draft level or a short prefill hands the linear layers 1 to
+// ~100 rows. There the GEMM should cost what reading the weight costs, but the BLAS and oneDNN paths of PyTorch's CPU
+// build take several times that on some CPUs (the fused gate/up of the embedded target at 6 rows, on an AMD EPYC),
+// and more rows only amortise the read (cpu_linear.py runs this kernel up to 128 rows, chosen end to end: bench/
+// RESULTS.md, "CPU GEMMs"). This kernel reads each weight element from memory once (passes of 8 rows over slices
+// held in L1, run_passes): the weight is packed as [ceil(N / 8), K, 8] (8 output features interleaved per input feature, zero-padded), so one pass over k
 // streams the pack contiguously while up to 8 rows of x (a few KB, cache-resident) are broadcast against it and 8
 // accumulators per row stay in vector registers. Each output is a float32 sum over k in partial sums whose number
 // depends on the rows in a pass (another order than BLAS's: results agree up to rounding, not bit for bit), or,
