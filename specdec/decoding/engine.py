@@ -59,6 +59,7 @@ from specdec.decoding.schedule import check_pool
 from specdec.decoding.serving import Engine
 from specdec.decoding.strategy import NoDraft, Strategy, StrategyHooks
 from specdec.model.cpu_linear import pack_ahead
+from specdec.model.draft_head import DraftHead
 from specdec.validation import InsufficientMemoryError, as_int
 
 
@@ -139,8 +140,8 @@ class SpeculativeDecoder:
                 if model.cuda_graphs is None:
                     model.use_cuda_graphs()
         head = getattr(strategy, "head", None)  # an EAGLE head's forwards run the same GEMMs
-        for model in models + ([head] if head is not None else []):  # the packs' one-off cost here, not in the first
-            pack_ahead(model.linear_weights())  # decode step (and the controller's)
+        for owner in models + ([head] if isinstance(head, DraftHead) else []):
+            pack_ahead(owner.linear_weights())  # the packs' one-off cost here, not in the first step (the controller's)
         if num_blocks is not None:
             num_blocks = as_int("num_blocks", num_blocks, low=1)
             if cache_layout != "paged":
