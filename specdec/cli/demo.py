@@ -4,9 +4,9 @@ The pair (``specdec/assets/pair``, loaded by ``specdec.testing``) is a small LLa
 one-layer draft distilled from it, both trained on the Python standard library.
 The demo completes held-out code prompts with plain autoregressive decoding, a greedy draft
 chain, a draft token tree, n-gram (prompt lookup) drafts, the target's Medusa heads
-(``specdec/assets/medusa``, no draft model), EAGLE-2 over the EAGLE head and the EAGLE-3 head
-(``specdec/assets/eagle``, ``specdec/assets/eagle3``) and the parallel draft
-(``specdec/assets/parallel``, PARD: one draft forward proposes a chain, or a best-first tree);
+(``specdec/assets/medusa``, no draft model), EAGLE-2 over the EAGLE head (a tree, and the top-1 chain over
+the target's frequent tokens) and the EAGLE-3 head (``specdec/assets/eagle``, ``specdec/assets/eagle3``) and the
+parallel draft (``specdec/assets/parallel``, PARD: one draft forward proposes a chain, or a best-first tree);
 checks that every speculative output equals the target's own greedy output token for token; and
 prints tokens/s, speedup, tau (tokens per target forward) and the draft acceptance rate.
 """
@@ -254,8 +254,9 @@ def _demo(device, num_prompts, max_new_tokens, show, assets, out) -> int:
     from specdec.decoding import DraftModelStrategy
 
     # Every row drafts its labelled size but the last, which adapts each step's chain length (0 = plain).
-    rows = [*strategies(draft), medusa_row(target), eagle_row(target, assets), eagle_row(target, assets, eagle3=True),
-            *parallel_rows(target, assets)]  # fmt: skip
+    eagle_chain = eagle_row(target, assets, frequent=True, top_k=1, tree_budget=7, depth=6)  # the CPU's fastest EAGLE
+    rows = [*strategies(draft), medusa_row(target), eagle_row(target, assets), eagle_chain,
+            eagle_row(target, assets, eagle3=True), *parallel_rows(target, assets)]  # fmt: skip
     plan = [(label, s, False) for label, s in rows]
     plan.append((f"draft chain adaptive (K<={ADAPTIVE_CHAIN})", DraftModelStrategy(draft, (1,) * ADAPTIVE_CHAIN), True))
     # Warm-up: first calls pay one-off costs (allocations, kernel selection) that are not decoding speed.
