@@ -105,12 +105,15 @@ def test_per_request_limits_an_adaptive_caller_sets_are_kept(tiny, kind):
 # ---- sampling: exactly the target's distribution ------------------------------------------------------
 
 
+@pytest.mark.parametrize("vocabulary", [None, (0, 2, 3)], ids=["whole-vocabulary", "draft-vocabulary"])
 @pytest.mark.parametrize("kind", ["eagle2", "eagle1"])
-def test_first_tokens_follow_the_exact_model_joint(kind):
-    # The first token comes from the prefill; the next two from one drafted tree of depth 2.
+def test_first_tokens_follow_the_exact_model_joint(kind, vocabulary):
+    # The first token comes from the prefill; the next two from one drafted tree of depth 2. With a draft
+    # vocabulary (``set_draft_vocabulary``) of 3 of the 4 tokens, token 1 is never drafted, yet emitted as often as
+    # the target says.
     vocab, steps, draws, temperature, top_p = 4, 3, 20000, 1.0, 0.9
     target = random_model(tiny_config(vocab_size=vocab, num_layers=1), seed=5, scale=1.5)
-    head = random_eagle_head(target, seed=6)
+    head = random_eagle_head(target, seed=6).set_draft_vocabulary(vocabulary)
     strategy = {
         "eagle2": EagleStrategy(head, tree_budget=5, depth=2, top_k=2),
         "eagle1": EagleStrategy(head, static_tree=[[0], [1], [0, 0], [1, 0]], depth=2, top_k=2),
@@ -130,6 +133,8 @@ def test_first_tokens_follow_the_exact_model_joint(kind):
     hotter = model_joint(target, prompt, steps, temperature * 1.3, 0, top_p)
     assert 0.5 * (empirical - hotter).abs().sum().item() > 2.5 * expected_tvd, "the test cannot tell T=1 from T=1.3"
     assert sum(s.accepted for s in result.stats) > 0 and sum(s.drafted for s in result.stats) > draws
+    if vocabulary is not None:
+        assert any(1 in toks[1:] for toks in result.tokens), "token 1, outside the draft vocabulary, is still emitted"
 
 
 # ---- cost: d head forwards over new rows only ---------------------------------------------------------
