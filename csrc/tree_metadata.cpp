@@ -12,7 +12,6 @@
 //                         node j is i or an ancestor of i
 // Bad arguments raise ValueError (TypeError for dtypes), as the Python package promises.
 
-#include <Python.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
@@ -94,11 +93,3 @@ TORCH_LIBRARY(specdec, m) {
 TORCH_LIBRARY_IMPL(specdec, CPU, m) { m.impl("tree_metadata", &tree_metadata_cpu); }
 
 }  // namespace specdec
-
-// A bare module: importing specdec._C loads the library, whose static
-// initialisers register the ops above with the dispatcher.
-extern "C" PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", "specdec C++/CUDA ops (torch.ops.specdec)",
-                                          -1, nullptr};
-  return PyModule_Create(&module_def);
-}

@@ -8,7 +8,9 @@ Every function here is pure: it reads a ``StepCostModel`` (the prices) and ``pri
 second of extra cost (the chance that a request's first i drafts are all accepted, over the cost of the rows its
 i-th level adds) while that raises the batch's tokens per second; that fill and the uniform depth L are priced as
 whole shapes (``StepCostModel.price``: a measured shape at its own mean), and the best of every L wins. 0 is
-plain decoding. ``exploration_variants``: the neighbours of a choice an exploration step may try instead.
+plain decoding. The fills (``fill_shapes``, every request and level every step) run in the extension where it is
+built: ``specdec._C.fill_shapes`` does the same arithmetic in the same order. ``exploration_variants``: the
+neighbours of a choice an exploration step may try instead.
 """
 
 from __future__ import annotations
@@ -53,13 +55,39 @@ def best_depths(cost: StepCostModel, prices: Prices, caps: Sequence[int], contex
             if rate > best_rate:
                 best_rate, best = rate, [levels]
         return best
-    per_row, per_context_row = cost.row_price, cost.context_price / 1024
+    starts = [max(cost.price(requests, 0, levels, context) + entry, 1e-12) for levels in range(1, top + 1)]
+    shapes = _fill_shapes_impl()(expected, rows, caps, contexts, cost.row_price, cost.context_price / 1024, starts,
+                                 tokens0)  # fmt: skip
+    for levels, (depth, fill, uniform_sums) in enumerate(shapes, 1):
+        uniform = [levels if cap >= levels else cap for cap in caps]  # the shape fixed sizes use: often measured
+        if max(depth) == levels:  # the whole shape, priced as measured where it was
+            rate = _rate(cost, requests, levels, fill, entry)
+            if rate > best_rate:
+                best_rate, best = rate, depth
+        if depth != uniform:
+            rate = _rate(cost, requests, levels, uniform_sums, entry)
+            if rate > best_rate:
+                best_rate, best = rate, uniform
+    return best
+
+
+def fill_shapes(expected: list[list[float]], rows: Sequence[int], caps: Sequence[int], contexts: Sequence[int],
+                row_price: float, context_row_price: float, starts: Sequence[float],
+                tokens0: float) -> list[tuple]:  # fmt: skip
+    """``best_depths``'s fills: per level count L = 1 .. max(caps), ``(depths, fill, uniform)``: each request's
+    depth in the greedy fill of L levels, and the sums ``(tokens, nodes, context rows)`` of that shape and of the
+    uniform one (every request drafting L levels or its cap), added in request order as ``expected_rate`` adds
+    them. A level's cost is its rows x (``row_price`` + ``context_row_price`` x its request's context); a fill of L
+    levels starts from ``tokens0`` tokens (plain decoding's) and ``starts[L - 1]`` seconds (the L-level step's
+    price). The extension's ``specdec._C.fill_shapes`` computes the same, bit for bit, without the interpreter's
+    cost (``tests/test_fill_shapes.py``)."""
+    top = max(caps, default=0)
     row_steps = [rows[i] - rows[i - 1] for i in range(1, top + 1)]
     # Items (ratio, -depth, request index, gain, cost): the i-th draft level of a request. (This runs every
     # step over every request and level: plain loops, no calls.)
     items = []
     for r, (tokens_by_depth, ctx) in enumerate(zip(expected, contexts)):
-        ratio_cap, row_cost = math.inf, per_row + per_context_row * ctx
+        ratio_cap, row_cost = math.inf, row_price + context_row_price * ctx
         previous = 1.0
         for i in range(1, len(tokens_by_depth)):
             reach = tokens_by_depth[i] - previous  # the chance its first i drafts are accepted
@@ -79,9 +107,10 @@ def best_depths(cost: StepCostModel, prices: Prices, caps: Sequence[int], contex
         ends[i] = max(ends[i], ends[i - 1])
     # A request's levels come in order (their ratios never rise, and a tie goes to the shallower), so the fill
     # reaches a request's i-th level only after taking its first i - 1.
+    fills = []
     for levels in range(1, top + 1):
-        tokens, seconds = tokens0, max(cost.price(requests, 0, levels, context) + entry, 1e-12)
-        depth, floor = [0] * requests, -levels
+        tokens, seconds = tokens0, starts[levels - 1]
+        depth, floor = [0] * len(caps), -levels
         for ratio, neg_i, r, gain, level_cost in items[: ends[levels]]:
             if neg_i < floor:  # a level deeper than this count
                 continue
@@ -89,16 +118,60 @@ def best_depths(cost: StepCostModel, prices: Prices, caps: Sequence[int], contex
                 break
             tokens, seconds = tokens + gain, seconds + level_cost
             depth[r] = -neg_i
-        uniform = [levels if cap >= levels else cap for cap in caps]  # the shape fixed sizes use: often measured
-        if max(depth) == levels:  # the whole shape, priced as measured where it was
-            rate = expected_rate(cost, prices, depth, contexts, entry)
-            if rate > best_rate:
-                best_rate, best = rate, depth
-        if depth != uniform:
-            rate = expected_rate(cost, prices, uniform, contexts, entry)
-            if rate > best_rate:
-                best_rate, best = rate, uniform
-    return best
+        fills.append(depth)
+    return [(depth, _sums(expected, rows, depth, contexts), uniform)
+            for depth, uniform in zip(fills, _uniform_sums(expected, rows, caps, contexts))]  # fmt: skip
+
+
+def _uniform_sums(expected: list[list[float]], rows: Sequence[int], caps: Sequence[int], contexts: Sequence[int]
+                  ) -> list[tuple[float, int, int]]:  # fmt: skip
+    """``_sums`` of the uniform shape of every level count L = 1 .. max(caps), in one pass over the requests."""
+    top = max(caps, default=0)
+    tokens = [0.0] * (top + 1)
+    for row, cap in zip(expected, caps):
+        if cap < top:  # the request stops at its cap
+            row = row + [row[cap]] * (top - cap)
+        for levels in range(1, top + 1):
+            tokens[levels] += row[levels]
+    requests, lowest, context, sums = len(caps), min(caps, default=0), sum(contexts), []
+    for levels in range(1, top + 1):
+        if levels <= lowest:  # every request drafts L levels
+            nodes, context_rows = requests * rows[levels], rows[levels] * context
+        else:
+            nodes_each = [rows[levels if cap >= levels else cap] for cap in caps]
+            nodes, context_rows = sum(nodes_each), sum(n * c for n, c in zip(nodes_each, contexts))
+        sums.append((tokens[levels], nodes, context_rows))
+    return sums
+
+
+def _sums(expected: list[list[float]], rows: Sequence[int], depths: Sequence[int], contexts: Sequence[int]
+          ) -> tuple[float, int, int]:  # fmt: skip
+    """A shape's expected tokens, nodes and context rows (nodes x context), in request order."""
+    tokens, nodes, context_rows = 0.0, 0, 0
+    for row, d, c in zip(expected, depths, contexts):
+        n = rows[d]
+        tokens, nodes, context_rows = tokens + row[d], nodes + n, context_rows + n * c
+    return tokens, nodes, context_rows
+
+
+def _rate(cost: StepCostModel, requests: int, levels: int, sums: tuple[float, int, int], entry: float) -> float:
+    """``expected_rate`` of a shape of ``levels`` levels (at least one) from its ``_sums``."""
+    tokens, nodes, context_rows = sums
+    seconds = cost.price(requests, nodes - requests, levels, context_rows) + entry
+    return tokens / (seconds if seconds > 1e-12 else 1e-12)
+
+
+_fill_shapes = None  # the implementation in use: the extension's where it is built, else the one above
+
+
+def _fill_shapes_impl():
+    global _fill_shapes
+    if _fill_shapes is None:
+        from specdec._backend import extension_status
+
+        module = extension_status()[0]
+        _fill_shapes = getattr(module, "fill_shapes", None) or fill_shapes
+    return _fill_shapes
 
 
 def exploration_variants(choice: Sequence[int], caps: Sequence[int]) -> list[list[int]]:
