@@ -76,15 +76,24 @@ class AcceptanceModel:
     def expected_tokens(self, running: Sequence[int], caps: Sequence[int]) -> list[list[float]]:
         """Per running request, the tokens it is expected to emit when drafting d levels, d = 0 .. its cap: 1 plus
         the chances that its first 1, 2, .. drafts are all accepted. (Every step, for every request and level:
-        one plain loop.)"""
+        plain loops; the rates of positions no request has counts of are worked out once.)"""
         pooled = self.pooled_rates(max(caps, default=0))
-        weight, expected = self.request_weight, []
+        weight = self.request_weight
+        weighted = [weight * p for p in pooled]
+        unseen = [(0.0 + w) / (0.0 + weight) for w in weighted]  # counts of zero, in the same arithmetic
+        expected, requests = [], self.requests
         for b, cap in zip(running, caps):
-            own = self.requests.get(b, ())
-            reach, total, row = 1.0, 1.0, [1.0]
-            for i in range(cap):
-                accepted, tested = own[i] if i < len(own) else (0.0, 0.0)
-                reach *= (accepted + weight * pooled[i]) / (tested + weight)  # the chance of depth i + 1, given i
+            own = requests.get(b, ())
+            seen = min(cap, len(own))
+            reach = total = 1.0
+            row = [1.0]
+            for i in range(seen):
+                accepted, tested = own[i]
+                reach *= (accepted + weighted[i]) / (tested + weight)  # the chance of depth i + 1, given i
+                total += reach
+                row.append(total)
+            for i in range(seen, cap):
+                reach *= unseen[i]
                 total += reach
                 row.append(total)
             expected.append(row)
