@@ -5,8 +5,10 @@
 // A plain CPython function on the extension module (not a torch op): its arguments are Python sequences and
 // floats and it returns Python objects, so no tensor is made and no dispatcher is crossed.
 //
-// Only additions, products and quotients of two operands each, as the Python writes them: no expression here can
-// be contracted into a fused multiply-add, which would round differently from the Python.
+// No product may be fused with an addition (a fused multiply-add rounds once where the Python rounds twice):
+// contraction is off for this file on every compiler (GCC contracts across statements where the target has FMA).
+
+#include "fp_exact.h"  // first: its pragmas cover everything below
 
 #include <Python.h>
 
@@ -15,7 +17,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "fill_shapes.h"
+#include "controller.h"
+#include "py_sequences.h"
 
 namespace specdec {
 namespace {
@@ -34,47 +37,6 @@ bool before(const Item& a, const Item& b) {
   if (a.ratio != b.ratio) return a.ratio > b.ratio;
   if (a.depth != b.depth) return a.depth < b.depth;
   return a.request > b.request;
-}
-
-// A sequence's items as ints; false with a Python error set otherwise.
-bool read_ints(PyObject* sequence, const char* name, std::vector<int64_t>& out) {
-  PyObject* fast = PySequence_Fast(sequence, "");
-  if (fast == nullptr) {
-    PyErr_Format(PyExc_TypeError, "fill_shapes: %s must be a sequence of ints", name);
-    return false;
-  }
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-  out.resize(n);
-  bool ok = true;
-  for (Py_ssize_t i = 0; ok && i < n; ++i) {
-    out[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
-    ok = !(out[i] == -1 && PyErr_Occurred());
-  }
-  Py_DECREF(fast);
-  return ok;
-}
-
-// A sequence's items as finite floats (a NaN would leave the sort without an order); false with a Python error
-// set otherwise.
-bool read_floats(PyObject* sequence, const char* name, std::vector<double>& out) {
-  PyObject* fast = PySequence_Fast(sequence, "");
-  if (fast == nullptr) {
-    PyErr_Format(PyExc_TypeError, "fill_shapes: %s must be a sequence of floats", name);
-    return false;
-  }
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-  out.resize(n);
-  bool ok = true;
-  for (Py_ssize_t i = 0; ok && i < n; ++i) {
-    out[i] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(fast, i));
-    ok = !(out[i] == -1.0 && PyErr_Occurred());
-    if (ok && !std::isfinite(out[i])) {
-      PyErr_Format(PyExc_ValueError, "fill_shapes: %s must hold finite floats", name);
-      ok = false;
-    }
-  }
-  Py_DECREF(fast);
-  return ok;
 }
 
 // (tokens, nodes, context rows) of a shape, as a Python tuple; added in request order.
@@ -115,8 +77,8 @@ PyObject* fill_shapes(PyObject* /*module*/, PyObject* args) {
     return nullptr;
   std::vector<int64_t> rows, caps, contexts;
   std::vector<double> starts;
-  if (!read_ints(rows_obj, "rows", rows) || !read_ints(caps_obj, "caps", caps) ||
-      !read_ints(contexts_obj, "contexts", contexts) || !read_floats(starts_obj, "starts", starts))
+  if (!read_ints(rows_obj, "fill_shapes", "rows", rows) || !read_ints(caps_obj, "fill_shapes", "caps", caps) ||
+      !read_ints(contexts_obj, "fill_shapes", "contexts", contexts) || !read_floats(starts_obj, "fill_shapes", "starts", starts))
     return nullptr;
   PyObject* expected_rows = PySequence_Fast(expected_obj, "");
   if (expected_rows == nullptr) {
@@ -127,7 +89,7 @@ PyObject* fill_shapes(PyObject* /*module*/, PyObject* args) {
   std::vector<std::vector<double>> expected(static_cast<size_t>(PySequence_Fast_GET_SIZE(expected_rows)));
   bool read = true;
   for (size_t r = 0; read && r < expected.size(); ++r)
-    read = read_floats(PySequence_Fast_GET_ITEM(expected_rows, r), "expected[r]", expected[r]);
+    read = read_floats(PySequence_Fast_GET_ITEM(expected_rows, r), "fill_shapes", "expected[r]", expected[r]);
   Py_DECREF(expected_rows);
   if (!read) return nullptr;
   if (expected.size() != requests || contexts.size() != requests) {

@@ -100,6 +100,13 @@ def extension_has_op(name: str, dispatch_key: str | None = "CPU", arguments: tup
     return all(a in names for a in arguments)
 
 
+@functools.cache
+def extension_function(name: str):
+    """The extension module's plain CPython function ``name`` (the adaptive controller's host loops: arguments and
+    results are Python objects, no dispatcher), or None where the extension, or that function, is not built."""
+    return getattr(extension_status()[0], name, None)
+
+
 def extension_has_cuda() -> bool:
     return extension_has_op("tree_metadata", "CUDA")
 

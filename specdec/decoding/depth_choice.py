@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from specdec._backend import extension_function
 from specdec.decoding.step_cost import StepCostModel
 
 Prices = tuple[list[list[float]], list[int]]  # (expected tokens per request and depth, nodes per depth)
@@ -50,14 +51,15 @@ def best_depths(cost: StepCostModel, prices: Prices, caps: Sequence[int], contex
     tokens0, seconds0 = float(requests), cost.price(requests, 0, 0, context)
     best_rate, best = tokens0 / max(seconds0, 1e-12), [0] * requests
     if requests == 1:  # the fill below is the uniform depth: the best of every depth, priced as a whole shape
+        row, ctx = expected[0], contexts[0]
         for levels in range(1, top + 1):
-            rate = expected_rate(cost, prices, [levels], contexts, entry)
+            rate = _rate(cost, 1, levels, (row[levels], rows[levels], rows[levels] * ctx), entry)
             if rate > best_rate:
                 best_rate, best = rate, [levels]
         return best
     starts = [max(cost.price(requests, 0, levels, context) + entry, 1e-12) for levels in range(1, top + 1)]
-    shapes = _fill_shapes_impl()(expected, rows, caps, contexts, cost.row_price, cost.context_price / 1024, starts,
-                                 tokens0)  # fmt: skip
+    fills = extension_function("fill_shapes") or fill_shapes
+    shapes = fills(expected, rows, caps, contexts, cost.row_price, cost.context_price / 1024, starts, tokens0)
     for levels, (depth, fill, uniform_sums) in enumerate(shapes, 1):
         uniform = [levels if cap >= levels else cap for cap in caps]  # the shape fixed sizes use: often measured
         if max(depth) == levels:  # the whole shape, priced as measured where it was
@@ -80,7 +82,7 @@ def fill_shapes(expected: list[list[float]], rows: Sequence[int], caps: Sequence
     them. A level's cost is its rows x (``row_price`` + ``context_row_price`` x its request's context); a fill of L
     levels starts from ``tokens0`` tokens (plain decoding's) and ``starts[L - 1]`` seconds (the L-level step's
     price). The extension's ``specdec._C.fill_shapes`` computes the same, bit for bit, without the interpreter's
-    cost (``tests/test_fill_shapes.py``)."""
+    cost (``tests/test_controller_ops.py``)."""
     top = max(caps, default=0)
     row_steps = [rows[i] - rows[i - 1] for i in range(1, top + 1)]
     # Items (ratio, -depth, request index, gain, cost): the i-th draft level of a request. (This runs every
@@ -159,19 +161,6 @@ def _rate(cost: StepCostModel, requests: int, levels: int, sums: tuple[float, in
     tokens, nodes, context_rows = sums
     seconds = cost.price(requests, nodes - requests, levels, context_rows) + entry
     return tokens / (seconds if seconds > 1e-12 else 1e-12)
-
-
-_fill_shapes = None  # the implementation in use: the extension's where it is built, else the one above
-
-
-def _fill_shapes_impl():
-    global _fill_shapes
-    if _fill_shapes is None:
-        from specdec._backend import extension_status
-
-        module = extension_status()[0]
-        _fill_shapes = getattr(module, "fill_shapes", None) or fill_shapes
-    return _fill_shapes
 
 
 def exploration_variants(choice: Sequence[int], caps: Sequence[int]) -> list[list[int]]:

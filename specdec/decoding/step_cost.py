@@ -1,4 +1,4 @@
-"""The adaptive controller's cost model: a step's seconds from its shape, learnt online (pure Python, no sync).
+"""The adaptive controller's cost model: a step's seconds from its shape, learnt online (on the host, no sync).
 
 A step's features are ``x = [1, R, D, D*R, E, L, C]``: a fixed part, R running requests (one row each), D = 1
 when anything is drafted (drafting at all has its own cost: a drafter catching up, wider GEMMs), E extra target
@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from specdec._backend import extension_function
+
 FEATURES = ("step", "requests", "drafting", "drafting requests", "extra rows", "draft levels", "context")
 PRIOR_SHARES = (0.2, 0.2, 0.1, 0.1, 0.25, 0.15, 0.0)  # how the first measured step's time is split a priori
 # Steps' worth of the prior per parameter. Context grows with every extra row and every step, so the data
@@ -42,7 +44,7 @@ SHAPE_STEP_CAP = 0.1
 
 
 class StepCostModel:
-    """Step time = ``theta . features`` by ridge regression with forgetting (pure Python: no device, no sync).
+    """Step time = ``theta . features`` by ridge regression with forgetting (on the host: no device, no sync).
 
     ``decay`` multiplies the weight of every earlier step each time a step is observed; ``PRIOR_WEIGHTS``
     say how many steps' worth the prior counts in each parameter's own direction.
@@ -134,32 +136,39 @@ class StepCostModel:
         return requests, levels, round(extra_rows / max(requests, 1))
 
     def _solve(self) -> list[float]:
-        """(gram + diag(precision)) theta = moment + precision * prior_mean, by Cholesky: the matrix is a sum of
-        outer products plus a positive diagonal (every prior weight is positive), so it is positive definite."""
-        n, gram, precision = len(self.moment), self.gram, self.prior_precision
-        low = []  # the Cholesky factor's rows
-        for i in range(n):
-            gram_row, row = gram[i], []
-            for j in range(i):
-                low_j, s = low[j], gram_row[j]
-                for k in range(j):
-                    s -= row[k] * low_j[k]
-                row.append(s / low_j[j])
-            s = gram_row[i] + precision[i]
-            for v in row:
-                s -= v * v
-            row.append(math.sqrt(s))
-            low.append(row)
-        y = []  # low y = moment + precision * prior_mean
-        for i, (m, p, mean) in enumerate(zip(self.moment, precision, self.prior_mean)):
-            s, row = m + p * mean, low[i]
-            for k in range(i):
-                s -= row[k] * y[k]
-            y.append(s / row[i])
-        theta = [0.0] * n  # low^T theta = y
-        for i in reversed(range(n)):
-            s = y[i]
-            for k in range(i + 1, n):
-                s -= low[k][i] * theta[k]
-            theta[i] = s / low[i][i]
-        return theta
+        solve = extension_function("ridge_solve") or ridge_solve
+        return solve(self.gram, self.prior_precision, self.moment, self.prior_mean)
+
+
+def ridge_solve(gram: Sequence[Sequence[float]], precision: Sequence[float], moment: Sequence[float],
+                prior_mean: Sequence[float]) -> list[float]:  # fmt: skip
+    """theta from (gram + diag(precision)) theta = moment + precision * prior_mean, by Cholesky (only gram's lower
+    triangle is read): the matrix is a sum of outer products plus a positive diagonal (every prior weight is
+    positive), so it is positive definite. The extension's ``specdec._C.ridge_solve`` computes the same bits."""
+    n = len(moment)
+    low = []  # the Cholesky factor's rows
+    for i in range(n):
+        gram_row, row = gram[i], []
+        for j in range(i):
+            low_j, s = low[j], gram_row[j]
+            for k in range(j):
+                s -= row[k] * low_j[k]
+            row.append(s / low_j[j])
+        s = gram_row[i] + precision[i]
+        for v in row:
+            s -= v * v
+        row.append(math.sqrt(s))
+        low.append(row)
+    y = []  # low y = moment + precision * prior_mean
+    for i, (m, p, mean) in enumerate(zip(moment, precision, prior_mean)):
+        s, row = m + p * mean, low[i]
+        for k in range(i):
+            s -= row[k] * y[k]
+        y.append(s / row[i])
+    theta = [0.0] * n  # low^T theta = y
+    for i in reversed(range(n)):
+        s = y[i]
+        for k in range(i + 1, n):
+            s -= low[k][i] * theta[k]
+        theta[i] = s / low[i][i]
+    return theta

@@ -1,5 +1,6 @@
-"""The adaptive controller's greedy fills: the extension's ``specdec._C.fill_shapes`` against the Python
-``depth_choice.fill_shapes``, bit for bit, on random controller states (ties between requests included); the same
+"""The adaptive controller's host loops in the extension against their Python: the greedy fills
+(``specdec._C.fill_shapes``, ``depth_choice.fill_shapes``) and the cost fit's solve (``specdec._C.ridge_solve``,
+``step_cost.ridge_solve``), bit for bit on random controller states (ties between requests included); the same
 choices from a controller on either; and the extension's refusals of bad arguments."""
 
 import math
@@ -8,12 +9,14 @@ import random
 import pytest
 
 from specdec import _backend
-from specdec.decoding import depth_choice
-from specdec.decoding.adaptive import AdaptiveSpeculation
+from specdec.decoding import depth_choice, step_cost
+from specdec.decoding.adaptive import AdaptiveSpeculation, StepCostModel
 
-native = getattr(_backend.extension_status()[0], "fill_shapes", None)
+native = _backend.extension_function("fill_shapes")
+native_solve = _backend.extension_function("ridge_solve")
 needs_native = pytest.mark.skipif(
-    native is None, reason=f"specdec._C.fill_shapes is not built ({_backend.extension_status()[1]})"
+    native is None or native_solve is None,
+    reason=f"specdec._C's controller functions are not built ({_backend.extension_status()[1]})",
 )
 
 
@@ -80,9 +83,9 @@ def test_a_controller_chooses_the_same_on_either(monkeypatch):
             choices.append(depths)
         return choices
 
-    monkeypatch.setattr(depth_choice, "_fill_shapes", native)
     with_extension = run()
-    monkeypatch.setattr(depth_choice, "_fill_shapes", depth_choice.fill_shapes)
+    for module in (depth_choice, step_cost):
+        monkeypatch.setattr(module, "extension_function", lambda name: None)
     assert run() == with_extension
     assert len({max(c) for c in with_extension}) > 1  # the choices moved: the fills decided something
 
@@ -107,3 +110,35 @@ def test_the_extension_refuses_bad_arguments_by_name(change, error, match):
     args.update(change)
     with pytest.raises(error, match=match):
         native(*args.values())
+
+
+@needs_native
+@pytest.mark.parametrize("seed", range(20))
+def test_the_extension_solves_the_cost_fit_as_the_python_does(seed):
+    """The cost model's normal equations after random steps (the model's own gram, moment and prior)."""
+    rng, model = random.Random(seed), StepCostModel()
+    for _ in range(rng.randint(1, 60)):
+        requests, levels = rng.randint(1, 32), rng.choice([0, 0, rng.randint(1, 8)])
+        extra = rng.randint(0, 3 * levels * requests) if levels else 0
+        x = StepCostModel.features(requests, extra, levels, rng.randint(100, 4000) * (requests + extra))
+        model.observe(x, rng.uniform(2e-3, 5e-2))
+        args = model.gram, model.prior_precision, model.moment, model.prior_mean
+        assert native_solve(*args) == step_cost.ridge_solve(*args) == model.theta
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (dict(moment=[1.0]), ValueError, "must match moment"),
+        (dict(gram=[[1.0, 0.0], [0.0]]), ValueError, "through its diagonal"),
+        (dict(precision=[1.0, math.inf]), ValueError, "finite"),
+        (dict(gram=[[-5.0, 0.0], [0.0, 1.0]]), ValueError, "not positive definite"),
+        (dict(prior_mean=3.0), TypeError, "prior_mean must be a sequence"),
+    ],
+)
+def test_the_extension_refuses_a_bad_fit_by_name(change, error, match):
+    args = dict(gram=[[2.0, 0.5], [0.5, 1.0]], precision=[1.0, 1.0], moment=[1.0, 2.0], prior_mean=[0.0, 0.0])
+    args.update(change)
+    with pytest.raises(error, match=match):
+        native_solve(*args.values())
