@@ -10,7 +10,8 @@ sizes (adaptive off, so a row drafts what its label says):
   draft chain (K <= 8) and the parallel tree (its budget's share of the chosen depth);
 * temperature 1 (seeded), batch 1: the draft chain and the parallel chain by rule (coupled: plain sampling's
   tokens; stochastic: the optimal rejection rule), trees, and both adaptive;
-* greedy, batch 8: the chain, the parallel chain and trees, one batch of eight prompts per run.
+* greedy, batch 8: the chain, the parallel chain and trees, one batch of eight prompts per run; then both chains at
+  K=2 (the best fixed depth at that batch) and both adaptive (K <= 8, one decoder per row across the runs).
 
 ``bench_e2e.py --parallel-only`` runs just these.
 """
@@ -48,13 +49,12 @@ def parallel_plan(target, draft, parallel, *, chains=True, eagle=True) -> list[t
     return plan
 
 
-def decode_batch(target, strategy, label: str, prompts: list[list[int]], new_tokens: int) -> Run:
-    """Every prompt in one batch (greedy, fixed sizes); the engine's counters summed over requests."""
+def decode_batch(decoder: SpeculativeDecoder, label: str, prompts: list[list[int]], new_tokens: int) -> Run:
+    """Every prompt in one batch (greedy); the engine's counters summed over requests. One decoder serves every run
+    of a row, so an adaptive controller carries what it learnt from run to run, as a server's would."""
     start = time.perf_counter()
-    result = SpeculativeDecoder(target, strategy, adaptive=False).generate(
-        prompts, max_new_tokens=new_tokens, eos_token_id=None
-    )
-    if next(target.parameters()).is_cuda:
+    result = decoder.generate(prompts, max_new_tokens=new_tokens, eos_token_id=None)
+    if next(decoder.target.parameters()).is_cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     totals = [sum(getattr(s, f) for s in result.stats) for f in ("generated", "drafted", "accepted")]
@@ -108,8 +108,18 @@ def parallel_tables(target, draft, prompts, batch_prompts, new_tokens: int, devi
              f"{new_tokens} tokens, fastest of {repeats} (interleaved)")  # fmt: skip
     tables.append((ratio_table(title, runs, "tau", "identical to AR (seeded)", "no"), "e2e_parallel_t1"))
 
-    plan = [("autoregressive", NoDraft()), *parallel_plan(target, draft, parallel, chains=False, eagle=False)]
-    methods = [lambda ps, s=s, label=label: decode_batch(target, s, label, ps[0], new_tokens) for label, s in plan]
+    plan = [("autoregressive", NoDraft(), False)]
+    plan += [(label, s, False) for label, s in parallel_plan(target, draft, parallel, chains=False, eagle=False)]
+    block = parallel.block_size
+    plan += [("draft chain K=2", DraftModelStrategy(draft, (1, 1)), False),
+             ("parallel chain K=2", ParallelDraftStrategy(parallel, depth=2), False),
+             (f"draft chain adaptive (K<={block})", DraftModelStrategy(draft, (1,) * block), True),
+             (f"parallel chain adaptive (K<={block})", ParallelDraftStrategy(parallel, depth=block), True)]  # fmt: skip
+    decoders = [SpeculativeDecoder(target, s, adaptive=a) for _, s, a in plan]
+    for decoder in decoders:  # warm-up: first calls pay one-off costs (and the controllers their first steps)
+        decode_batch(decoder, "", batch_prompts, 8)
+    methods = [lambda ps, d=d, label=label: decode_batch(d, label, ps[0], new_tokens)
+               for (label, _, _), d in zip(plan, decoders)]  # fmt: skip
     runs = interleaved(methods, [batch_prompts], device, repeats)
     title = (f"Parallel drafting, greedy, embedded pair, {device}, batch {len(batch_prompts)}, {new_tokens} tokens "
              f"each, fastest of {repeats} (interleaved)")  # fmt: skip
