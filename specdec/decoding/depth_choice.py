@@ -29,16 +29,7 @@ def expected_rate(cost: StepCostModel, prices: Prices, depths: Sequence[int], co
     """Expected tokens per predicted second of a step drafting ``depths``, its time priced from the features the
     controller records for it, plus ``entry`` seconds when it drafts (its share of a catch-up the drafter owes)."""
     expected, rows = prices
-    tokens, nodes, context_rows, deepest = 0, 0, 0, 0
-    for row, d, c in zip(expected, depths, contexts):
-        n = rows[d]
-        tokens, nodes, context_rows = tokens + row[d], nodes + n, context_rows + n * c
-        if d > deepest:
-            deepest = d
-    seconds = cost.price(len(depths), nodes - len(depths), deepest, context_rows)
-    if deepest > 0:
-        seconds += entry
-    return tokens / (seconds if seconds > 1e-12 else 1e-12)
+    return _rate(cost, len(depths), max(depths, default=0), _sums(expected, rows, depths, contexts), entry)
 
 
 def best_depths(cost: StepCostModel, prices: Prices, caps: Sequence[int], contexts: Sequence[int],
@@ -157,9 +148,11 @@ def _sums(expected: list[list[float]], rows: Sequence[int], depths: Sequence[int
 
 
 def _rate(cost: StepCostModel, requests: int, levels: int, sums: tuple[float, int, int], entry: float) -> float:
-    """``expected_rate`` of a shape of ``levels`` levels (at least one) from its ``_sums``."""
+    """``expected_rate`` of a shape of ``levels`` levels (its deepest request's) from its ``_sums``."""
     tokens, nodes, context_rows = sums
-    seconds = cost.price(requests, nodes - requests, levels, context_rows) + entry
+    seconds = cost.price(requests, nodes - requests, levels, context_rows)
+    if levels > 0:
+        seconds += entry
     return tokens / (seconds if seconds > 1e-12 else 1e-12)
 
 
