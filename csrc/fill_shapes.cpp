@@ -53,20 +53,6 @@ PyObject* shape_sums(const std::vector<std::vector<double>>& expected, const std
   return Py_BuildValue("(dLL)", tokens, static_cast<long long>(nodes), static_cast<long long>(context_rows));
 }
 
-PyObject* int_list(const std::vector<int64_t>& values) {
-  PyObject* list = PyList_New(static_cast<Py_ssize_t>(values.size()));
-  if (list == nullptr) return nullptr;
-  for (size_t i = 0; i < values.size(); ++i) {
-    PyObject* v = PyLong_FromLongLong(values[i]);
-    if (v == nullptr) {
-      Py_DECREF(list);
-      return nullptr;
-    }
-    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), v);
-  }
-  return list;
-}
-
 }  // namespace
 
 PyObject* fill_shapes(PyObject* /*module*/, PyObject* args) {
@@ -78,7 +64,8 @@ PyObject* fill_shapes(PyObject* /*module*/, PyObject* args) {
   std::vector<int64_t> rows, caps, contexts;
   std::vector<double> starts;
   if (!read_ints(rows_obj, "fill_shapes", "rows", rows) || !read_ints(caps_obj, "fill_shapes", "caps", caps) ||
-      !read_ints(contexts_obj, "fill_shapes", "contexts", contexts) || !read_floats(starts_obj, "fill_shapes", "starts", starts))
+      !read_ints(contexts_obj, "fill_shapes", "contexts", contexts) ||
+      !read_floats(starts_obj, "fill_shapes", "starts", starts))
     return nullptr;
   PyObject* expected_rows = PySequence_Fast(expected_obj, "");
   if (expected_rows == nullptr) {
@@ -152,7 +139,8 @@ PyObject* fill_shapes(PyObject* /*module*/, PyObject* args) {
       depth[item.request] = item.depth;
     }
     for (size_t r = 0; r < requests; ++r) uniform[r] = std::min(levels, caps[r]);
-    PyObject* shape = Py_BuildValue("(NNN)", int_list(depth), shape_sums(expected, rows, depth, contexts),
+    PyObject* shape = Py_BuildValue("(NNN)", make_list(depth, PyLong_FromLongLong),
+                                    shape_sums(expected, rows, depth, contexts),
                                     shape_sums(expected, rows, uniform, contexts));
     if (shape == nullptr) {
       Py_DECREF(shapes);

@@ -1,5 +1,6 @@
-// Python sequences read into vectors, for the extension's plain CPython functions (controller.h): false with a
-// Python exception set (naming the function and the argument) when an item is not what it must be.
+// Python sequences read into vectors and vectors made into Python lists, for the extension's plain CPython
+// functions (controller.h). A read returns false with a Python exception set (naming the function and the
+// argument) when an item is not what it must be.
 #pragma once
 
 #include <Python.h>
@@ -10,43 +11,57 @@
 
 namespace specdec {
 
-inline bool read_ints(PyObject* sequence, const char* function, const char* name, std::vector<int64_t>& out) {
+// Each item through `convert` (a CPython conversion: -1 with an exception set when it fails).
+template <typename T, typename Convert>
+bool read_sequence(PyObject* sequence, const char* function, const char* name, const char* kind,
+                   std::vector<T>& out, Convert convert) {
   PyObject* fast = PySequence_Fast(sequence, "");
   if (fast == nullptr) {
-    PyErr_Format(PyExc_TypeError, "%s: %s must be a sequence of ints", function, name);
+    PyErr_Format(PyExc_TypeError, "%s: %s must be a sequence of %s", function, name, kind);
     return false;
   }
   const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
   out.resize(n);
   bool ok = true;
   for (Py_ssize_t i = 0; ok && i < n; ++i) {
-    out[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
-    ok = !(out[i] == -1 && PyErr_Occurred());
+    out[i] = convert(PySequence_Fast_GET_ITEM(fast, i));
+    ok = !(out[i] == T(-1) && PyErr_Occurred());
   }
   Py_DECREF(fast);
   return ok;
 }
 
+inline bool read_ints(PyObject* sequence, const char* function, const char* name, std::vector<int64_t>& out) {
+  return read_sequence(sequence, function, name, "ints", out,
+                       [](PyObject* item) -> int64_t { return PyLong_AsLongLong(item); });
+}
+
 // Finite floats only: a NaN or an infinity would leave a sort without an order or a factorisation without meaning.
 inline bool read_floats(PyObject* sequence, const char* function, const char* name, std::vector<double>& out) {
-  PyObject* fast = PySequence_Fast(sequence, "");
-  if (fast == nullptr) {
-    PyErr_Format(PyExc_TypeError, "%s: %s must be a sequence of floats", function, name);
-    return false;
-  }
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-  out.resize(n);
-  bool ok = true;
-  for (Py_ssize_t i = 0; ok && i < n; ++i) {
-    out[i] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(fast, i));
-    ok = !(out[i] == -1.0 && PyErr_Occurred());
-    if (ok && !std::isfinite(out[i])) {
+  if (!read_sequence(sequence, function, name, "floats", out, PyFloat_AsDouble)) return false;
+  for (double v : out) {
+    if (!std::isfinite(v)) {
       PyErr_Format(PyExc_ValueError, "%s: %s must hold finite floats", function, name);
-      ok = false;
+      return false;
     }
   }
-  Py_DECREF(fast);
-  return ok;
+  return true;
+}
+
+// A new Python list of `make(value)` for each value; nullptr with the exception set when one fails.
+template <typename T, typename Make>
+PyObject* make_list(const std::vector<T>& values, Make make) {
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(values.size()));
+  if (list == nullptr) return nullptr;
+  for (size_t i = 0; i < values.size(); ++i) {
+    PyObject* item = make(values[i]);
+    if (item == nullptr) {
+      Py_DECREF(list);
+      return nullptr;
+    }
+    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), item);
+  }
+  return list;
 }
 
 }  // namespace specdec

@@ -69,17 +69,7 @@ PyObject* ridge_solve(PyObject* /*module*/, PyObject* args) {
     for (size_t k = i + 1; k < n; ++k) s -= low[k][i] * theta[k];
     theta[i] = s / low[i][i];
   }
-  PyObject* out = PyList_New(static_cast<Py_ssize_t>(n));
-  if (out == nullptr) return nullptr;
-  for (size_t i = 0; i < n; ++i) {
-    PyObject* v = PyFloat_FromDouble(theta[i]);
-    if (v == nullptr) {
-      Py_DECREF(out);
-      return nullptr;
-    }
-    PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), v);
-  }
-  return out;
+  return make_list(theta, PyFloat_FromDouble);
 }
 
 }  // namespace specdec
