@@ -139,6 +139,38 @@ def test_an_aborted_slot_refills_at_the_next_step(pair):
     assert out.finished == {"a": "abort"} and out.requests == ("b",)  # b's prefill in the slot a left
 
 
+@pytest.mark.parametrize(
+    "strategy, forwards", [("autoregressive", [1 + 4]), ("chain", [4 + 4]), ("tree-deterministic", [4, 16])]
+)
+def test_a_prompt_joining_a_step_of_chains_rides_in_its_forward(pair, monkeypatch, strategy, forwards):
+    """A request joining running ones: a step of chains takes its prompt as more causal rows of its one target
+    forward (the running chain's nodes and the 4 prompt rows); a step with a tree mask runs the prompt in a forward
+    of its own first (then the 16-node tree). The tokens are the solo ones either way (the tests above)."""
+    target, draft = pair
+    decoder = SpeculativeDecoder(target, STRATEGIES[strategy](target, draft), adaptive=False)
+    engine = decoder.engine(max_batch=2, max_len=40)
+    tokens = {}
+
+    def step():
+        out = engine.step()
+        for request, new in zip(out.requests, out.tokens):
+            tokens.setdefault(request, []).extend(new)
+        return out
+
+    engine.add_request([1, 2, 3, 4, 5], request_id="first", max_new_tokens=12, eos_token_id=None)
+    step()  # its prefill
+    rows, forward = [], target.forward
+    monkeypatch.setattr(target, "forward", lambda tokens, *rest, **kw: rows.append(tokens.numel()) or forward(
+        tokens, *rest, **kw))  # fmt: skip
+    engine.add_request([7, 8, 9, 10], request_id="late", max_new_tokens=3, eos_token_id=None)
+    assert set(step().requests) == {"first", "late"} and rows == forwards
+    monkeypatch.undo()
+    while engine.has_unfinished():
+        step()
+    alone = solo_greedy(target, [(0, [1, 2, 3, 4, 5], 12), (0, [7, 8, 9, 10], 3)])
+    assert tokens == {"first": alone[0], "late": alone[1]}
+
+
 @pytest.mark.parametrize("strategy", ["autoregressive", "chain", "tree-deterministic", "medusa", "eagle2"])
 def test_a_bounded_pool_pauses_and_resumes_with_requests_joining(pair, strategy):
     """A pool too small for three running requests: the engine pauses and resumes them while others join;

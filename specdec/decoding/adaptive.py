@@ -121,6 +121,7 @@ class AdaptiveSpeculation:
         self._interval, self._until_explore, self._skipped = explore_every, explore_every, 0
         self._last_choice = -1  # the deepest level chosen at the last exploration
         self._started: float | None = None
+        self._timed = True  # the step's time prices its trees (``untimed``)
         self._step = 0  # steps of the current stream (``forced``'s argument)
 
     def bind(self, max_depth: int, max_nodes: int, draft_nodes: Callable[[int], int] | None = None,
@@ -184,6 +185,10 @@ class AdaptiveSpeculation:
             self._owed = 0
         self._started = now
 
+    def untimed(self) -> None:
+        """This step did other work beside its trees (joining prompts in its forward): its time prices nothing."""
+        self._timed = False
+
     def observe(self, running: Sequence[int], nodes: Sequence[int], depths: Sequence[int],
                 accepted: Sequence[int | None], contexts: Sequence[int]) -> None:  # fmt: skip
         """After the step's read-back: the trees' sizes (``nodes``, ``depths``), what was accepted (None for a
@@ -199,6 +204,9 @@ class AdaptiveSpeculation:
                 self._nodes_seen[d], self._rows = n, []
             if a is not None and d > 0:
                 self.acceptance.observe(b, d, a)
+        if not self._timed:
+            self._timed = True
+            return
         context_rows = sum(n * c for n, c in zip(nodes, contexts))
         x = StepCostModel.features(len(running), sum(nodes) - len(running), max(depths, default=0), context_rows)
         self.cost.observe(x, seconds)

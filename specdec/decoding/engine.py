@@ -33,10 +33,12 @@ synchronise on a GPU), and the same code runs on both.
 A bounded paged target cache (``num_blocks``) is shared on demand, each step planned first:
 ``specdec.decoding.schedule`` (trees shrink, requests pause and resume, nothing generated is lost).
 
-Requests that join a step first get their prefill: one forward with their whole prompts as causal rows, and
-each last prompt token as a one-node tree whose verification samples the first token; it is read back with
-the step's trees (one read-back still), and the strategy attaches its per-request state to their slots
-(``Strategy.prefill`` for an engine's first requests, its ``join`` hook later; ``leave`` when they end).
+Requests that join a step get their prefill in it: their whole prompts as causal rows of the step's one forward
+when every running tree is a chain, else of a forward of their own before it (``specdec.decoding.joining``), and
+each last prompt token as a one-node tree whose verification samples the first token; it is read back with the
+step's trees (one read-back still). After the running trees' commit, the strategy attaches its per-request state
+to their slots (``Strategy.prefill`` for an engine's first requests, its ``join`` hook later; ``leave`` when
+they end).
 
 Random numbers: the uniform that decides a token is keyed on the request's seed and that token's
 position (``offset`` = tokens generated so far, plus the node's depth), never on the step; drafts
@@ -54,8 +56,7 @@ import torch
 from specdec.decoding.adaptive import AdaptiveSpeculation
 from specdec.decoding.requests import DEFAULT_EOS, Requests, encode_prompts, make_requests
 from specdec.decoding.results import GenerationResult, RequestStats, StepOutput
-from specdec.decoding.run import CacheSpec
-from specdec.decoding.schedule import check_pool
+from specdec.decoding.schedule import CacheSpec, check_pool
 from specdec.decoding.serving import Engine
 from specdec.decoding.strategy import NoDraft, Strategy, StrategyHooks
 from specdec.model.cpu_linear import pack_ahead

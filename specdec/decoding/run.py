@@ -1,49 +1,27 @@
 """One engine's state and its steps (the loop itself is described in ``specdec.decoding.engine``): the caches, the
-batch slots and the texts of the requests in them; per step, the joining requests' prefill forward, then for the
-running ones propose -> one target forward -> verify -> commit, then the step's one read-back -> emit.
+batch slots and the texts of the requests in them; per step, for the running requests propose -> one target forward
+(with the joining requests' prompts, ``specdec.decoding.joining``) -> verify -> commit, then the step's one
+read-back -> emit.
 """
 
 from __future__ import annotations
 
-import enum
-import itertools
 from dataclasses import dataclass
 
 import torch
 
 from specdec._transfer import offsets_to_device, read_back, to_device
 from specdec.decoding.adaptive import AdaptiveSpeculation
+from specdec.decoding.joining import Joining, PromptOutputs, merged_inputs, merged_rows, prompt_forward, split_outputs
 from specdec.decoding.proposal import Proposal, check_proposal, device_tree_metadata, tree_metadata_on
 from specdec.decoding.requests import Request
 from specdec.decoding.results import RequestStats, StepOutput
-from specdec.decoding.schedule import SharedPool
+from specdec.decoding.schedule import CacheSpec, SharedPool
 from specdec.decoding.strategy import Prefill, StepContext, StepResult, Strategy, StrategyHooks
 from specdec.decoding.verification import verify
 from specdec.kernels import TreeVerifyResult
 from specdec.kernels.sampling_params import SamplingParams
 from specdec.model.attention_metadata import AttentionMetadata, causal_positions, tree_positions
-
-
-@dataclass(frozen=True)
-class CacheSpec:
-    """The target KV cache an engine allocates: its layout ("contiguous" or "paged"), page size, and for a paged
-    cache the pool in blocks (None: the worst case)."""
-
-    layout: str = "contiguous"
-    block_size: int = 16
-    num_blocks: int | None = None
-
-    @property
-    def options(self) -> dict:
-        """``new_cache``'s ``layout=`` / ``block_size=`` (what ``Prefill.cache_options`` hands a drafter)."""
-        return {"layout": self.layout, "block_size": self.block_size}
-
-
-class CommitMode(enum.Enum):
-    """How a verified step's accepted nodes become the prefix in the target's cache."""
-
-    CHAINS = "chains"  # every tree a chain (a host fact): the accepted rows are in place, the lengths advance
-    TREES = "trees"  # the accepted nodes' K/V move next to the prefix
 
 
 @dataclass(frozen=True)
@@ -56,6 +34,7 @@ class Verified:
     counts, depths each tree's nodes (root included) and depth (a bound for trees shaped on the device)
     hidden         [N, H] device: the target's features of the verified nodes (``Strategy``'s contract, item 4)
     node_offsets   [R+1] int32 device: tree r's rows of ``hidden``
+    prefill        the joining requests' ``Prefill`` (their part only), which the strategy gets before its commit
     """
 
     slots: list[int]
@@ -64,6 +43,7 @@ class Verified:
     depths: list[int]
     hidden: torch.Tensor
     node_offsets: torch.Tensor
+    prefill: Prefill | None = None
 
     def packed(self) -> torch.Tensor:
         """``[R * (W + 2)]`` int32: per tree its emitted tokens (``W`` columns, -1 padded), accepted count and
@@ -142,9 +122,12 @@ class DecodeRun:
         trees; one read-back for both. Returns slots in ``StepOutput`` (the engine maps them to request ids)."""
         if self.target.feature_layers != self.feature_layers:  # another decoder on this target read other features
             self.target.output_layer_features(self.feature_layers)
-        joined = self._join(joining) if joining else None
+        admitted = self._admit(joining) if joining else None
         ended = self._schedule()
-        decoded = self._decode() if self.running else None
+        if self.running:
+            decoded, joined = self._decode(admitted)
+        else:
+            decoded, joined = None, self._prefill(admitted) if admitted else None
         parts = [part for part in (decoded, joined) if part is not None]
         if not parts:  # every request left ended with 'cache'
             self._leave(list(ended))
@@ -158,6 +141,8 @@ class DecodeRun:
         output = self._emit(parts, rows, ended)
         lengths = [len(t) - 1 if t else 0 for t in self.texts]
         for part, part_rows in zip(parts, rows):
+            if part.prefill is not None:  # after the running trees' commit: a strategy's caches have no step open
+                self._attach(part.prefill)
             self.strategy.commit(
                 StepResult(
                     running=part.slots,
@@ -172,6 +157,8 @@ class DecodeRun:
         self._leave(list(output.finished))
         if decoded is not None and self.adaptive is not None:
             accepted = [None if row[-1] else row[-2] for row in rows[0]]
+            if admitted is not None:  # the step also ran prompts: no sample of what its trees cost
+                self.adaptive.untimed()
             self.adaptive.observe(decoded.slots, decoded.counts, decoded.depths, accepted, self._contexts)
         return output
 
@@ -183,57 +170,66 @@ class DecodeRun:
         self.cache.release([slot])
         self._leave([slot])
 
-    def _join(self, joining: list[tuple[int, Request, RequestStats]]) -> Verified:
-        """One ragged causal forward over the joining requests' prompts; verify each last prompt token as a one-node
-        tree (which samples the first token). The strategy sets their state up from the prompts' features."""
+    def _admit(self, joining: list[tuple[int, Request, RequestStats]]) -> Joining:
+        """The joining requests take their slots; their prompts' blocks are reserved before the schedule plans the
+        running requests' step around them."""
         for b, request, stats in joining:
             self.slots[b], self.stats[b] = request, stats
             self.texts[b], self.generated[b] = list(request.prompt), 0
         self._params = None  # the new slots' sampling parameters go up with the next selection
         slots = [b for b, _, _ in joining]
-        joined = set(slots)
-        prompts = [self.texts[b] if b in joined else [] for b in range(self.batch_size)]
-        counts = [len(p) for p in prompts]
-        tokens = to_device([t for p in prompts for t in p], torch.int64, self.device)
-        q_offsets = offsets_to_device(counts, self.device)
-        self.cache.reserve(counts)
-        positions = causal_positions(q_offsets, self.cache.seq_lens, tokens.numel())
-        ends = list(itertools.accumulate(counts))
-        last_rows = to_device([ends[b] - 1 for b in slots], torch.int64, self.device)
-        logits, hidden = self.target(tokens, positions, AttentionMetadata(q_offsets), self.cache, logits_rows=last_rows)
-        self.cache.advance(counts)
-        prefill = Prefill(prompts, self.max_len, self.cache_spec.options, hidden, q_offsets)
+        prompts = {b: list(request.prompt) for b, request, _ in joining}  # copies: the texts grow before ``_attach``
+        admitted = Joining(slots, [prompts.get(b, []) for b in range(self.batch_size)])
+        self.cache.reserve(admitted.counts)
+        if self.adaptive is not None:
+            self.adaptive.forget(slots)
+        return admitted
+
+    def _prefill(self, joining: Joining, prompts: PromptOutputs | None = None) -> Verified:
+        """Verify each joining prompt's last token as a one-node tree, which samples the first token; ``prompts``: the
+        merged forward's outputs for them, else they run a forward of their own first."""
+        if prompts is None:
+            prompts = prompt_forward(self.target, self.cache, joining)
+        slots = joining.slots
+        roots = Proposal(prompts.last_tokens, [[-1]] * len(slots), rule="deterministic")
+        node_offsets = offsets_to_device([1] * len(slots), self.device)
+        params = self._slot_params().select(to_device(slots, torch.int64, self.device))  # offset 0: nothing generated
+        greedy = all(self.slots[b].temperature <= 0 for b in slots)
+        result = verify(prompts.logits, roots, node_offsets, params, greedy=greedy)
+        prefill = Prefill(joining.prompts, self.max_len, self.cache_spec.options, prompts.hidden, prompts.q_offsets)
+        return Verified(slots, result, [1] * len(slots), [0] * len(slots), prompts.last_hidden, node_offsets, prefill)
+
+    def _attach(self, prefill: Prefill) -> None:
+        """The strategy sets the joined requests' state up from their prompts' features."""
         if self.started and self.hooks.join is not None:
             self.hooks.join(prefill)
         else:  # the first requests (or, for a strategy served whole batches, a new batch): state for every slot
             self.strategy.prefill(prefill)
             self.started = True
-        if self.adaptive is not None:
-            self.adaptive.forget(slots)
-        roots = Proposal(tokens.index_select(0, last_rows), [[-1]] * len(slots), rule="deterministic")
-        node_offsets = offsets_to_device([1] * len(slots), self.device)
-        rows = to_device(slots, torch.int64, self.device)
-        params = self._slot_params().select(rows)  # offset 0: nothing generated yet
-        greedy = all(self.slots[b].temperature <= 0 for b in slots)
-        result = verify(logits, roots, node_offsets, params, greedy=greedy)
-        return Verified(slots, result, [1] * len(slots), [0] * len(slots), hidden.index_select(0, last_rows),
-                        node_offsets)  # fmt: skip
 
-    def _decode(self) -> Verified:
-        """The running requests' trees: propose, one target forward over every node, verify, commit in the cache."""
+    def _decode(self, joining: Joining | None) -> tuple[Verified, Verified | None]:
+        """The running requests' trees: propose, one target forward over every node, verify, commit in the cache;
+        the joining requests' prompts ride in that forward when every tree is a chain, else run first on their own.
+        Returns the trees' part and the joining requests' part (or None)."""
         context = self._context()
         self.hooks.prepare(context)  # work owed from earlier steps: not this step's cost
         if self.adaptive is not None:
             self.adaptive.restart_clock()
         proposal = self.strategy.propose(context)
         check_proposal(proposal, self.strategy.name, len(self.running), context.max_nodes, context.max_depth)
-        # One target forward over every node of every running request.
-        counts = context.full_counts(proposal.counts)
+        # Chains (plain decoding, draft chains, n-gram) need no mask: causal attention is the same thing.
+        chains = proposal.on_host and all(tree == list(range(-1, len(tree) - 1)) for tree in proposal.parents)
+        # One target forward over every node of every running request, and in a step of chains the joining prompts.
+        joined = merged = logits_rows = None
+        tokens, counts = proposal.tokens, context.full_counts(proposal.counts)
+        if joining is not None and chains:
+            merged = merged_rows(self.running, proposal.counts, joining)
+            (tokens, logits_rows), counts = merged_inputs(merged, tokens, joining), merged.counts
+        elif joining is not None:  # the tree mask covers the trees only: the prompts run a forward of their own
+            joined = self._prefill(joining)
         q_offsets = offsets_to_device(counts, self.device)
         self.cache.reserve(counts)
         num_nodes = sum(counts)
-        # Chains (plain decoding, draft chains, n-gram) need no mask: causal attention is the same thing.
-        chains = proposal.on_host and all(tree == list(range(-1, len(tree) - 1)) for tree in proposal.parents)
         all_running = len(self.running) == self.batch_size  # then the trees' offsets are the forward's
         node_offsets = q_offsets if all_running else offsets_to_device(proposal.counts, self.device)
         if chains:
@@ -246,11 +242,14 @@ class DecodeRun:
                 depth, mask = device_tree_metadata(proposal.parents, node_offsets)
             positions = tree_positions(q_offsets, self.cache.seq_lens, depth)
             metadata = AttentionMetadata(q_offsets, mask)
-        logits, hidden = self.target(proposal.tokens, positions, metadata, self.cache)
+        logits, hidden = self.target(tokens, positions, metadata, self.cache, logits_rows=logits_rows)
+        if merged is not None:
+            (logits, hidden), prompts = split_outputs(merged, tokens, logits_rows, logits, hidden, joining)
+            joined = self._prefill(joining, prompts)
         greedy = all(self.slots[b].temperature <= 0 for b in self.running)
         result = verify(logits, proposal, node_offsets, context.params, greedy=greedy, chains=chains)
-        self._commit_accepted(result, CommitMode.CHAINS if chains else CommitMode.TREES)
-        return Verified(list(self.running), result, proposal.counts, proposal.depths, hidden, node_offsets)
+        self._commit_accepted(result, chains, None if merged is None else joining.counts)
+        return Verified(list(self.running), result, proposal.counts, proposal.depths, hidden, node_offsets), joined
 
     def _schedule(self) -> dict[int, str]:
         """Fit the step in the target's cache (pausing, resuming, tree budgets); the requests ended 'cache'."""
@@ -263,15 +262,19 @@ class DecodeRun:
 
     # ---- verification and bookkeeping --------------------------------------------------------------
 
-    def _commit_accepted(self, result: TreeVerifyResult, commit: CommitMode) -> None:
-        """Commit each running request's accepted nodes in the target's cache (other slots stay as they are)."""
+    def _commit_accepted(self, result: TreeVerifyResult, chains: bool, prompts: list[int] | None = None) -> None:
+        """Commit each running request's accepted nodes in the target's cache: for ``chains`` (every tree a chain, a
+        host fact) the accepted rows are in place and the lengths advance, else the accepted nodes' K/V move next to
+        the prefix. Other slots stay as they are, but for ``prompts``: rows per slot of joining prompts a chains
+        step's forward wrote, which become their prefix."""
         every = len(self.running) == self.batch_size
-        if commit is CommitMode.CHAINS:  # the accepted nodes are the first num_accepted + 1 rows already: advance
+        if chains:  # the accepted nodes are the first num_accepted + 1 rows already: advance
             counts = result.num_accepted + 1
             if not every:
-                counts = torch.zeros(self.batch_size, dtype=torch.int32, device=self.device).index_copy_(
-                    0, self._running()[0], counts
-                )
+                base = torch.zeros(self.batch_size, dtype=torch.int32, device=self.device)
+                if prompts is not None:
+                    base = to_device(prompts, torch.int32, self.device)
+                counts = base.index_copy_(0, self._running()[0], counts)
             self.cache.advance(counts)
             return
         path = result.accepted_path

@@ -36,6 +36,21 @@ from specdec.model.paged_blocks import PagedBlocks
 
 
 @dataclass(frozen=True)
+class CacheSpec:
+    """The target KV cache an engine allocates: its layout ("contiguous" or "paged"), page size, and for a paged
+    cache the pool in blocks (None: the worst case)."""
+
+    layout: str = "contiguous"
+    block_size: int = 16
+    num_blocks: int | None = None
+
+    @property
+    def options(self) -> dict:
+        """``new_cache``'s ``layout=`` / ``block_size=`` (what ``Prefill.cache_options`` hands a drafter)."""
+        return {"layout": self.layout, "block_size": self.block_size}
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """Who runs the next step, and how large a tree each may propose.
 
