@@ -159,6 +159,7 @@ struct Scratch {
   int64_t request = -1;
   int64_t slot = -1;             // the item's first slot where the list is per slot, else -1
   int64_t count = 0;             // of visible
+  int64_t live = 0;              // query slots up to the last that sees a position
   std::vector<int32_t> visible;  // positions some query of the request sees
   std::vector<float> scores;     // [rows, visible]
   Rows rows;
@@ -378,8 +379,20 @@ __attribute__((always_inline)) inline void attend_kernel(const Problem& P, int64
       s.visible[count] = static_cast<int32_t>(l);
       count += seen;
     }
-    s.call = P.call, s.request = b, s.slot = slot, s.count = count;
+    // Past the last query slot that sees a position: the padding of a request with fewer queries than n.
+    int64_t live = seen0;
+    for (int64_t i = seen1; i > seen0 && live == seen0; --i)
+      for (int64_t l = 0; l < L && live == seen0; ++l)
+        if (bias_b[(i - 1) * P.bias_i + l * P.bias_l] != hidden) live = i;
+    s.call = P.call, s.request = b, s.slot = slot, s.count = count, s.live = live;
   }
+  // Slots that see nothing get 0 without a pass over the positions.
+  const int64_t i_end = std::max(i0, std::min(i1, s.live));
+  for (int64_t i = i_end; i < i1; ++i)
+    for (int64_t h = g0 * G; h < g1 * G; ++h)
+      std::memset(P.out + b * P.out_b + i * P.out_i + h * P.out_h, 0, D * sizeof(float));
+  if (i_end == i0) return;
+  i1 = i_end;
   const int64_t V = s.count;
   const int32_t* vis = s.visible.data();
   const bool vec = D % kLanes == 0;

@@ -110,6 +110,27 @@ def test_tree_masks_skip_hidden_positions_and_empty_rows_get_zero():
     assert torch.equal(out.view(batch, n, heads, head_dim)[0, 2], torch.zeros(heads, head_dim))
 
 
+@needs_kernel
+@pytest.mark.parametrize("live", [[20, 7, 0], [1, 20, 13], [0, 0, 2]])
+def test_padded_query_slots_that_see_nothing_get_zero_and_the_rows_before_them_their_values(live):
+    """A ragged step pads each request's queries to n slots; its padded slots see nothing and the kernel passes them
+    by. Rows before a request's last seeing slot, a middle one that sees nothing included, keep their values; work
+    items of several slots (n = 20 splits) agree with one pass."""
+    gen = torch.Generator().manual_seed(11)
+    batch, n, heads, kv_heads, head_dim, length = 3, 20, 8, 2, 32, 40
+    q, k_cache, v_cache, out = operands(batch, n, heads, kv_heads, head_dim, [length] * batch, gen)
+    visible = torch.rand(batch, n, length, generator=gen) < 0.5
+    visible[:, :, 0] = True
+    visible &= (torch.arange(n)[None, :] < torch.tensor(live)[:, None])[:, :, None]
+    visible[1, 3] = False  # a middle slot that sees nothing: not padding
+    bias = torch.zeros(batch, 1, n, length).masked_fill_(~visible[:, None], -math.inf)
+    cpu_attention.padded_attention(q, k_cache, v_cache, bias, 0.3, out)
+    assert_close(out, padded_reference(q, k_cache, v_cache, bias, 0.3), ATOL, RTOL, "padded slots")
+    rows = out.view(batch, n, heads, head_dim)
+    for b, count in enumerate(live):
+        assert torch.equal(rows[b, count:], torch.zeros(n - count, heads, head_dim))
+
+
 def _plan(prefixes, n, cache, *, tree_mask=None, finite=True):
     batch = len(prefixes)
     return plan_attention(

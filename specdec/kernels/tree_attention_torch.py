@@ -17,7 +17,8 @@ row-invariant mode (``SPECDEC_ROW_INVARIANT=1``) gathered caches too, so that on
 
 A request whose context is shorter than ``L_max`` re-reads its own last position in the
 padding (never stale or uninitialised cache memory, whose NaN bits would poison the
-masked sums), and a padded query slot re-reads the last real query; the mask hides both.
+masked sums), and a padded query slot re-reads the last real query; the mask hides both, a
+padded query slot entirely (the kernel skips such slots; SDPA's outputs there are dropped).
 
 ``tree_attention_reference`` is the oracle: per request and in float64, the visibility
 rule written out directly. Production never runs it.
@@ -98,6 +99,8 @@ def padded_layout(q_offsets, prefix_lens, tree_start, tree_mask, block_table, *,
         in_tree = (pos >= first) & (pos - first < width) & (pos < context[:, None])
         tree_bit = bits.gather(2, bit[:, None, :].expand(batch, n_max, length))
         visible = (pos < first)[:, None, :] | (in_tree[:, None, :] & tree_bit)
+    if not uniform:  # a padded query slot sees nothing: the kernel passes it by (a prompt beside decode rows)
+        visible = visible & (i[None, :] < counts[:, None])[:, :, None]
     attn_bias = torch.full((batch, 1, n_max, length), -math.inf, dtype=dtype, device=device)
     attn_bias.masked_fill_(visible[:, None], 0.0)
     return query_rows, token_slots, None if kv_rows is None else kv_rows.flatten(), attn_bias
