@@ -55,3 +55,13 @@ def test_the_quick_run_serves_every_policy_at_every_load(tmp_path):
     assert [row[0] for row in table_rows(tmp_path / "serving_targets.md", "2")] == ["2"]
     for chart in ("serving_throughput.png", "serving_tpot_p99.png"):
         assert (tmp_path / chart).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_join_step_benchmark_runs_both_ways_over_the_same_steps(tmp_path):
+    done = run_bench("bench_join_step.py", "--quick", "--out", str(tmp_path), cpu_path=True)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads((tmp_path / "join_step.json").read_text())["rows"]
+    assert [(r["policy"], r["every"]) for r in rows] == [("plain", 1), ("plain", 4)]
+    for row in rows:
+        assert row["join_ratio"] > 0 and row["other_ratio"] > 0 and row["all_ratio"] > 0
+        assert int(row["join steps"]) >= 1  # requests joined running ones
