@@ -4,9 +4,10 @@ The engine (``specdec.decoding.engine``) runs one loop for every strategy. It ha
 batch slots; requests join free slots between steps and leave when they finish or are aborted:
 
     attach(target)          once, when the decoder is built: refuse a target the drafter cannot serve
-    prefill(Prefill)        the engine's first requests, after the target's prefill forward over their
-                            prompts: allocate per-slot state for every slot, set up the joining ones
-    join(Prefill)           an optional hook (item 8 below): later requests, into free slots of a running batch
+    prefill(Prefill)        the engine's first requests, after the target's forward over their prompts and
+                            the step's read-back: allocate per-slot state for every slot, set up the joining ones
+    join(Prefill)           an optional hook (item 8 below): later requests, into free slots of a running batch,
+                            in the step that ran their prompts, after the running requests' ``commit``
     commit(StepResult)      after the joining requests' first token, and after every step: roll back, release
     leave(slots)            an optional hook (item 8): requests ended (finished or aborted): free their state
     prepare(StepContext)    an optional hook (item 7 below): at the start of every step, work owed from earlier steps
@@ -90,8 +91,8 @@ from specdec.kernels.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class Prefill:
-    """What a strategy gets when requests join (``prefill``, ``join``), right after the target's forward over their
-    prompts.
+    """What a strategy gets when requests join (``prefill``, ``join``), in the step whose target forward ran their
+    prompts (beside the running requests' chains, or in a forward of their own), after its read-back.
 
     prompts        list of B token lists (one per slot): the joining requests' prompts, ``[]`` for every other slot
     max_len        tokens per request the target's KV cache holds (a drafter's cache needs no more)
