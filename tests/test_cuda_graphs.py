@@ -176,3 +176,29 @@ def test_a_padded_plan_under_static_bounds_equals_the_exact_forward(tree):
     for a, b in zip(exact, static):
         assert (a - b[: 2 * n]).abs().max() < 1e-5
     assert torch.equal(caches[0].data, caches[1].data), "the padding rows wrote into the cache"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_requests_joining_a_running_engine_under_graphs_get_their_eager_tokens(tree):
+    """Prompts joining a chain step ride in its replayed forward; beside a tree step they run a forward of their own
+    whose features the strategy reads after the tree's forward replayed (a copy: graphs share their output memory)."""
+    target = random_model(CONFIG, seed=0).cuda()
+    draft = noisy_copy(target, 1, 0.3).cuda()
+    arrivals = [(0, [3, 9, 4, 3, 9, 4], 12), (1, [7, 1], 6), (2, [5, 5, 2], 9), (4, [8, 2, 8, 2, 8], 7)]
+
+    def serve(graphs):
+        strategy = DraftModelStrategy(draft, (2, 1, 1) if tree else (1, 1, 1), rule="deterministic")
+        engine = SpeculativeDecoder(target, strategy, adaptive=False, graphs=graphs).engine(max_batch=2, max_len=48)
+        tokens, step = {}, 0
+        while step <= 4 or engine.has_unfinished():
+            for i, (at, prompt, limit) in enumerate(arrivals):
+                if at == step:
+                    engine.add_request(prompt, request_id=i, max_new_tokens=limit, eos_token_id=None)
+            out = engine.step()
+            for request, new in zip(out.requests, out.tokens):
+                tokens.setdefault(request, []).extend(new)
+            step += 1
+        return tokens
+
+    assert serve(graphs=True) == serve(graphs=False)

@@ -99,8 +99,9 @@ class PromptOutputs(NamedTuple):
     q_offsets: torch.Tensor
 
 
-def prompt_forward(target, cache, joining: Joining) -> PromptOutputs:
-    """The joining prompts' own ragged causal forward over ``target``, committed in ``cache``."""
+def prompt_forward(target, cache, joining: Joining, keep_hidden: bool = False) -> PromptOutputs:
+    """The joining prompts' own ragged causal forward over ``target``, committed in ``cache``. ``keep_hidden``: the
+    features outlive another target forward (a tree step's), which may reuse a CUDA graph's output memory: a copy."""
     counts, device = joining.counts, target.device
     tokens = to_device(joining.tokens(), torch.int64, device)
     q_offsets = offsets_to_device(counts, device)
@@ -111,7 +112,7 @@ def prompt_forward(target, cache, joining: Joining) -> PromptOutputs:
     logits, hidden = target(tokens, positions, AttentionMetadata(q_offsets), cache, logits_rows=last_rows)
     cache.advance(counts)
     last_tokens, last_hidden = tokens.index_select(0, last_rows), hidden.index_select(0, last_rows)
-    return PromptOutputs(logits, last_tokens, last_hidden, hidden, q_offsets)
+    return PromptOutputs(logits, last_tokens, last_hidden, hidden.clone() if keep_hidden else hidden, q_offsets)
 
 
 def merged_inputs(rows: MergedRows, tree_tokens: torch.Tensor, joining: Joining) -> tuple[torch.Tensor, torch.Tensor]:

@@ -226,7 +226,7 @@ class DecodeRun:
             merged = merged_rows(self.running, proposal.counts, joining)
             (tokens, logits_rows), counts = merged_inputs(merged, tokens, joining), merged.counts
         elif joining is not None:  # the tree mask covers the trees only: the prompts run a forward of their own
-            joined = self._prefill(joining)
+            joined = self._prefill(joining, prompt_forward(self.target, self.cache, joining, keep_hidden=True))
         q_offsets = offsets_to_device(counts, self.device)
         self.cache.reserve(counts)
         num_nodes = sum(counts)
