@@ -103,6 +103,23 @@ def test_no_acceptance_means_plain_decoding():
     assert plain >= 0.85 * len(late), f"chose plain decoding in {plain} of {len(late)} steps: {late}"
 
 
+def test_a_step_that_also_ran_prompts_prices_nothing_but_its_acceptance_counts():
+    """``untimed`` (a step whose forward also ran joining prompts): its time stays out of the cost fit, for that step
+    only; what it accepted is learnt."""
+    ctl, clock = controller()
+    simulate(ctl, clock, lambda r, d: d, 12)
+    steps, seen = ctl.cost.steps, ctl.acceptance.expected_tokens([0], [3])
+    ctl.choose([0], [100], [64])
+    clock.now += 1e6  # a prompt's rows: nothing like a tree's cost
+    ctl.untimed()
+    ctl.observe([0], [4], [3], [0], [64])
+    assert ctl.cost.steps == steps and ctl.acceptance.expected_tokens([0], [3]) != seen
+    ctl.choose([0], [100], [64])
+    clock.now += 12.0
+    ctl.observe([0], [4], [3], [3], [64])
+    assert ctl.cost.steps == steps + 1
+
+
 def test_a_cold_first_plain_step_does_not_price_plain_decoding_out():
     """Plain decoding's first step takes 4x its time (first-use costs: on the CPU, weights packed for few-row
     forwards, before the decoder packed them ahead; on a GPU, kernels compiled for a new shape); nothing is accepted.

@@ -194,6 +194,7 @@ class AdaptiveSpeculation:
         """After the step's read-back: the trees' sizes (``nodes``, ``depths``), what was accepted (None for a
         request whose logits were invalid) and the context each tree was verified after."""
         seconds = self.clock() - self._started
+        timed, self._timed = self._timed, True
         if self.on_step is not None:
             self.on_step(seconds, running, nodes, depths, accepted, contexts)
         if self.forced is not None:
@@ -204,8 +205,7 @@ class AdaptiveSpeculation:
                 self._nodes_seen[d], self._rows = n, []
             if a is not None and d > 0:
                 self.acceptance.observe(b, d, a)
-        if not self._timed:
-            self._timed = True
+        if not timed:
             return
         context_rows = sum(n * c for n, c in zip(nodes, contexts))
         x = StepCostModel.features(len(running), sum(nodes) - len(running), max(depths, default=0), context_rows)
