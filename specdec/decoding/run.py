@@ -271,8 +271,9 @@ class DecodeRun:
         if chains:  # the accepted nodes are the first num_accepted + 1 rows already: advance
             counts = result.num_accepted + 1
             if not every:
-                base = torch.zeros(self.batch_size, dtype=torch.int32, device=self.device)
-                if prompts is not None:
+                if prompts is None:
+                    base = torch.zeros(self.batch_size, dtype=torch.int32, device=self.device)
+                else:
                     base = to_device(prompts, torch.int32, self.device)
                 counts = base.index_copy_(0, self._running()[0], counts)
             self.cache.advance(counts)
