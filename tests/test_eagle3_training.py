@@ -77,7 +77,7 @@ def test_shipped_eagle3_head_files_report_and_package_data():
     assert {f.name for f in EAGLE3_DIR.iterdir()} == {"config.json", "model.safetensors", "training_report.json"}
     assert sum(f.stat().st_size for f in EAGLE3_DIR.iterdir()) <= 10 * 2**20
     report = json.loads((EAGLE3_DIR / "training_report.json").read_text())
-    assert report["threads"] == 1 and report["minutes"]["total"] <= 30
+    assert report["threads"] <= 2 and report["minutes"]["total"] <= 30  # the issue: 2 cores, 30 minutes
     assert report["training"]["steps_run"] == report["training"]["steps_scheduled"]
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["specdec"]
