@@ -70,6 +70,17 @@ def test_quick_mode_writes_an_eagle3_head_that_loads_and_drafts_the_targets_gree
     assert result.tokens[0] == expected
     assert result.stats[0].drafted > 0
 
+    # --evaluate-only measures the head again beside the shipped EAGLE-2 head and keeps the training's figures
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "train_eagle3_head.py"), "--quick", "--evaluate-only", "--out",
+         str(tmp_path)],
+        check=True, timeout=300, capture_output=True,
+    )  # fmt: skip
+    again = json.loads((tmp_path / "training_report.json").read_text())
+    assert again["evaluated_again"]["command"].endswith("--quick --evaluate-only --out " + str(tmp_path))
+    assert again["training"] == report["training"] and again["features"] == report["features"]
+    assert again["tau"] == report["tau"] and again["agreement_by_depth"] == report["agreement_by_depth"]  # same heads
+
 
 def test_shipped_eagle3_head_files_report_and_package_data():
     if not EAGLE3_DIR.is_dir():
