@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from train_embedded_pair import EOS, corpus_files, encode_stream, read_text
+from train_embedded_pair import EOS, command_line, corpus_files, encode_stream, read_text
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's specdec, whichever one is installed
@@ -194,7 +194,7 @@ def report_header(script: str, argv, args, corpus: Corpus, greedy, prompt_lens, 
     """The fields every training report opens with: the command, seed, threads, torch, corpus, training data and
     held-out set (a script adds its own fields after them)."""
     return {
-        "command": f"python scripts/{script}" + (" " + " ".join(argv or sys.argv[1:])).rstrip(),
+        "command": command_line(script, argv),
         "seed": args.seed,
         "threads": args.threads,
         "torch": torch.__version__,

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 from head_training import ROOT, def_prompts, greedy_sequences, load_corpus, specdec_features
+from train_embedded_pair import command_line
 
 BUDGETS = (8, 12, 16, 24, 32, 64)
 TAU_TARGET = 2.5
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     as_fast = [name for name in reaching if measured[name]["tokens_per_cpu_s"] >= (1 - SPEED_NOISE) * fastest]
     default = max(as_fast, key=lambda name: measured[name]["tau"])
     report = {
-        "command": "python scripts/search_medusa_tree.py" + (" " + " ".join(argv or sys.argv[1:])).rstrip(),
+        "command": command_line("search_medusa_tree.py", argv),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "threads": 1,

@@ -71,7 +71,7 @@ from head_training import (
     specdec_features,
 )
 from torch import nn
-from train_embedded_pair import lr_at
+from train_embedded_pair import command_line, lr_at
 
 TOPK = (1, 2, 4)
 DEPTH = 5  # agreement measured to the demo's EAGLE depth
@@ -357,8 +357,8 @@ def evaluate_again(out: Path, target, heldout: HeldOut, features3: list, argv, t
     report_file = out / "training_report.json"
     report = json.loads(report_file.read_text())
     report |= compare_with_eagle2(Eagle3Head.from_pretrained(out, target), target, heldout, features3)
-    command = "python scripts/train_eagle3_head.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    report["evaluated_again"] = {"command": command.strip(), "minutes": (time.perf_counter() - t0) / 60,
+    report["evaluated_again"] = {"command": command_line("train_eagle3_head.py", argv),
+                                 "minutes": (time.perf_counter() - t0) / 60,
                                  "why": "the shipped EAGLE-2 head it is compared with changed"}  # fmt: skip
     report_file.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: report[k] for k in ("agreement_by_depth", "tau", "evaluated_again")}, indent=1), flush=True)
@@ -416,12 +416,12 @@ def main(argv: list[str] | None = None) -> int:
     hf_feats = target_outputs(hf, torch.tensor([heldout.sequences[0]]), layers, bf16=False)[0][0]
     feature_gap = (hf_feats - features3[0]).abs().max().item()
     assert feature_gap < 1e-3, f"transformers' hidden states differ from output_layer_features by {feature_gap}"
+    if args.evaluate_only:
+        return evaluate_again(out, target, heldout, features3, argv, t0)
     draft_ids = draft_vocabulary(corpus, greedy, prompt_lens, args.greedy_share, args.draft_vocab)
     generated = torch.tensor([t for s, p in zip(heldout.sequences, heldout.prompt_lens) for t in s[p:]])
     coverage = torch.isin(generated, draft_ids).double().mean().item()
     data_minutes = (time.perf_counter() - t0) / 60
-    if args.evaluate_only:
-        return evaluate_again(out, target, heldout, features3, argv, t0)
     torch.manual_seed(args.seed)  # training starts from the seed whether the data were generated or cached
     print(f"data: {len(greedy)} greedy training sequences, {heldout.generated_tokens} held-out tokens "
           f"({coverage:.3f} in the draft vocabulary), feature gap {feature_gap:.1e}, {data_minutes:.1f} min",

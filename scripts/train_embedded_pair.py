@@ -43,6 +43,11 @@ SEQ_LEN = 256
 HELDOUT_EVERY = 20  # one file in 20 (by path hash) is held out
 
 
+def command_line(script: str, argv) -> str:
+    """The command a report records: ``python scripts/<script>`` and its arguments (``argv``, else the process's)."""
+    return f"python scripts/{script}" + (" " + " ".join(argv or sys.argv[1:])).rstrip()
+
+
 def corpus_files(stdlib: Path) -> tuple[list[Path], list[Path]]:
     """(training files, held-out files) under ``stdlib``, sorted; the split depends on the path only."""
     train, heldout = [], []
@@ -346,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         return layers * per_layer + hidden * vocab
 
     report = {
-        "command": "python scripts/train_embedded_pair.py" + (" " + " ".join(argv or sys.argv[1:])).rstrip(),
+        "command": command_line("train_embedded_pair.py", argv),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "corpus": {
