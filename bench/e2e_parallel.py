@@ -1,17 +1,17 @@
-"""The end-to-end parallel-drafting tables (``bench_e2e.py``): the shipped parallel draft (PARD) against the draft
-chain and EAGLE-2.
+"""The end-to-end parallel-drafting tables (``bench_e2e.py``): the shipped parallel draft (PARD) and parallel EAGLE
+head against the draft chain and EAGLE-2.
 
 ``parallel_tables`` prints three tables, methods interleaved in one run (``e2e_runs.interleaved``), fixed draft
 sizes (adaptive off, so a row drafts what its label says):
 
 * greedy, batch 1: autoregressive, the draft chain K=5 (fused C++ on the CPU), EAGLE-2 as the demo runs it, the
-  parallel draft's chains (K=5, the block size) and its best-first trees by node budget (8 to 64), with tau and
-  whether every output equals target greedy; then, adaptive (each step's depth chosen by the controller), the
-  draft chain (K <= 8) and the parallel tree (its budget's share of the chosen depth);
+  parallel draft's and the parallel EAGLE head's chains (K=5, the block size) and best-first trees by node budget
+  (8 to 64), with tau and whether every output equals target greedy; then, adaptive (each step's depth chosen by
+  the controller), the draft chain (K <= 8) and the parallel trees (their budget's share of the chosen depth);
 * temperature 1 (seeded), batch 1: the draft chain and the parallel chain by rule (coupled: plain sampling's
-  tokens; stochastic: the optimal rejection rule), trees, and both adaptive;
-* greedy, batch 8: the chain, the parallel chain and trees, one batch of eight prompts per run; then both chains at
-  K=2 (the best fixed depth at that batch) and both adaptive (K <= 8, one decoder per row across the runs).
+  tokens; stochastic: the optimal rejection rule), trees, and adaptive;
+* greedy, batch 8: the chains and trees, one batch of eight prompts per run; then the chains at K=2 (the best fixed
+  depth at that batch) and adaptive (K <= 8, one decoder per row across the runs).
 
 ``bench_e2e.py --parallel-only`` runs just these.
 """
@@ -25,11 +25,18 @@ from common import Table
 from e2e_runs import interleaved
 
 from specdec.cli.demo import CHAIN, Run, decode_all, eagle_row, first_difference
-from specdec.decoding import DraftModelStrategy, NoDraft, ParallelDraftStrategy, SpeculativeDecoder
-from specdec.model import ParallelDraft
+from specdec.decoding import (
+    DraftModelStrategy,
+    NoDraft,
+    ParallelDraftStrategy,
+    ParallelEagleStrategy,
+    SpeculativeDecoder,
+)
+from specdec.model import ParallelDraft, ParallelEagleHead
 from specdec.testing import ASSETS, pair_dirs
 
 PARALLEL = ASSETS.parent / "parallel"
+PARALLEL_EAGLE = ASSETS.parent / "parallel_eagle"
 TREE_BUDGETS = (8, 12, 16, 32, 64)
 
 
@@ -38,14 +45,19 @@ def load_parallel(target) -> ParallelDraft:
                                          device=target.device)  # fmt: skip
 
 
-def parallel_plan(target, draft, parallel, *, chains=True, eagle=True) -> list[tuple[str, object]]:
-    """(label, strategy) rows: the draft chain, EAGLE-2, the parallel draft's (``parallel``) chains and trees."""
+def parallel_plan(target, draft, parallel, head, *, chains=True, eagle=True) -> list[tuple[str, object]]:
+    """(label, strategy) rows: the draft chain, EAGLE-2, the parallel draft's (``parallel``) and the parallel EAGLE
+    head's (``head``) chains and trees."""
     plan = [(f"draft chain K={CHAIN}", DraftModelStrategy(draft, (1,) * CHAIN))]
     if eagle:
         plan.append(eagle_row(target))
-    depths = sorted({CHAIN, parallel.block_size}) if chains else [CHAIN]
-    plan += [(f"parallel chain K={k}", ParallelDraftStrategy(parallel, depth=k)) for k in depths]
-    plan += [(f"parallel tree {n} nodes", ParallelDraftStrategy(parallel, max_nodes=n)) for n in TREE_BUDGETS]
+    for name, make, block in (
+        ("parallel", lambda **o: ParallelDraftStrategy(parallel, **o), parallel.block_size),
+        ("parallel EAGLE", lambda **o: ParallelEagleStrategy(head, **o), head.block_size),
+    ):
+        depths = sorted({CHAIN, block}) if chains else [CHAIN]
+        plan += [(f"{name} chain K={k}", make(depth=k)) for k in depths]
+        plan += [(f"{name} tree {n} nodes", make(max_nodes=n)) for n in TREE_BUDGETS]
     return plan
 
 
@@ -77,10 +89,14 @@ def ratio_table(title: str, runs: list[Run], tau_column: str, identical_column: 
 def parallel_tables(target, draft, prompts, batch_prompts, new_tokens: int, device: str, repeats: int) -> list:
     """The three tables (module docstring); returns them as ``(Table, file name)`` pairs."""
     tables = []
-    parallel = load_parallel(target)
-    plan = [(label, s, False) for label, s in [("autoregressive", NoDraft()), *parallel_plan(target, draft, parallel)]]
-    plan += [("draft chain adaptive (K<=8)", DraftModelStrategy(draft, (1,) * 8), True),
-             ("parallel tree adaptive (<=16 nodes)", ParallelDraftStrategy(parallel, max_nodes=16), True)]  # fmt: skip
+    parallel, head = load_parallel(target), ParallelEagleHead.from_pretrained(PARALLEL_EAGLE, target)
+    rows = [("autoregressive", NoDraft()), *parallel_plan(target, draft, parallel, head)]
+    plan = [(label, s, False) for label, s in rows]
+    plan += [
+        ("draft chain adaptive (K<=8)", DraftModelStrategy(draft, (1,) * 8), True),
+        ("parallel tree adaptive (<=16 nodes)", ParallelDraftStrategy(parallel, max_nodes=16), True),
+        ("parallel EAGLE tree adaptive (<=16 nodes)", ParallelEagleStrategy(head, max_nodes=16), True),
+    ]
     for _, strategy, adaptive in plan:  # warm-up: first calls pay one-off costs
         decode_all(target, strategy, "", prompts[:1], 8, adaptive=adaptive)
     methods = [lambda ps, s=s, label=label, a=a: decode_all(target, s, label, ps, new_tokens, adaptive=a)
@@ -98,8 +114,11 @@ def parallel_tables(target, draft, prompts, batch_prompts, new_tokens: int, devi
         (f"parallel chain K={CHAIN} (stochastic)", ParallelDraftStrategy(parallel, depth=CHAIN, rule="stochastic"),
          False),
         *[(f"parallel tree {n} nodes", ParallelDraftStrategy(parallel, max_nodes=n), False) for n in (8, 16)],
+        (f"parallel EAGLE chain K={CHAIN}", ParallelEagleStrategy(head, depth=CHAIN), False),
+        *[(f"parallel EAGLE tree {n} nodes", ParallelEagleStrategy(head, max_nodes=n), False) for n in (8, 16)],
         ("draft chain adaptive (K<=8, coupled)", DraftModelStrategy(draft, (1,) * 8), True),
         ("parallel tree adaptive (<=16 nodes)", ParallelDraftStrategy(parallel, max_nodes=16), True),
+        ("parallel EAGLE tree adaptive (<=16 nodes)", ParallelEagleStrategy(head, max_nodes=16), True),
     ]  # fmt: skip
     methods = [lambda ps, s=s, label=label, a=a: decode_all(target, s, label, ps, new_tokens, temperature=1.0,
                                                             adaptive=a) for label, s, a in plan]  # fmt: skip
@@ -109,12 +128,18 @@ def parallel_tables(target, draft, prompts, batch_prompts, new_tokens: int, devi
     tables.append((ratio_table(title, runs, "tau", "identical to AR (seeded)", "no"), "e2e_parallel_t1"))
 
     plan = [("autoregressive", NoDraft(), False)]
-    plan += [(label, s, False) for label, s in parallel_plan(target, draft, parallel, chains=False, eagle=False)]
+    rows = parallel_plan(target, draft, parallel, head, chains=False, eagle=False)
+    plan += [(label, s, False) for label, s in rows]
     block = parallel.block_size
-    plan += [("draft chain K=2", DraftModelStrategy(draft, (1, 1)), False),
-             ("parallel chain K=2", ParallelDraftStrategy(parallel, depth=2), False),
-             (f"draft chain adaptive (K<={block})", DraftModelStrategy(draft, (1,) * block), True),
-             (f"parallel chain adaptive (K<={block})", ParallelDraftStrategy(parallel, depth=block), True)]  # fmt: skip
+    plan += [
+        ("draft chain K=2", DraftModelStrategy(draft, (1, 1)), False),
+        ("parallel chain K=2", ParallelDraftStrategy(parallel, depth=2), False),
+        ("parallel EAGLE chain K=2", ParallelEagleStrategy(head, depth=2), False),
+        (f"draft chain adaptive (K<={block})", DraftModelStrategy(draft, (1,) * block), True),
+        (f"parallel chain adaptive (K<={block})", ParallelDraftStrategy(parallel, depth=block), True),
+        (f"parallel EAGLE chain adaptive (K<={head.block_size})", ParallelEagleStrategy(head), True),
+        ("parallel EAGLE tree adaptive (<=16 nodes)", ParallelEagleStrategy(head, max_nodes=16), True),
+    ]
     decoders = [SpeculativeDecoder(target, s, adaptive=a) for _, s, a in plan]
     for decoder in decoders:  # warm-up: first calls pay one-off costs (and the controllers their first steps)
         decode_batch(decoder, "", batch_prompts, 8)

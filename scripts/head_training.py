@@ -190,6 +190,19 @@ class TrainingData:
         return torch.tensor(rows, dtype=torch.long)
 
 
+def add_data_arguments(parser, *, greedy_per_file: int, threads: int) -> None:
+    """The options every head script shares: its greedy training data and held-out set (``prepare_data``), where to
+    cache them, the seed and the intra-op threads."""
+    parser.add_argument("--greedy-per-file", type=int, default=greedy_per_file, help="training prompts per file")
+    parser.add_argument("--greedy-tokens", type=int, default=128, help="greedy continuation length")
+    parser.add_argument("--greedy-share", type=float, default=0.75, help="share of batch rows from greedy text")
+    parser.add_argument("--heldout-per-file", type=int, default=2)
+    parser.add_argument("--heldout-tokens", type=int, default=128, help="held-out continuation length")
+    parser.add_argument("--data-cache", default=None, help="directory to reuse (or keep) the generated data in")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=threads, help="intra-op threads (1 on a busy 2-core machine)")
+
+
 def report_header(script: str, argv, args, corpus: Corpus, greedy, prompt_lens, heldout: HeldOut) -> dict:
     """The fields every training report opens with: the command, seed, threads, torch, corpus, training data and
     held-out set (a script adds its own fields after them)."""

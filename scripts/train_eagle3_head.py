@@ -64,6 +64,7 @@ from head_training import (
     TARGET_DIR,
     HeldOut,
     TrainingData,
+    add_data_arguments,
     load_corpus,
     load_targets,
     prepare_data,
@@ -378,14 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-vocab", type=int, default=1024, help="draft vocabulary size (most frequent ids)")
     parser.add_argument("--ttt-steps", type=int, default=DEPTH, help="training-time test steps (1 = no own features)")
     parser.add_argument("--step-decay", type=float, default=0.8, help="loss weight ratio between TTT steps")
-    parser.add_argument("--greedy-per-file", type=int, default=2, help="training prompts per file")
-    parser.add_argument("--greedy-tokens", type=int, default=128, help="greedy continuation length")
-    parser.add_argument("--greedy-share", type=float, default=0.75, help="share of batch rows from greedy text")
-    parser.add_argument("--heldout-tokens", type=int, default=128, help="held-out continuation length")
-    parser.add_argument("--heldout-per-file", type=int, default=2)
-    parser.add_argument("--data-cache", default=None, help="directory to reuse (or keep) the generated data in")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2, help="2: both cores (1 on a machine that is busy)")
+    add_data_arguments(parser, greedy_per_file=2, threads=2)
     parser.add_argument(
         "--evaluate-only",
         action="store_true",

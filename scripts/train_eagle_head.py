@@ -55,6 +55,7 @@ from head_training import (
     TARGET_DIR,
     HeldOut,
     TrainingData,
+    add_data_arguments,
     hf_features,
     load_corpus,
     load_targets,
@@ -97,8 +98,7 @@ class TrainableHead(nn.Module):
 
     def forward(self, features: torch.Tensor, embeds: torch.Tensor, levels: int) -> list[torch.Tensor]:
         """Predicted features ``[B, T, H]`` per level for rows t = (f_t, x_{t+1}); level j reads level j-1's outputs."""
-        layer, (B, T, H) = self.layers[0], features.shape
-        attn, mlp, D = layer.self_attn, layer.mlp, self.head_dim
+        T = features.shape[1]
         positions = torch.arange(T, device=features.device)
         keys, values, outputs = [], [], []
         x_in = features
@@ -106,18 +106,25 @@ class TrainableHead(nn.Module):
             if j:  # level j, row q: the feature level j-1 predicted for position q (from its row q-1)
                 x_in = torch.cat((outputs[-1][:, :1] * 0, outputs[-1][:, :-1]), dim=1)
             x = self.fc(torch.cat((embeds, x_in), -1))
-            q = self.rope(attn.q_proj(x).view(B, T, self.heads, D).transpose(1, 2), positions)
-            keys.append(self.rope(attn.k_proj(x).view(B, T, self.kv_heads, D).transpose(1, 2), positions))
-            values.append(attn.v_proj(x).view(B, T, self.kv_heads, D).transpose(1, 2))
-            k = torch.cat(keys, 2).repeat_interleave(self.heads // self.kv_heads, 1)
-            v = torch.cat(values, 2).repeat_interleave(self.heads // self.kv_heads, 1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=level_mask(T, j, x.device))
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(B, T, H))
-            xf = x.float()
-            h = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-            h = layer.post_attention_layernorm.weight * h
-            outputs.append(x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h)))
+            outputs.append(self.layer(x, positions, level_mask(T, j, x.device), keys, values))
         return outputs
+
+    def layer(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, keys: list, values: list):
+        """The decoder layer over rows ``x [B, T, H]`` at ``positions [T]``: their K/V join ``keys`` / ``values``
+        (earlier levels' rows), which they attend to under the bool ``mask [T, keys]``."""
+        layer, (B, T, H), D = self.layers[0], x.shape, self.head_dim
+        attn, mlp = layer.self_attn, layer.mlp
+        q = self.rope(attn.q_proj(x).view(B, T, self.heads, D).transpose(1, 2), positions)
+        keys.append(self.rope(attn.k_proj(x).view(B, T, self.kv_heads, D).transpose(1, 2), positions))
+        values.append(attn.v_proj(x).view(B, T, self.kv_heads, D).transpose(1, 2))
+        k = torch.cat(keys, 2).repeat_interleave(self.heads // self.kv_heads, 1)
+        v = torch.cat(values, 2).repeat_interleave(self.heads // self.kv_heads, 1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + attn.o_proj(out.transpose(1, 2).reshape(B, T, H))
+        xf = x.float()
+        h = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        h = layer.post_attention_layernorm.weight * h
+        return x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
 
 
 def level_mask(T: int, j: int, device) -> torch.Tensor:
@@ -209,8 +216,17 @@ def shipped_head_agreement(out_dir: Path, target, heldout, depth: int, stride: i
     return [{f"top{k}": hits[d][k] / max(1, counts[d]) for k in TOPK} | {"positions": counts[d]} for d in range(depth)]
 
 
-def save_head(head: TrainableHead, out: Path, target_config: dict, inter: int) -> None:
-    """config.json (a one-layer LLaMA, as the authors write it) + model.safetensors in bfloat16."""
+def save_head(
+    head: TrainableHead,
+    out: Path,
+    target_config: dict,
+    inter: int,
+    *,
+    extra_config: dict | None = None,
+    extra_tensors: dict | None = None,
+) -> None:
+    """config.json (a one-layer LLaMA, as the authors write it) + model.safetensors in bfloat16; ``extra_*``: a
+    variant's own config fields and tensors."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
@@ -231,8 +247,9 @@ def save_head(head: TrainableHead, out: Path, target_config: dict, inter: int) -
         "bias": True,
         "torch_dtype": "bfloat16",
     }
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    tensors = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in head.state_dict().items() if k != "inv_freq"}
+    (out / "config.json").write_text(json.dumps(config | (extra_config or {}), indent=2) + "\n")
+    tensors = {k: v for k, v in head.state_dict().items() if k != "inv_freq"} | (extra_tensors or {})
+    tensors = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in tensors.items()}
     save_file(tensors, str(out / "model.safetensors"))
 
 
@@ -249,14 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--levels", type=int, default=3, help="draft depths trained on own features (1 = EAGLE-1)")
     parser.add_argument("--level-decay", type=float, default=0.8, help="loss weight ratio between levels")
     parser.add_argument("--noise", type=float, default=0.1, help="uniform input-feature noise, times the feature RMS")
-    parser.add_argument("--greedy-per-file", type=int, default=2, help="training prompts per file")
-    parser.add_argument("--greedy-tokens", type=int, default=128, help="greedy continuation length")
-    parser.add_argument("--greedy-share", type=float, default=0.75, help="share of batch rows from greedy text")
-    parser.add_argument("--heldout-tokens", type=int, default=128, help="held-out continuation length")
-    parser.add_argument("--data-cache", default=None, help="directory to reuse (or keep) the generated data in")
-    parser.add_argument("--heldout-per-file", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2, help="2: both cores (1 on a machine that is busy)")
+    add_data_arguments(parser, greedy_per_file=2, threads=2)
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.batch, args.seq_len, args.intermediate = 12, 2, 64, 128

@@ -36,6 +36,7 @@ from head_training import (
     ROOT,
     HeldOut,
     TrainingData,
+    add_data_arguments,
     hf_features,
     load_corpus,
     load_targets,
@@ -101,14 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--decay", type=float, default=0.8, help="loss weight ratio between successive heads")
-    parser.add_argument("--greedy-per-file", type=int, default=1, help="training prompts per file")
-    parser.add_argument("--greedy-tokens", type=int, default=128, help="greedy continuation length")
-    parser.add_argument("--greedy-share", type=float, default=0.75, help="share of batch rows from greedy text")
-    parser.add_argument("--heldout-tokens", type=int, default=128, help="held-out continuation length")
-    parser.add_argument("--data-cache", default=None, help="directory to reuse (or keep) the generated data in")
-    parser.add_argument("--heldout-per-file", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="1 is fastest on a busy 2-core machine")
+    add_data_arguments(parser, greedy_per_file=1, threads=1)
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.batch, args.seq_len = 12, 2, 64

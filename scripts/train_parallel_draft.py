@@ -55,6 +55,7 @@ from head_training import (
     TARGET_DIR,
     HeldOut,
     TrainingData,
+    add_data_arguments,
     load_corpus,
     load_targets,
     prepare_data,
@@ -306,15 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--anchors", type=int, default=64, help="mask blocks per training window")
     parser.add_argument("--position-decay", type=float, default=0.8, help="loss weight ratio between positions")
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--greedy-per-file", type=int, default=1, help="training prompts per file")
-    parser.add_argument("--greedy-tokens", type=int, default=128, help="greedy continuation length")
-    parser.add_argument("--greedy-share", type=float, default=0.75, help="share of batch rows from greedy text")
-    parser.add_argument("--heldout-per-file", type=int, default=2)
-    parser.add_argument("--heldout-tokens", type=int, default=128, help="held-out continuation length")
-    parser.add_argument("--data-cache", default=None, help="directory to reuse (or keep) the generated data in")
+    add_data_arguments(parser, greedy_per_file=1, threads=1)
     parser.add_argument("--eval-every", type=int, default=200, help="steps between held-out checks in the log")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="1 is fastest on a busy 2-core machine")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.batch, args.seq_len, args.anchors, args.eval_every = 6, 2, 64, 8, 1000

@@ -7,7 +7,15 @@ import sys
 
 import torch
 
-from specdec.model import AttentionMetadata, EagleHead, LlamaModel, MedusaHeads, ModelConfig, causal_positions
+from specdec.model import (
+    AttentionMetadata,
+    EagleHead,
+    LlamaModel,
+    MedusaHeads,
+    ModelConfig,
+    ParallelEagleHead,
+    causal_positions,
+)
 from specdec.model.eagle3 import Eagle3Head, vocabulary_map
 
 # ---- assertions -------------------------------------------------------------------------------------
@@ -133,11 +141,16 @@ def random_heads(target: LlamaModel, seed: int, num_heads: int = 3) -> MedusaHea
     return heads.to(device=target.device, dtype=target.dtype).eval()
 
 
-def random_eagle_head(target: LlamaModel, seed: int) -> EagleHead:
-    """A one-layer EAGLE head for ``target`` with every weight drawn at random (far from the target)."""
+def random_eagle_head(target: LlamaModel, seed: int, block_size: int | None = None) -> EagleHead:
+    """A one-layer EAGLE head for ``target`` with every weight drawn at random (far from the target); with a
+    ``block_size``, a ``ParallelEagleHead`` drafting that many positions a forward."""
     config = tiny_config(vocab_size=target.config.vocab_size, hidden_size=target.config.hidden_size, num_layers=1)
     gen = torch.Generator().manual_seed(seed)
-    head = EagleHead(config, target).requires_grad_(False)
+    if block_size is None:
+        head = EagleHead(config, target)
+    else:
+        head = ParallelEagleHead(config, target, block_size=block_size)
+    head.requires_grad_(False)
     for name, p in head.named_parameters():
         noise = torch.randn(p.shape, generator=gen)
         p.copy_(noise * 2 / math.sqrt(p.shape[1]) if p.dim() > 1 else noise * 0.1 + name.endswith("norm.weight"))

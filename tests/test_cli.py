@@ -82,6 +82,25 @@ def test_generate_with_a_parallel_draft_gives_target_greedy_text(plain_text, fla
     assert tau > 1, f"the shipped parallel draft gets no token accepted: {summary}"
 
 
+@pytest.mark.parametrize(
+    "flags,label",
+    [
+        (["-k", "6"], "[parallel EAGLE chain (K=6)]"),
+        (["--max-nodes", "16", "--confidence-temperature", "0.5", "--no-adaptive"], "[parallel EAGLE tree (16 nodes,"),
+        (["--max-nodes", "12", "--draft-vocabulary", "FREQUENT"], "[parallel EAGLE tree (12 nodes, depth 8)]"),
+    ],
+)
+def test_generate_with_a_parallel_eagle_head_gives_target_greedy_text(plain_text, flags, label, tmp_path):
+    from specdec.testing import frequent_token_ids
+
+    vocabulary = tmp_path / "frequent.json"
+    vocabulary.write_text(json.dumps(frequent_token_ids().tolist()))
+    flags = [str(vocabulary) if f == "FREQUENT" else f for f in flags]
+    text, summary = completion("--parallel-eagle", str(PAIR.parent / "parallel_eagle"), *flags)
+    assert text == plain_text and summary.startswith(label) and "24 tokens" in summary
+    assert float(summary.split(" tau ")[1].split(",")[0]) > 1.5, summary
+
+
 def test_generate_with_an_eagle_draft_vocabulary_gives_target_greedy_text(plain_text, tmp_path):
     from specdec.testing import frequent_token_ids
 

@@ -75,6 +75,7 @@ def paths(tmp_path_factory):
         "ids_repeated": write_text(root / "repeated.json", "[5, 9, 5]"),
         "ids_not_json": write_text(root / "not.json", "5, 9"),
         "parallel": str(PAIR.parent / "parallel"),
+        "parallel_eagle": str(PAIR.parent / "parallel_eagle"),
         "parallel_other_tokenizer": parallel_other_tokenizer(root / "parallel_other_tokenizer"),
     }
 
@@ -165,7 +166,7 @@ CASES = {
     ),
     "depth 0": (["--eagle", "{eagle}", "--depth", "0"], 2, r"argument --depth: must be an int >= 1, got 0$"),
     "draft vocabulary without eagle": (
-        ["--draft-vocabulary", "{ids_repeated}"], 2, r"--draft-vocabulary needs --eagle$",
+        ["--draft-vocabulary", "{ids_repeated}"], 2, r"--draft-vocabulary needs --eagle or --parallel-eagle$",
     ),
     "draft vocabulary with repeated ids": (
         ["--eagle", "{eagle}", "--draft-vocabulary", "{ids_repeated}"], 2,
@@ -253,6 +254,27 @@ CASES = {
     ),
     "tree with a parallel draft": (
         ["--parallel-draft", "{parallel}", "--tree", "2,2"], 2,
+        r"^error: --tree needs --draft \(a parallel draft's tree is --max-nodes\)$",
+    ),
+    "parallel EAGLE -k beyond its block": (
+        ["--parallel-eagle", "{parallel_eagle}", "-k", "9"], 2,
+        r"^error: -k must be an int in \[1, 8\] \(the head's block_size\), got 9$",
+    ),
+    "parallel EAGLE not a parallel head": (
+        ["--parallel-eagle", "{eagle}"], 1,
+        r"^error: --parallel-eagle .*/eagle: config.json has no 'parallel_block_size': not a parallel EAGLE head",
+    ),
+    "parallel EAGLE head as an EAGLE head": (
+        ["--eagle", "{parallel_eagle}"], 1,
+        r"^error: --eagle .*/parallel_eagle: config.json has 'parallel_block_size': a parallel EAGLE head, which loads "
+        r"with ParallelEagleHead.from_pretrained$",
+    ),
+    "parallel EAGLE with a bad draft vocabulary": (
+        ["--parallel-eagle", "{parallel_eagle}", "--draft-vocabulary", "{ids_repeated}"], 2,
+        r"^error: --draft-vocabulary .*repeated.json: its ids must be distinct, got 5 more than once$",
+    ),
+    "tree with a parallel EAGLE head": (
+        ["--parallel-eagle", "{parallel_eagle}", "--tree", "2,2"], 2,
         r"^error: --tree needs --draft \(a parallel draft's tree is --max-nodes\)$",
     ),
     "parallel draft with a draft": (

@@ -17,6 +17,7 @@ from specdec.model import AttentionMetadata, EagleHead, LlamaModel, MedusaHeads,
 ROOT = Path(__file__).resolve().parents[1]
 EAGLE_DIR = ROOT / "specdec" / "assets" / "eagle"
 MEDUSA_DIR = ROOT / "specdec" / "assets" / "medusa"
+PARALLEL_EAGLE_DIR = ROOT / "specdec" / "assets" / "parallel_eagle"
 
 pytestmark = pytest.mark.usefixtures("torch_backend")
 
@@ -45,6 +46,7 @@ def test_asset_files_sizes_and_reports():
     for directory, files in (
         (EAGLE_DIR, {"model.safetensors"}),
         (MEDUSA_DIR, {"medusa_lm_head.safetensors", "tree_search.json"}),
+        (PARALLEL_EAGLE_DIR, {"model.safetensors"}),
     ):
         names = {f.name for f in directory.iterdir()}
         assert names == {"config.json", "training_report.json", *files}, directory
@@ -63,7 +65,7 @@ def test_asset_files_sizes_and_reports():
 def test_assets_ship_as_package_data():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["specdec"]
-    for directory in (EAGLE_DIR, MEDUSA_DIR):
+    for directory in (EAGLE_DIR, MEDUSA_DIR, PARALLEL_EAGLE_DIR):
         for file in directory.iterdir():
             relative = file.relative_to(ROOT / "specdec").as_posix()
             assert any(fnmatch.fnmatch(relative, g) for g in globs), f"{relative} is not package data"

@@ -108,7 +108,9 @@ def test_the_demo_reports_equality_and_table(pair):
     out = io.StringIO()
     assert demo.main("cpu", num_prompts=1, max_new_tokens=12, show=1, out=out) == 0
     text = out.getvalue()
-    for label, _ in [*demo.strategies(pair[1])[1:], demo.medusa_row(pair[0]), demo.eagle_row(pair[0])]:
+    target, draft = pair[0], pair[1]
+    rows = [*demo.strategies(draft)[1:], demo.medusa_row(target), demo.eagle_row(target), *demo.parallel_rows(target)]
+    for label, _ in rows:
         assert f"{label}: all 1 outputs identical to target-only greedy decoding" in text
         assert f"| {label} |" in text
     assert "| autoregressive |" in text and "baseline" in text

@@ -14,6 +14,7 @@ from specdec.decoding import (
     MedusaStrategy,
     NgramStrategy,
     NoDraft,
+    ParallelEagleStrategy,
     SpeculativeDecoder,
 )
 from specdec.decoding.autoregressive import generate as autoregressive_generate
@@ -32,6 +33,10 @@ STRATEGIES = {
     "eagle2": lambda target, draft: EagleStrategy(random_eagle_head(target, 6), tree_budget=8, depth=3, top_k=2),
     "eagle1": lambda target, draft: EagleStrategy(
         random_eagle_head(target, 6), static_tree=[[0], [1], [0, 0], [0, 0, 0]], depth=3, top_k=2
+    ),
+    "parallel-eagle-chain": lambda target, draft: ParallelEagleStrategy(random_eagle_head(target, 6, block_size=3)),
+    "parallel-eagle-tree": lambda target, draft: ParallelEagleStrategy(
+        random_eagle_head(target, 6, block_size=4), max_nodes=7
     ),
 }
 # (step at which it is added, prompt, max_new_tokens): more requests than slots, joining while others run, some
@@ -97,7 +102,7 @@ def test_requests_joining_mid_run_get_their_solo_greedy_tokens(pair, strategy, l
     assert not engine.has_unfinished() and engine.step().requests == ()
 
 
-@pytest.mark.parametrize("strategy", ["chain", "tree-stochastic", "ngram", "medusa", "eagle2"])
+@pytest.mark.parametrize("strategy", ["chain", "tree-stochastic", "ngram", "medusa", "eagle2", "parallel-eagle-tree"])
 def test_seeded_sampled_requests_joining_mid_run_get_their_solo_tokens(pair, strategy):
     """With fixed sizes, a seeded request's tokens depend on its own seed only: joining a busy engine at any step
     gives the tokens it gets alone, so its samples are exactly distributed as alone (tested there)."""
@@ -112,7 +117,7 @@ def test_seeded_sampled_requests_joining_mid_run_get_their_solo_tokens(pair, str
         assert tokens[i] == expected, f"request {i}"
 
 
-@pytest.mark.parametrize("strategy", ["chain", "ngram", "medusa", "eagle2"])
+@pytest.mark.parametrize("strategy", ["chain", "ngram", "medusa", "eagle2", "parallel-eagle-tree"])
 def test_aborts_free_the_slot_and_change_no_other_request(pair, strategy):
     """A running request and a queued one aborted: each is reported 'abort' once, the freed slot takes the next
     queued request at the next step, and every other request gets its solo tokens."""
@@ -171,7 +176,9 @@ def test_a_prompt_joining_a_step_of_chains_rides_in_its_forward(pair, monkeypatc
     assert tokens == {"first": alone[0], "late": alone[1]}
 
 
-@pytest.mark.parametrize("strategy", ["autoregressive", "chain", "tree-deterministic", "medusa", "eagle2"])
+@pytest.mark.parametrize(
+    "strategy", ["autoregressive", "chain", "tree-deterministic", "medusa", "eagle2", "parallel-eagle-tree"]
+)
 def test_a_bounded_pool_pauses_and_resumes_with_requests_joining(pair, strategy):
     """A pool too small for three running requests: the engine pauses and resumes them while others join;
     nothing is lost and every request gets its solo tokens."""
@@ -298,7 +305,9 @@ def test_the_server_loop_of_the_readme_runs():
     assert finished[2] in ("eos", "length") and 0 < len(streams[2]) <= 40
 
 
-@pytest.mark.parametrize("strategy", ["chain", "tree-deterministic", "ngram", "medusa", "eagle2"])
+@pytest.mark.parametrize(
+    "strategy", ["chain", "tree-deterministic", "ngram", "medusa", "eagle2", "parallel-eagle-chain"]
+)
 def test_seeded_requests_joining_mid_run_sample_plain_decodings_tokens_under_the_adaptive_controller(pair, strategy):
     """Random numbers keyed on (seed, position, role) and drafts verified by sampling and comparing (coupled draft
     chains, deterministic trees, n-gram, heads): whatever joins beside it and whatever depths the controller picks,

@@ -24,6 +24,7 @@ from specdec.decoding import (
     NgramStrategy,
     NoDraft,
     ParallelDraftStrategy,
+    ParallelEagleStrategy,
     SpeculativeDecoder,
 )
 from specdec.model import ParallelDraft
@@ -39,6 +40,18 @@ STRATEGIES = {
     # Heads on the draft's weights: random guesses of the right shapes, for the target the draft copies.
     "medusa": lambda draft: MedusaStrategy(random_heads(draft, seed=2), [[0], [1], [0, 0], [1, 0], [0, 0, 0]]),
 }
+# Strategies of heads that read the target's features, built for the target (random weights).
+HEAD_STRATEGIES = {
+    "eagle": lambda target: EagleStrategy(random_eagle_head(target, 6), tree_budget=8, depth=3, top_k=2),
+    "parallel-eagle": lambda target: ParallelEagleStrategy(random_eagle_head(target, 6, block_size=4), max_nodes=6),
+    "parallel-eagle-chain": lambda target: ParallelEagleStrategy(random_eagle_head(target, 6, block_size=4)),
+}
+
+
+def make(strategy, target, draft):
+    return HEAD_STRATEGIES[strategy](target) if strategy in HEAD_STRATEGIES else STRATEGIES[strategy](draft)
+
+
 READ_BACK = ("Tensor.tolist", "_transfer.py")
 
 
@@ -57,21 +70,22 @@ def assert_one_read_back_per_step(per_step, min_steps: int) -> None:
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("strategy", [*STRATEGIES, *HEAD_STRATEGIES])
 def test_greedy_generation_syncs_once_per_step(pair, strategy, layout):
     target, draft = pair
-    decoder = SpeculativeDecoder(target, STRATEGIES[strategy](draft), cache_layout=layout, block_size=4)
+    decoder = SpeculativeDecoder(target, make(strategy, target, draft), cache_layout=layout, block_size=4)
     prompts = [[3, 9, 4, 3, 9, 4, 3], [7, 1], [5, 5, 2, 8]]
     with use_backend("torch"):
         per_step = events_per_step(decoder, prompts, max_new_tokens=[12, 5, 9], eos_token_id=None, seed=0)
     assert_one_read_back_per_step(per_step, min_steps=4)
 
 
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("strategy", [*STRATEGIES, *HEAD_STRATEGIES])
 def test_a_bounded_paged_pool_adds_no_sync(pair, strategy):
     """Planning, pausing and resuming (the recompute forward included) read nothing back."""
     target, draft = pair
-    decoder = SpeculativeDecoder(target, STRATEGIES[strategy](draft), cache_layout="paged", block_size=4, num_blocks=6)
+    decoder = SpeculativeDecoder(target, make(strategy, target, draft), cache_layout="paged", block_size=4,
+                                 num_blocks=6)  # fmt: skip
     prompts = [[3, 9, 4, 3, 9, 4, 3], [7, 1], [5, 5, 2, 8]]
     with use_backend("torch"):
         per_step = events_per_step(decoder, prompts, max_new_tokens=[14, 5, 12], eos_token_id=None, seed=0)
@@ -130,12 +144,12 @@ def events_per_engine_step(engine, **sampling) -> tuple[list[list[tuple[str, str
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged", "bounded"])
-@pytest.mark.parametrize("strategy", [*STRATEGIES, "eagle"])
+@pytest.mark.parametrize("strategy", [*STRATEGIES, *HEAD_STRATEGIES])
 def test_engine_steps_with_requests_joining_sync_once(pair, strategy, layout):
     """Continuous batching: steps that prefill joining requests beside the running ones' trees (and, in a bounded
     pool, pause and resume) make one would-be synchronisation each, the read-back of both."""
     target, draft = pair
-    made = random_eagle_strategy(target) if strategy == "eagle" else STRATEGIES[strategy](draft)
+    made = make(strategy, target, draft)
     pool = dict(cache_layout="paged", block_size=4) if layout != "contiguous" else {}
     if layout == "bounded":
         pool["num_blocks"] = 9
@@ -155,10 +169,6 @@ def test_sampled_engine_steps_with_requests_joining_sync_once_on_the_triton_path
         per_step, joined_running = events_per_engine_step(engine, temperature=0.8, top_k=5, seed=1)
     assert joined_running >= 3
     assert_one_read_back_per_step(per_step, min_steps=8)
-
-
-def random_eagle_strategy(target):
-    return EagleStrategy(random_eagle_head(target, 6), tree_budget=8, depth=3, top_k=2)
 
 
 def test_the_counter_sees_the_reads_a_gpu_would_wait_for():

@@ -1,5 +1,5 @@
-"""The README's API tour runs as written: the kernel block, the model-and-engine block, the Medusa, EAGLE and
-parallel-draft blocks."""
+"""The README's API tour runs as written: the kernel block, the model-and-engine block, the Medusa, EAGLE,
+parallel-draft and parallel EAGLE blocks."""
 
 from pathlib import Path
 
@@ -84,3 +84,16 @@ def test_parallel_draft_tour_runs():
     assert scope["result"].tokens == greedy.tokens and chain.tokens == greedy.tokens
     assert scope["result"].stats[0].accepted > 0, "the shipped parallel draft gets tokens accepted"
     assert (scope["chain"].max_depth, scope["tree"].max_nodes) == (5, 8)
+
+
+def test_parallel_eagle_tour_runs():
+    text = README.read_text()
+    code = python_block(text, "from pathlib import Path\nimport specdec\n")
+    code += python_block(text, "from specdec.decoding import ParallelEagleStrategy\n")
+    scope: dict = {}
+    with use_backend("torch"):
+        exec(compile("import torch\n" + code, str(README), "exec"), scope)
+        greedy = scope["SpeculativeDecoder"](scope["target"], scope["NoDraft"]()).generate([[1, 15, 27]],
+                                                                                         max_new_tokens=32)  # fmt: skip
+    assert scope["result"].tokens == greedy.tokens
+    assert scope["result"].stats[0].accepted > 0, "the shipped parallel EAGLE head gets tokens accepted"

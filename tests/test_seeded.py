@@ -13,9 +13,16 @@ import pytest
 
 from specdec import use_backend
 from specdec.cli.demo import eagle_row, medusa_row
-from specdec.decoding import DraftModelStrategy, NgramStrategy, NoDraft, ParallelDraftStrategy, SpeculativeDecoder
-from specdec.model import ParallelDraft
-from specdec.testing import heldout_token_ids, load_pair
+from specdec.decoding import (
+    DraftModelStrategy,
+    NgramStrategy,
+    NoDraft,
+    ParallelDraftStrategy,
+    ParallelEagleStrategy,
+    SpeculativeDecoder,
+)
+from specdec.model import ParallelDraft, ParallelEagleHead
+from specdec.testing import ASSETS, heldout_token_ids, load_pair
 
 pytestmark = pytest.mark.usefixtures("torch_backend")
 
@@ -30,6 +37,10 @@ def pair():
     return target, draft, heldout_token_ids(tokenizer)[:3]
 
 
+def eagle_parallel(target) -> ParallelEagleHead:
+    return ParallelEagleHead.from_pretrained(ASSETS.parent / "parallel_eagle", target)
+
+
 def strategies(target, draft) -> dict:
     """Every strategy whose emitted tokens must equal plain sampling's (fresh instances per call)."""
     parallel = ParallelDraft(draft, mask_token=5, block_size=6, vocab_size=target.config.vocab_size)  # a stand-in
@@ -41,6 +52,8 @@ def strategies(target, draft) -> dict:
         "n-gram": lambda: NgramStrategy(num_draft=4, max_ngram=3),
         "parallel chain coupled": lambda: ParallelDraftStrategy(parallel, depth=4),
         "parallel tree": lambda: ParallelDraftStrategy(parallel, depth=4, max_nodes=12),
+        "parallel EAGLE chain coupled": lambda: ParallelEagleStrategy(eagle_parallel(target), depth=4),
+        "parallel EAGLE tree": lambda: ParallelEagleStrategy(eagle_parallel(target), max_nodes=12),
         "Medusa": lambda: medusa_row(target)[1],
         "EAGLE-2": lambda: eagle_row(target)[1],
         "EAGLE-1": lambda: eagle_row(target, static_tree="default")[1],

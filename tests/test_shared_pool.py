@@ -11,6 +11,7 @@ from specdec.decoding import (
     MedusaStrategy,
     NgramStrategy,
     NoDraft,
+    ParallelEagleStrategy,
     SpeculativeDecoder,
 )
 from specdec.decoding.schedule import plan_step
@@ -106,6 +107,10 @@ STRATEGIES = {
     "eagle1": lambda target, draft: EagleStrategy(
         random_eagle_head(target, 6), static_tree=[[0], [1], [0, 0], [0, 0, 0]], depth=3, top_k=2
     ),
+    "parallel-eagle-chain": lambda target, draft: ParallelEagleStrategy(random_eagle_head(target, 6, block_size=3)),
+    "parallel-eagle-tree": lambda target, draft: ParallelEagleStrategy(
+        random_eagle_head(target, 6, block_size=4), max_nodes=7
+    ),
 }
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [3] * 10]
 
@@ -124,7 +129,7 @@ def test_paused_requests_resume_and_match_an_unbounded_run(pair, strategy):
     assert [s.finish_reason for s in result.stats] == ["length"] * 4
 
 
-@pytest.mark.parametrize("strategy", ["medusa", "eagle2", "eagle1"])
+@pytest.mark.parametrize("strategy", ["medusa", "eagle2", "eagle1", "parallel-eagle-tree"])
 def test_sampled_head_drafting_resumes_after_pausing(pair, strategy):
     """A head drafter's per-request state (Medusa's candidates, EAGLE's pending features) outlives a pause."""
     target, draft = pair

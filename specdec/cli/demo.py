@@ -6,7 +6,8 @@ The demo completes held-out code prompts with plain autoregressive decoding, a g
 chain, a draft token tree, n-gram (prompt lookup) drafts, the target's Medusa heads
 (``specdec/assets/medusa``, no draft model), EAGLE-2 over the EAGLE head (a tree, and the top-1 chain over
 the target's frequent tokens) and the EAGLE-3 head (``specdec/assets/eagle``, ``specdec/assets/eagle3``) and the
-parallel draft (``specdec/assets/parallel``, PARD: one draft forward proposes a chain, or a best-first tree);
+parallel draft (``specdec/assets/parallel``, PARD: one draft forward proposes a chain, or a best-first tree) and
+the parallel EAGLE head (``specdec/assets/parallel_eagle``: one head forward proposes a chain);
 checks that every speculative output equals the target's own greedy output token for token; and
 prints tokens/s, speedup, tau (tokens per target forward) and the draft acceptance rate.
 """
@@ -29,6 +30,8 @@ ADAPTIVE_CHAIN = 8  # the longest chain the adaptive row may draft (it picks eac
 PARALLEL = ASSETS.parent / "parallel"  # the parallel draft (PARD) trained for the embedded target
 PARALLEL_CHAIN = 5  # the parallel draft's chain length
 PARALLEL_TREE = dict(max_nodes=8)  # its best-first tree (ParallelDraftStrategy options; depth: the block size)
+PARALLEL_EAGLE = ASSETS.parent / "parallel_eagle"  # the parallel EAGLE head trained for the embedded target
+PARALLEL_EAGLE_CHAIN = 5  # its chain length (on the CPU its fastest shape: bench_e2e.py --parallel-only)
 
 
 def strategies(draft, tree_rule: str = "deterministic") -> list[tuple[str, object]]:
@@ -86,18 +89,21 @@ def medusa_row(target, choices=None) -> tuple[str, object]:
 
 
 def parallel_rows(target, assets: str | Path = ASSETS) -> list[tuple[str, object]]:
-    """(label, strategy) for the parallel draft shipped beside the pair ``assets``: its chain and its tree."""
-    from specdec.decoding import ParallelDraftStrategy
-    from specdec.model import ParallelDraft
+    """(label, strategy) for the parallel draft shipped beside the pair ``assets`` (its chain and its tree) and the
+    parallel EAGLE head (its chain)."""
+    from specdec.decoding import ParallelDraftStrategy, ParallelEagleStrategy
+    from specdec.model import ParallelDraft, ParallelEagleHead
 
     target_dir, _ = pair_dirs(assets)
     draft = ParallelDraft.from_pretrained(
         Path(assets).parent / PARALLEL.name, target, target_path=target_dir, dtype=target.dtype, device=target.device
     )
     tree = ParallelDraftStrategy(draft, **PARALLEL_TREE)
+    head = ParallelEagleHead.from_pretrained(Path(assets).parent / PARALLEL_EAGLE.name, target)
     return [
         (f"parallel draft chain K={PARALLEL_CHAIN}", ParallelDraftStrategy(draft, depth=PARALLEL_CHAIN)),
         (f"parallel draft tree {tree.max_nodes} nodes, depth {tree.max_depth}", tree),
+        (f"parallel EAGLE chain K={PARALLEL_EAGLE_CHAIN}", ParallelEagleStrategy(head, depth=PARALLEL_EAGLE_CHAIN)),
     ]
 
 

@@ -76,6 +76,8 @@ def build_strategy(args: argparse.Namespace, target, dtype, tokenizer):
         return eagle_strategy(args, target)
     if args.parallel_draft is not None:
         return parallel_draft_strategy(args, target, dtype)
+    if args.parallel_eagle is not None:
+        return parallel_eagle_strategy(args, target)
     if args.draft is None:
         return NoDraft()
     with loading("--draft", args.draft):
@@ -91,6 +93,14 @@ def build_strategy(args: argparse.Namespace, target, dtype, tokenizer):
 PARALLEL_FLAGS = {"depth": "-k", "rule=": "--draft-rule "}
 
 
+def block_options(args: argparse.Namespace) -> dict:
+    """A parallel drafter's shape: a chain of -k tokens by --draft-rule, or a tree of --max-nodes (whose rule is the
+    deterministic one; --draft-rule's default, coupled, leaves it so)."""
+    if args.max_nodes is None:
+        return dict(depth=args.num_draft, rule=args.draft_rule)
+    return dict(max_nodes=args.max_nodes, rule=None if args.draft_rule == "coupled" else args.draft_rule)
+
+
 def parallel_draft_strategy(args: argparse.Namespace, target, dtype):
     """``ParallelDraftStrategy`` from --parallel-draft DIR: a chain of -k tokens, or a tree when --max-nodes is given
     (as deep as the draft's block); refusals name the flag."""
@@ -101,12 +111,8 @@ def parallel_draft_strategy(args: argparse.Namespace, target, dtype):
         draft = ParallelDraft.from_pretrained(
             args.parallel_draft, target, target_path=args.target, dtype=dtype, device=args.device
         )
-    if args.max_nodes is None:
-        options = dict(depth=args.num_draft, rule=args.draft_rule)
-    else:  # the tree's rule is the deterministic one; --draft-rule's default (coupled) leaves it so
-        options = dict(max_nodes=args.max_nodes, rule=None if args.draft_rule == "coupled" else args.draft_rule)
     try:
-        return ParallelDraftStrategy(draft, **options)
+        return ParallelDraftStrategy(draft, **block_options(args))
     except (TypeError, ValueError) as exc:
         raise CliError(as_flags(str(exc), PARALLEL_FLAGS), USAGE) from exc
 
@@ -114,6 +120,37 @@ def parallel_draft_strategy(args: argparse.Namespace, target, dtype):
 # EagleStrategy's parameter names -> the flags that set them (its top_k is not the sampling --top-k).
 EAGLE_FLAGS = {"tree_budget": "--tree-budget", "depth": "--depth", "top_k": "--eagle-top-k",
                "confidence_temperature": "--confidence-temperature"}  # fmt: skip
+
+
+def parallel_eagle_strategy(args: argparse.Namespace, target):
+    """``ParallelEagleStrategy`` from --parallel-eagle DIR: a chain of -k tokens, or a tree when --max-nodes is given
+    (as deep as the head's block); refusals name the flag."""
+    from specdec.decoding import ParallelEagleStrategy
+    from specdec.model import ParallelEagleHead
+
+    with loading("--parallel-eagle", args.parallel_eagle):
+        head = ParallelEagleHead.from_pretrained(args.parallel_eagle, target)
+    set_draft_vocabulary(head, args.draft_vocabulary)
+    try:
+        return ParallelEagleStrategy(head, **block_options(args), **confidence_temperature(args))
+    except (TypeError, ValueError) as exc:
+        raise CliError(as_flags(str(exc), EAGLE_FLAGS | PARALLEL_FLAGS), USAGE) from exc
+
+
+def confidence_temperature(args: argparse.Namespace) -> dict:
+    """--confidence-temperature as a strategy option, when given (each strategy has its own default)."""
+    return {} if args.confidence_temperature is None else {"confidence_temperature": args.confidence_temperature}
+
+
+def set_draft_vocabulary(head, file: str | None) -> None:
+    """--draft-vocabulary FILE on an EAGLE-1/2 or parallel EAGLE head; refusals name the flag."""
+    if file is None:
+        return
+    try:
+        head.set_draft_vocabulary(json.loads(Path(file).read_text()))
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+        message = str(exc).replace("token_ids", "its ids")
+        raise CliError(f"--draft-vocabulary {file}: {message}", USAGE) from exc
 
 
 def eagle_strategy(args: argparse.Namespace, target):
@@ -125,18 +162,13 @@ def eagle_strategy(args: argparse.Namespace, target):
 
     with loading("--eagle", args.eagle):
         head = (Eagle3Head if is_eagle3_checkpoint(args.eagle) else EagleHead).from_pretrained(args.eagle, target)
-    if args.draft_vocabulary is not None:
-        if isinstance(head, Eagle3Head):
-            raise CliError("--draft-vocabulary is for EAGLE-1/2 heads: an EAGLE-3 head has its own (d2t)", USAGE)
-        try:
-            head.set_draft_vocabulary(json.loads(Path(args.draft_vocabulary).read_text()))
-        except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
-            message = str(exc).replace("token_ids", "its ids")
-            raise CliError(f"--draft-vocabulary {args.draft_vocabulary}: {message}", USAGE) from exc
+    if args.draft_vocabulary is not None and isinstance(head, Eagle3Head):
+        raise CliError("--draft-vocabulary is for EAGLE-1/2 heads: an EAGLE-3 head has its own (d2t)", USAGE)
+    set_draft_vocabulary(head, args.draft_vocabulary)
     try:
         return EagleStrategy(
             head, tree_budget=args.tree_budget, depth=args.depth, top_k=args.eagle_top_k,
-            static_tree="default" if args.static_tree else None, confidence_temperature=args.confidence_temperature,
+            static_tree="default" if args.static_tree else None, **confidence_temperature(args),
         )  # fmt: skip
     except (TypeError, ValueError) as exc:
         raise CliError(as_flags(str(exc), EAGLE_FLAGS), USAGE) from exc
@@ -150,13 +182,13 @@ def main(args: argparse.Namespace) -> int:
     if args.tree and args.draft is None:
         why = " (n-gram drafts are chains)" if args.ngram else ""
         why = " (a Medusa tree is --medusa-choices)" if args.medusa else why
-        why = " (a parallel draft's tree is --max-nodes)" if args.parallel_draft else why
+        why = " (a parallel draft's tree is --max-nodes)" if args.parallel_draft or args.parallel_eagle else why
         raise CliError("--tree needs --draft" + why, USAGE)
     for flag in ("medusa_choices", "medusa_top_k"):
         if getattr(args, flag) is not None and args.medusa is None:
             raise CliError(f"--{flag.replace('_', '-')} needs --medusa", USAGE)
-    if args.draft_vocabulary is not None and args.eagle is None:
-        raise CliError("--draft-vocabulary needs --eagle", USAGE)
+    if args.draft_vocabulary is not None and args.eagle is None and args.parallel_eagle is None:
+        raise CliError("--draft-vocabulary needs --eagle or --parallel-eagle", USAGE)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)

@@ -131,11 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--static-tree", action="store_true", help="EAGLE-1: a static tree instead of EAGLE-2's")
     gen.add_argument(
         "--draft-vocabulary", metavar="FILE",
-        help="EAGLE-1/2: draft over the target ids of FILE only (a JSON list, e.g. the most frequent tokens)",
+        help="EAGLE-1/2 and parallel EAGLE: draft over the target ids of FILE only (a JSON list, e.g. the most "
+        "frequent tokens)",
     )  # fmt: skip
     gen.add_argument(
-        "--confidence-temperature", type=_checked(as_float, float, low=0.0, low_open=True), default=1.0,
-        help="EAGLE-2: temperature of the head's confidences (below 1 sharpens an under-confident head)",
+        "--confidence-temperature", type=_checked(as_float, float, low=0.0, low_open=True),
+        help="EAGLE-2 and parallel EAGLE trees: temperature of the head's confidences (below 1 sharpens an "
+        "under-confident head; default: 1 for EAGLE-2, 0.3 for parallel EAGLE)",
     )  # fmt: skip
     draft.add_argument("--medusa", type=_directory, help="Medusa heads directory (the authors' layout) on the target")
     gen.add_argument(
@@ -150,16 +152,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="parallel draft (PARD) checkpoint directory: one forward drafts a chain of -k tokens, or a tree with "
         "--max-nodes",
     )  # fmt: skip
+    draft.add_argument(
+        "--parallel-eagle", type=_directory, metavar="DIR",
+        help="parallel EAGLE head checkpoint directory: one head forward drafts a chain of -k tokens, or a tree with "
+        "--max-nodes",
+    )  # fmt: skip
     gen.add_argument("--tree", type=_branching, help="draft tree branching per depth, e.g. 4,2,2,1 (default: a chain)")
     gen.add_argument(
         "--draft-rule", choices=("coupled", "stochastic", "deterministic"), default="coupled",
-        help="how a draft model's chain or tree is drawn and verified (DraftModelStrategy's rule; a parallel draft's "
-        "chains take it too, its trees are deterministic)",
+        help="how a draft model's chain or tree is drawn and verified (DraftModelStrategy's rule; the chains of a "
+        "parallel draft or parallel EAGLE head take it too, their trees are deterministic)",
     )  # fmt: skip
     gen.add_argument(
         "--max-nodes", type=_checked(as_int, int, low=2),
-        help="tree nodes, root included (default: 64 for --tree and --medusa; --parallel-draft drafts a tree only "
-        "when it is given)",
+        help="tree nodes, root included (default: 64 for --tree and --medusa; --parallel-draft and --parallel-eagle "
+        "draft a tree only when it is given)",
     )  # fmt: skip
     gen.add_argument("-k", "--num-draft", type=_checked(as_int, int, low=1), default=5, help="chain / n-gram length")
     gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")

@@ -4,7 +4,8 @@
 (``specdec.decoding.strategy``: the contract and how to add a drafter): ``NoDraft`` (plain
 autoregressive decoding; also what ``strategy=None`` means), ``DraftModelStrategy`` (a draft
 model's chain or token tree), ``ParallelDraftStrategy`` (a parallel draft model's chain or best-first
-tree, one draft forward per step), ``MedusaStrategy`` (Medusa heads on the target, a static tree),
+tree, one draft forward per step), ``ParallelEagleStrategy`` (the same shapes from one forward of a parallel EAGLE
+head), ``MedusaStrategy`` (Medusa heads on the target, a static tree),
 ``EagleStrategy`` (an EAGLE or EAGLE-3 head's static or dynamic tree) or ``NgramStrategy`` (prompt lookup).
 ``StaticTree`` turns top-k index paths into a tree. By default the decoder adapts each request's
 draft depth every step (``AdaptiveSpeculation``, ``specdec.decoding.adaptive``).
@@ -19,6 +20,7 @@ from specdec.decoding.engine import SpeculativeDecoder
 from specdec.decoding.medusa import MedusaStrategy
 from specdec.decoding.ngram import NgramStrategy, propose_ngram
 from specdec.decoding.parallel_draft import ParallelDraftStrategy
+from specdec.decoding.parallel_eagle import ParallelEagleStrategy
 from specdec.decoding.proposal import DeviceTrees, Proposal
 from specdec.decoding.requests import FINISH_REASONS
 from specdec.decoding.results import GenerationResult, RequestStats, StepOutput
@@ -47,6 +49,7 @@ __all__ = [
     "NgramStrategy",
     "NoDraft",
     "ParallelDraftStrategy",
+    "ParallelEagleStrategy",
     "Prefill",
     "Proposal",
     "RequestStats",

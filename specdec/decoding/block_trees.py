@@ -1,4 +1,4 @@
-"""Token trees over a block drafter's per-position distributions, best first (DDTree).
+"""A block drafter's proposals from its per-position distributions: chains, and token trees best first (DDTree).
 
 A parallel draft gives, in one forward, a distribution for each of the next D positions, each from
 the committed prefix alone. Every node at depth d therefore draws its children from the same
@@ -17,11 +17,24 @@ from __future__ import annotations
 
 import torch
 
+from specdec._transfer import to_device
+from specdec.decoding.draft_model import DRAFT_SEED_SALT
 from specdec.decoding.eagle_trees import rerank
+from specdec.decoding.proposal import DeviceTrees, Proposal
+from specdec.decoding.strategy import StepContext
+from specdec.kernels.filtered_probs import filtered_probs
+from specdec.kernels.sample_probs import sample_probs
+from specdec.kernels.uniforms import ROLE_TARGET
+
+CHAIN_RULES = ("coupled", "stochastic", "deterministic")
 
 
 def best_first_trees(
-    log_probs: torch.Tensor, roots: torch.Tensor, max_depth: torch.Tensor, keep: torch.Tensor, width: int
+    log_probs: torch.Tensor,
+    roots: torch.Tensor,
+    max_depth: torch.Tensor,
+    keep: torch.Tensor,
+    width: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each request's root and its ``keep[r]`` most probable paths of at most ``max_depth[r]`` tokens, as a tree.
 
@@ -61,3 +74,74 @@ def best_first_trees(
         torch.cat(scores, dim=1), torch.cat(tokens, dim=1), torch.cat(parents, dim=1), node_depth, roots, max_depth,
         keep, width,
     )  # fmt: skip
+
+
+def block_tree_nodes(max_nodes: int | None, depth: int, levels: int, vocab: int) -> int:
+    """Nodes, root included, that a block drafter of ``depth`` positions proposes when ``levels`` are allowed: a chain's
+    ``1 + levels`` (``max_nodes`` None), or a tree's share of its budget, ``ceil((max_nodes - 1) * levels / depth)``
+    drafted nodes, so that a shallower tree is a cheaper one (the adaptive controller's ``draft_nodes`` hook)."""
+    levels = min(max(levels, 0), depth)
+    if max_nodes is None:
+        return 1 + levels
+    drafted = -(-(max_nodes - 1) * levels // depth)
+    per_level = min(max_nodes - 1, vocab)  # paths kept per depth
+    return 1 + min(drafted, per_level * levels)
+
+
+def tree_proposal(
+    log_probs: torch.Tensor,
+    roots: list[int],
+    limits: list[int],
+    nodes: list[int],
+) -> Proposal:
+    """The best-first trees of ``nodes[r]`` nodes and at most ``limits[r]`` levels over ``log_probs [R, D, V]``, as a
+    ``Proposal`` for the deterministic rule (greedy requests get the target's tokens, sampled ones are exact)."""
+    device, width = log_probs.device, max(nodes)
+    tokens, parents = best_first_trees(
+        log_probs, to_device(roots, torch.int64, device), to_device(limits, torch.int64, device),
+        to_device([n - 1 for n in nodes], torch.int64, device), width,
+    )  # fmt: skip
+    if any(n != width for n in nodes):
+        kept = to_device([r * width + i for r, n in enumerate(nodes) for i in range(n)], torch.int64, device)
+        tokens, parents = tokens.flatten().index_select(0, kept), parents.flatten().index_select(0, kept)
+    return Proposal(tokens.flatten(), DeviceTrees(parents.flatten(), list(nodes), limits), rule="deterministic")
+
+
+def block_rule(rule: str | None, max_nodes: int | None, drafter: str) -> str:
+    """The rule a block drafter's proposals take: ``rule`` checked, or the default (chains "coupled", trees
+    "deterministic", the only rule trees take). Raises ValueError naming ``rule``."""
+    if max_nodes is not None and rule not in (None, "deterministic"):
+        raise ValueError(f"trees from {drafter} are verified by the deterministic rule; got rule={rule!r}")
+    rule = ("coupled" if max_nodes is None else "deterministic") if rule is None else rule
+    if rule not in CHAIN_RULES:
+        raise ValueError(f"rule must be one of {CHAIN_RULES}, got {rule!r}")
+    return rule
+
+
+def chain_proposal(step: StepContext, logits: torch.Tensor, nodes: list[int], rule: str) -> Proposal:
+    """Each request's root and a chain of ``nodes[r] - 1`` drafts from ``logits [R, k, V]`` (position j's
+    distribution in row j): their argmax (``rule="deterministic"``, and every greedy request), a draw with the
+    target's own race clocks at that position (``"coupled"``: a seed gives plain sampling's tokens), or an independent
+    draw verified by the optimal rejection rule (``"stochastic"``: row j of ``draft_probs`` is q_{j+1}, the
+    distribution node j's child was drawn from, whatever the drafts before it)."""
+    rows, k, vocab = logits.shape
+    roots = to_device(step.roots, torch.int64, logits.device)
+    probs = None
+    if step.greedy or rule == "deterministic":
+        drafts = logits.argmax(-1)  # (a NaN row drafts some token; verification decides)
+    else:
+        params = step.params if rule == "coupled" else step.params._replace(seed=step.params.seed ^ DRAFT_SEED_SALT)
+        params = params.repeat_rows(k, rows * k)
+        params = params._replace(offset=params.offset + torch.arange(k, device=roots.device).repeat(rows))
+        q = filtered_probs(logits.reshape(rows * k, vocab), params, check=False).probs
+        counter = ROLE_TARGET if rule == "coupled" else 0  # coupled: the target's own clocks there
+        drafts = sample_probs(q, params, counter=counter, check=False).long().view(rows, k)
+        if rule == "stochastic":
+            probs = torch.cat((q.view(rows, k, vocab), q.new_zeros(rows, 1, vocab)), dim=1)  # the last: no child
+    tokens = torch.cat((roots[:, None], drafts), dim=1)
+    parents = [list(range(-1, n - 1)) for n in nodes]
+    tokens, probs = tokens.flatten(), None if probs is None else probs.flatten(0, 1)
+    if any(n != k + 1 for n in nodes):  # cut each chain to its request's limit
+        keep = to_device([r * (k + 1) + i for r, n in enumerate(nodes) for i in range(n)], torch.int64, roots.device)
+        tokens, probs = tokens.index_select(0, keep), None if probs is None else probs.index_select(0, keep)
+    return Proposal(tokens, parents, rule="deterministic" if probs is None else "stochastic", draft_probs=probs)

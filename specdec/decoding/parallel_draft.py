@@ -20,18 +20,13 @@ from __future__ import annotations
 import torch
 
 from specdec._transfer import to_device
-from specdec.decoding.block_trees import best_first_trees
+from specdec.decoding.block_trees import block_rule, block_tree_nodes, chain_proposal, tree_proposal
 from specdec.decoding.draft_cache import DraftCacheStrategy
-from specdec.decoding.draft_model import DRAFT_SEED_SALT
 from specdec.decoding.eagle_trees import log_probs
-from specdec.decoding.proposal import DeviceTrees, Proposal
+from specdec.decoding.proposal import Proposal
 from specdec.decoding.strategy import StepContext
-from specdec.kernels.filtered_probs import filtered_probs
-from specdec.kernels.sample_probs import sample_probs
-from specdec.kernels.uniforms import ROLE_TARGET
 from specdec.model.parallel_draft import ParallelDraft
 
-CHAIN_RULES = ("coupled", "stochastic", "deterministic")
 CONFIDENCE_TEMPERATURE = 0.45  # the shipped draft's per-position distributions run flat (bench/e2e_parallel.py)
 
 
@@ -70,13 +65,9 @@ class ParallelDraftStrategy(DraftCacheStrategy):
             raise ValueError(f"depth must be an int in [1, {draft.block_size}] (the draft's block_size), got {depth!r}")
         if max_nodes is not None and (not isinstance(max_nodes, int) or max_nodes < 2):
             raise ValueError(f"max_nodes must be None (a chain) or an int >= 2, got {max_nodes!r}")
-        if max_nodes is not None and rule not in (None, "deterministic"):
-            raise ValueError(f"trees from a parallel draft are verified by the deterministic rule; got rule={rule!r}")
         if not isinstance(confidence_temperature, (int, float)) or not confidence_temperature > 0:
             raise ValueError(f"confidence_temperature must be a positive number, got {confidence_temperature!r}")
-        rule = ("coupled" if max_nodes is None else "deterministic") if rule is None else rule
-        if rule not in CHAIN_RULES:
-            raise ValueError(f"rule must be one of {CHAIN_RULES}, got {rule!r}")
+        rule = block_rule(rule, max_nodes, "a parallel draft")
         super().__init__(draft.model, fused=fused)
         self.parallel = draft
         self.depth = depth
@@ -101,12 +92,7 @@ class ParallelDraftStrategy(DraftCacheStrategy):
     def draft_nodes(self, depth: int) -> int:
         """Nodes (root included) of the tree proposed when ``depth`` levels are allowed (the adaptive controller's
         optional hook)."""
-        levels = min(max(depth, 0), self.depth)
-        if self.tree_nodes is None:
-            return 1 + levels
-        drafted = -(-(self.tree_nodes - 1) * levels // self.depth)  # the budget's share of these levels
-        per_level = min(self.tree_nodes - 1, self.parallel.vocab_size)  # paths kept per depth
-        return 1 + min(drafted, per_level * levels)
+        return block_tree_nodes(self.tree_nodes, self.depth, depth, self.parallel.vocab_size)
 
     def attach(self, target) -> None:
         if target.config.vocab_size != self.parallel.vocab_size:
@@ -124,8 +110,8 @@ class ParallelDraftStrategy(DraftCacheStrategy):
             return Proposal(to_device(step.roots, torch.int64, step.device), [[-1]] * len(nodes), rule="deterministic")
         logits = self._block_forward(step, max(limits))
         if self.tree_nodes is not None:
-            return self._tree(step, logits, limits, nodes)
-        return self._chain(step, logits, nodes)
+            return tree_proposal(log_probs(logits, self.confidence_temperature), step.roots, limits, nodes)
+        return chain_proposal(step, logits, nodes, self.rule)
 
     # ---- drafting ------------------------------------------------------------------------------
 
@@ -144,41 +130,3 @@ class ParallelDraftStrategy(DraftCacheStrategy):
             self.lengths[b] = len(history)  # the committed text through the root; the masks go
         self.cache.truncate(self.lengths)
         return self.parallel.target_logits(logits.view(rows, k, -1))
-
-    def _chain(self, step: StepContext, logits: torch.Tensor, nodes: list[int]) -> Proposal:
-        rows, k, vocab = logits.shape
-        roots = to_device(step.roots, torch.int64, self.draft.device)
-        probs = None
-        if step.greedy or self.rule == "deterministic":
-            drafts = logits.argmax(-1)  # (a NaN row drafts some token; verification decides)
-        else:
-            params = step.params if self.rule == "coupled" else step.params._replace(
-                seed=step.params.seed ^ DRAFT_SEED_SALT)  # fmt: skip
-            params = params.repeat_rows(k, rows * k)
-            params = params._replace(offset=params.offset + torch.arange(k, device=roots.device).repeat(rows))
-            q = filtered_probs(logits.reshape(rows * k, vocab), params, check=False).probs
-            counter = ROLE_TARGET if self.rule == "coupled" else 0  # coupled: the target's own clocks there
-            drafts = sample_probs(q, params, counter=counter, check=False).long().view(rows, k)
-            if self.rule == "stochastic":
-                probs = torch.cat((q.view(rows, k, vocab), q.new_zeros(rows, 1, vocab)), dim=1)  # the last: no child
-        tokens = torch.cat((roots[:, None], drafts), dim=1)
-        rule = "deterministic" if probs is None else "stochastic"
-        parents = [list(range(-1, n - 1)) for n in nodes]
-        tokens, probs = tokens.flatten(), None if probs is None else probs.flatten(0, 1)
-        if any(n != k + 1 for n in nodes):  # cut each chain to its request's limit
-            rows_kept = [r * (k + 1) + i for r, n in enumerate(nodes) for i in range(n)]
-            keep = to_device(rows_kept, torch.int64, roots.device)
-            tokens, probs = tokens.index_select(0, keep), None if probs is None else probs.index_select(0, keep)
-        return Proposal(tokens, parents, rule=rule, draft_probs=probs)
-
-    def _tree(self, step: StepContext, logits: torch.Tensor, limits: list[int], nodes: list[int]) -> Proposal:
-        device, width = self.draft.device, max(nodes)
-        tokens, parents = best_first_trees(
-            log_probs(logits, self.confidence_temperature), to_device(step.roots, torch.int64, device),
-            to_device(limits, torch.int64, device), to_device([n - 1 for n in nodes], torch.int64, device), width,
-        )  # fmt: skip
-        if any(n != width for n in nodes):
-            kept = to_device([r * width + i for r, n in enumerate(nodes) for i in range(n)], torch.int64, device)
-            tokens, parents = tokens.flatten().index_select(0, kept), parents.flatten().index_select(0, kept)
-        trees = DeviceTrees(parents.flatten(), list(nodes), limits)
-        return Proposal(tokens.flatten(), trees, rule="deterministic")

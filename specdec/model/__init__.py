@@ -10,6 +10,7 @@ from specdec.model.llama import LlamaModel
 from specdec.model.medusa import MedusaHeads
 from specdec.model.paged_blocks import PagedBlocks
 from specdec.model.parallel_draft import ParallelDraft
+from specdec.model.parallel_eagle import ParallelEagleHead
 
 __all__ = [
     "AttentionMetadata",
@@ -22,6 +23,7 @@ __all__ = [
     "ModelConfig",
     "PagedBlocks",
     "ParallelDraft",
+    "ParallelEagleHead",
     "RopeScaling",
     "causal_positions",
     "tree_positions",

@@ -49,6 +49,7 @@ from specdec.model.llama import DecoderLayer, LlamaModel
 from specdec.model.loader import SINGLE_FILE, load_tensors
 
 EMBEDDING = "embed_tokens.weight"
+PARALLEL_BLOCK_SIZE = "parallel_block_size"  # config.json: a ParallelEagleHead's positions per forward
 
 
 class EagleHead(DraftHead):
@@ -194,18 +195,30 @@ class EagleHead(DraftHead):
         num_rows = self.check_forward(features, tokens, positions, metadata, logits_rows)
         fused = head_rows(self, metadata, cache, num_rows, logits_rows)  # C++ on the CPU where it can
         plan = None if fused else plan_forward(self, tokens, positions, metadata, cache)  # checks the rest, once
-        x = self.fc(torch.cat((F.embedding(tokens, self.embedding_weight), features), dim=-1))  # [Tq, H]
+        x = self.layer_inputs(features, tokens)  # [Tq, H]
         if fused:
             return x, head_forward(self, fused, x, positions, metadata, cache, lm_head=self.lm_head_weight)
         x = run_layers(self._layer_params, x, plan, self.config, self.rope_inv_freq, first_norm=False)
         rows = x if logits_rows is None else x.index_select(0, logits_rows)
         return x, linear_for(rows)(rows, self.lm_head_weight)
 
+    def layer_inputs(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The decoder layer's input rows, ``fc([embed(x_{t+1}), f_t])``."""
+        return self.fc(torch.cat((F.embedding(tokens, self.embedding_weight), features), dim=-1))
+
     def chain_greedy(self, features, logits, slots, num_drafts: int, cache: KVCache) -> torch.Tensor:
         """A greedy chain of ``num_drafts`` drafts per request in one C++ call (``head_chain_greedy``, where
         ``head_chain_available``): from each root's predicted feature ``features [R, H]`` and logits ``[R, V]``."""
         return head_chain_greedy(self, cache, features, logits, slots, num_drafts, lm_head=self.lm_head_weight,
                                  fc=self.fc, draft_to_target=self.draft_ids)  # fmt: skip
+
+    @classmethod
+    def config_options(cls, hf: dict) -> dict:
+        """Constructor options a subclass reads from ``config.json`` (none here)."""
+        if PARALLEL_BLOCK_SIZE in hf:
+            raise ValueError(f"config.json has '{PARALLEL_BLOCK_SIZE}': a parallel EAGLE head, which loads with "
+                             f"ParallelEagleHead.from_pretrained")  # fmt: skip
+        return {}
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target: LlamaModel) -> EagleHead:
@@ -237,7 +250,7 @@ class EagleHead(DraftHead):
         check_fits_target(config.hidden_size, config.vocab_size, target, f"EAGLE head {path}")
         names = head_checkpoint_files(path, SINGLE_FILE, "pytorch_model.bin")  # name -> file
         with torch.device("meta"):  # shapes only: the checkpoint provides every value
-            head = cls(config, target, fc_bias=fc_bias, own_embedding=EMBEDDING in names)
+            head = cls(config, target, fc_bias=fc_bias, own_embedding=EMBEDDING in names, **cls.config_options(hf))
         state = eagle_state_dict(path, head, dtype=target.dtype, device=target.device)
         head.load_state_dict(state, assign=True, strict=True)
         head.rope_inv_freq = config.rope_inv_freq(target.device)
