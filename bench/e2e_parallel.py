@@ -12,6 +12,8 @@ sizes (adaptive off, so a row drafts what its label says):
   tokens; stochastic: the optimal rejection rule), trees, and adaptive;
 * greedy, batch 8: the chains and trees, one batch of eight prompts per run; then the chains at K=2 (the best fixed
   depth at that batch) and adaptive (K <= 8, one decoder per row across the runs).
+* greedy, batch 1, tau only: the parallel EAGLE head's trees by node budget and confidence temperature (what chose
+  ``ParallelEagleStrategy``'s default), beside its chains.
 
 ``bench_e2e.py --parallel-only`` runs just these.
 """
@@ -149,4 +151,21 @@ def parallel_tables(target, draft, prompts, batch_prompts, new_tokens: int, devi
     title = (f"Parallel drafting, greedy, embedded pair, {device}, batch {len(batch_prompts)}, {new_tokens} tokens "
              f"each, fastest of {repeats} (interleaved)")  # fmt: skip
     tables.append((ratio_table(title, runs, "tokens per request-step", "identical to AR", "NO"), "e2e_parallel_batch"))
+    tables.append((tree_tau_table(target, head, prompts, new_tokens), "e2e_parallel_eagle_tau"))
     return tables
+
+
+def tree_tau_table(target, head, prompts, new_tokens: int) -> Table:
+    """Greedy tau of the parallel EAGLE head's trees by node budget (columns) and confidence temperature (rows)."""
+    temperatures = (1.0, 0.5, 0.3, 0.2, 0.1)
+    title = (f"Parallel EAGLE trees, greedy tau by node budget and confidence temperature, embedded pair, batch 1, "
+             f"{len(prompts)} held-out prompts x {new_tokens} tokens")  # fmt: skip
+    table = Table(title, ["confidence temperature", *[f"{n} nodes" for n in TREE_BUDGETS]])
+    for t in temperatures:
+        taus = [decode_all(target, ParallelEagleStrategy(head, max_nodes=n, confidence_temperature=t), "", prompts,
+                           new_tokens, adaptive=False).tau for n in TREE_BUDGETS]  # fmt: skip
+        table.add(t, *[f"{tau:.2f}" for tau in taus])
+    chains = [decode_all(target, ParallelEagleStrategy(head, depth=k), "", prompts, new_tokens, adaptive=False).tau
+              for k in (5, head.block_size)]  # fmt: skip
+    table.add("chains K=5 / K=8", f"{chains[0]:.2f} / {chains[1]:.2f}", *[""] * (len(TREE_BUDGETS) - 1))
+    return table
