@@ -11,10 +11,12 @@ specdec's own model in float32, exactly as the engine will see them.
 
 from __future__ import annotations
 
+import math
 import platform
 import random
 import sys
 import sysconfig
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -220,4 +222,15 @@ def report_header(script: str, argv, args, corpus: Corpus, greedy, prompt_lens, 
             "batch": args.batch,
         },
         "heldout": {"sequences": len(heldout.sequences), "generated_tokens": heldout.generated_tokens},
+    }
+
+
+def minutes_report(start: float, step_times: list[float], **phases: float) -> dict:
+    """A training report's "minutes": each phase's (data, training, ...), the total since ``start``
+    (``time.perf_counter``) and the training's estimate on an unshared machine (every step at the 10th-percentile
+    step time)."""
+    steps = len(step_times)
+    return phases | {
+        "total": (time.perf_counter() - start) / 60,
+        "unshared_training_estimate": sorted(step_times)[math.ceil(0.1 * steps) - 1] * steps / 60,
     }

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -59,6 +58,7 @@ from head_training import (
     hf_features,
     load_corpus,
     load_targets,
+    minutes_report,
     prepare_data,
     report_header,
 )
@@ -352,13 +352,7 @@ def main(argv: list[str] | None = None) -> int:
             "(the chain's earlier tokens are the target's); the shipped bf16 head through specdec.model.EagleHead",
             "depth": {str(d + 1): v for d, v in enumerate(shipped)},
         },
-        "minutes": {
-            "data": data_minutes,
-            "training": train_minutes,
-            "evaluation": eval_minutes,
-            "total": (time.perf_counter() - t0) / 60,
-            "unshared_training_estimate": sorted(step_times)[math.ceil(0.1 * steps_run) - 1] * steps_run / 60,
-        },
+        "minutes": minutes_report(t0, step_times, data=data_minutes, training=train_minutes, evaluation=eval_minutes),
     }
     (out / "training_report.json").write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report["agreement_by_depth"], indent=1), json.dumps(report["minutes"]), flush=True)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -40,6 +39,7 @@ from head_training import (
     hf_features,
     load_corpus,
     load_targets,
+    minutes_report,
     prepare_data,
     report_header,
 )
@@ -184,12 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             "positions": shipped[-1]["positions"],
             "head": {str(k): v for k, v in enumerate(shipped[:-1])},
         },
-        "minutes": {
-            "data": data_minutes,
-            "training": train_minutes,
-            "total": (time.perf_counter() - t0) / 60,
-            "unshared_training_estimate": sorted(step_times)[math.ceil(0.1 * steps_run) - 1] * steps_run / 60,
-        },
+        "minutes": minutes_report(t0, step_times, data=data_minutes, training=train_minutes),
     }
     (out / "training_report.json").write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report["agreement_by_head"], indent=1), json.dumps(report["minutes"]), flush=True)

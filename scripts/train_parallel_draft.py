@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import shutil
 import sys
@@ -58,6 +57,7 @@ from head_training import (
     add_data_arguments,
     load_corpus,
     load_targets,
+    minutes_report,
     prepare_data,
     report_header,
 )
@@ -420,13 +420,7 @@ def main(argv: list[str] | None = None) -> int:
             "parallel_draft": parallel,
             "ar_draft": ar,
         },
-        "minutes": {
-            "data": data_minutes,
-            "training": train_minutes,
-            "evaluation": eval_minutes,
-            "total": (time.perf_counter() - t0) / 60,
-            "unshared_training_estimate": sorted(step_times)[math.ceil(0.1 * steps_run) - 1] * steps_run / 60,
-        },
+        "minutes": minutes_report(t0, step_times, data=data_minutes, training=train_minutes, evaluation=eval_minutes),
     }
     (out / "training_report.json").write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report["heldout_agreement"], indent=1), json.dumps(report["minutes"]), flush=True)

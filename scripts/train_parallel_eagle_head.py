@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import sys
 import time
@@ -49,6 +48,7 @@ from head_training import (
     hf_features,
     load_corpus,
     load_targets,
+    minutes_report,
     prepare_data,
     report_header,
 )
@@ -330,13 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             "parallel_eagle": parallel,
             "eagle2_sequential_chain_tau": sequential,
         },
-        "minutes": {
-            "data": data_minutes,
-            "training": train_minutes,
-            "evaluation": eval_minutes,
-            "total": (time.perf_counter() - t0) / 60,
-            "unshared_training_estimate": sorted(step_times)[math.ceil(0.1 * steps_run) - 1] * steps_run / 60,
-        },
+        "minutes": minutes_report(t0, step_times, data=data_minutes, training=train_minutes, evaluation=eval_minutes),
     }
     (out / "training_report.json").write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report["heldout_agreement"], indent=1), json.dumps(report["minutes"]), flush=True)
