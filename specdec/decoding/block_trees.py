@@ -30,11 +30,7 @@ CHAIN_RULES = ("coupled", "stochastic", "deterministic")
 
 
 def best_first_trees(
-    log_probs: torch.Tensor,
-    roots: torch.Tensor,
-    max_depth: torch.Tensor,
-    keep: torch.Tensor,
-    width: int,
+    log_probs: torch.Tensor, roots: torch.Tensor, max_depth: torch.Tensor, keep: torch.Tensor, width: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each request's root and its ``keep[r]`` most probable paths of at most ``max_depth[r]`` tokens, as a tree.
 
@@ -88,12 +84,7 @@ def block_tree_nodes(max_nodes: int | None, depth: int, levels: int, vocab: int)
     return 1 + min(drafted, per_level * levels)
 
 
-def tree_proposal(
-    log_probs: torch.Tensor,
-    roots: list[int],
-    limits: list[int],
-    nodes: list[int],
-) -> Proposal:
+def tree_proposal(log_probs: torch.Tensor, roots: list[int], limits: list[int], nodes: list[int]) -> Proposal:
     """The best-first trees of ``nodes[r]`` nodes and at most ``limits[r]`` levels over ``log_probs [R, D, V]``, as a
     ``Proposal`` for the deterministic rule (greedy requests get the target's tokens, sampled ones are exact)."""
     device, width = log_probs.device, max(nodes)

@@ -43,6 +43,7 @@ from specdec.kernels import pack_mask_rows
 from specdec.model import Eagle3Head, EagleHead
 from specdec.model.attention_metadata import AttentionMetadata, causal_positions
 from specdec.model.draft_forward_cpu import head_chain_available
+from specdec.model.parallel_eagle import MASK
 
 
 class EagleStrategy(BaseStrategy):
@@ -223,27 +224,33 @@ class EagleStrategy(BaseStrategy):
 
     # ---- drafting ------------------------------------------------------------------------------
 
-    def _catch_up(self, step: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed the accepted nodes (true features, next tokens); the roots' predicted features ``[R, H]`` and
-        logits ``[R, V]``."""
+    def _catch_up(self, step: StepContext, masks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed the accepted nodes (true features, next tokens), each request's followed by ``masks`` mask rows (a
+        ``ParallelEagleHead``'s); the predicted features ``[R * (masks + 1), H]`` and logits ``[R * (masks + 1), V]``
+        of each request's last accepted row (the root's) and its mask rows. Only the accepted rows count as committed
+        (``self.lengths``): the mask rows go with the next ``truncate``."""
         device = self.head.device
         slots, features, pending = self.pending
         index = {b: i for i, b in enumerate(slots)}
         counts = [pending[index[b]] for b in step.running]
         width = features.shape[1]
-        picked = [index[b] * width + j for b, c in zip(step.running, counts) for j in range(c)]
+        starts = [index[b] * width for b in step.running]  # a mask row's feature is never read: row 0 stands in
+        picked = [i for s, c in zip(starts, counts) for i in [*range(s, s + c), *[0] * masks]]
         feed = features.flatten(0, 1).index_select(0, to_device(picked, torch.int64, device))
-        tokens = to_device([t for h, c in zip(step.histories, counts) for t in h[len(h) - c :]], torch.int64, device)
-        full = step.full_counts(counts)
+        tokens = to_device([t for h, c in zip(step.histories, counts) for t in [*h[len(h) - c :], *[MASK] * masks]],
+                           torch.int64, device)  # fmt: skip
+        rows = [c + masks for c in counts]
+        full = step.full_counts(rows)
         q_offsets = offsets_to_device(full, device)
         self.cache.reserve(full)
         positions = causal_positions(q_offsets, self.cache.seq_lens, len(picked))
-        last = to_device([e - 1 for e in itertools.accumulate(counts)], torch.int64, device)
-        predicted, logits = self.head(feed, tokens, positions, AttentionMetadata(q_offsets), self.cache, last)
+        read = [s + c - 1 + j for s, c in zip(itertools.accumulate(rows, initial=0), counts) for j in range(masks + 1)]
+        read = to_device(read, torch.int64, device)
+        predicted, logits = self.head(feed, tokens, positions, AttentionMetadata(q_offsets), self.cache, read)
         self.cache.advance(full)
         for b, c in zip(step.running, counts):
             self.lengths[b] += c
-        return predicted.index_select(0, last), logits
+        return predicted.index_select(0, read), logits
 
     def _level(self, step, features, tokens, level: int, mask, tree_start) -> tuple[torch.Tensor, torch.Tensor]:
         """One head forward over ``w`` new nodes of depth ``level`` per running request (``features [R*w, H]``,

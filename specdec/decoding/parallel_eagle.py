@@ -18,18 +18,15 @@ as ``EagleStrategy``'s does; a draft vocabulary on the head is honoured.
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
-from specdec._transfer import offsets_to_device, to_device
+from specdec._transfer import to_device
 from specdec.decoding.block_trees import block_rule, block_tree_nodes, chain_proposal, tree_proposal
 from specdec.decoding.eagle import EagleStrategy
 from specdec.decoding.eagle_trees import log_probs
 from specdec.decoding.proposal import Proposal
 from specdec.decoding.strategy import StepContext
-from specdec.model.attention_metadata import AttentionMetadata, causal_positions
-from specdec.model.parallel_eagle import MASK, ParallelEagleHead
+from specdec.model.parallel_eagle import ParallelEagleHead
 
 # A head distilled by KL is as flat as the target's own distributions, flatter than its argmax is right: sharpened,
 # trees go deeper (the shipped head's greedy tree tau by temperature: bench/RESULTS.md, "Parallel drafting").
@@ -83,6 +80,7 @@ class ParallelEagleStrategy(EagleStrategy):
         if max_nodes is not None and (not isinstance(max_nodes, int) or isinstance(max_nodes, bool) or max_nodes < 2):
             raise ValueError(f"max_nodes must be None (a chain) or an int >= 2, got {max_nodes!r}")
         rule = block_rule(rule, max_nodes, "a parallel EAGLE head")
+        # top_k 1: EagleStrategy.prefill then leaves top_k * (depth - 1) rows past the text, the mask rows' room.
         super().__init__(head, tree_budget=depth + 1 if max_nodes is None else max_nodes, depth=depth, top_k=1,
                          confidence_temperature=confidence_temperature)  # fmt: skip
         self.tree_nodes, self.rule = max_nodes, rule
@@ -110,7 +108,8 @@ class ParallelEagleStrategy(EagleStrategy):
         limits = [min(max(d, 0), self.depth) for d in step.max_depth]
         nodes = [min(n, self.draft_nodes(d)) for n, d in zip(step.max_nodes, limits)]
         limits = [min(d, n - 1) for d, n in zip(limits, nodes)]
-        logits = self._catch_up_with_masks(step, max(limits))  # [R, k, V]
+        _, logits = self._catch_up(step, masks=max(max(limits) - 1, 0))
+        logits = logits.view(len(step.running), -1, logits.shape[-1])  # [R, k, V]: the root's row, then the masks'
         self.cache.truncate(self.lengths)  # the mask rows go
         if max(nodes) == 1:  # nothing to draft (the catch-up kept the head in step)
             return Proposal(to_device(step.roots, torch.int64, step.device), [[-1]] * len(nodes), rule="deterministic")
@@ -120,32 +119,3 @@ class ParallelEagleStrategy(EagleStrategy):
         if self.tree_nodes is not None:
             return tree_proposal(log_probs(logits, self.confidence_temperature), step.roots, limits, nodes)
         return chain_proposal(step, logits, nodes, self.rule)
-
-    def _catch_up_with_masks(self, step: StepContext, k: int) -> torch.Tensor:
-        """Feed each request's accepted nodes (true features, next tokens) and ``k - 1`` mask rows in one causal
-        forward; the logits ``[R, max(k, 1), V]`` of the root's row and the mask rows. The cache keeps the accepted
-        rows' K/V only after ``truncate(self.lengths)``."""
-        device = self.head.device
-        slots, features, pending = self.pending
-        index = {b: i for i, b in enumerate(slots)}
-        counts = [pending[index[b]] for b in step.running]
-        masks, width = max(k - 1, 0), features.shape[1]
-        blank = features.shape[0] * width  # a zero row appended below: the mask rows' (unread) feature
-        picked = [i for b, c in zip(step.running, counts) for i in [index[b] * width + j for j in range(c)] + [blank]
-                  * masks]  # fmt: skip
-        table = torch.cat((features.flatten(0, 1), features.new_zeros(1, features.shape[-1])))
-        feed = table.index_select(0, to_device(picked, torch.int64, device))
-        tokens = to_device([t for h, c in zip(step.histories, counts) for t in [*h[len(h) - c :], *[MASK] * masks]],
-                           torch.int64, device)  # fmt: skip
-        rows = [c + masks for c in counts]
-        full = step.full_counts(rows)
-        q_offsets = offsets_to_device(full, device)
-        self.cache.reserve(full)
-        positions = causal_positions(q_offsets, self.cache.seq_lens, len(picked))
-        read = [s + c - 1 + j for s, c in zip(itertools.accumulate(rows, initial=0), counts) for j in range(masks + 1)]
-        _, logits = self.head(feed, tokens, positions, AttentionMetadata(q_offsets), self.cache,
-                              to_device(read, torch.int64, device))  # fmt: skip
-        self.cache.advance(full)
-        for b, c in zip(step.running, counts):
-            self.lengths[b] += c
-        return logits.view(len(counts), masks + 1, -1)
