@@ -248,6 +248,36 @@ def specdec_forward_gap(out: Path, draft: TrainableDraft, heldout: HeldOut, mask
     return gap
 
 
+class BlockAgreement:
+    """Per-position top-k agreement with the target's greedy tokens and greedy chain tau, summed over anchors."""
+
+    def __init__(self, block: int):
+        self.hits = torch.zeros(block, len(TOPK))
+        self.leading = {k: 0.0 for k in CHAIN_DEPTHS if k <= block}
+        self.anchors = 0
+
+    def add(self, logits: torch.Tensor, truth: torch.Tensor) -> None:
+        """``logits [A, block, V]``: each anchor's distribution per position; ``truth [A, block]``: the tokens."""
+        top = logits.topk(max(TOPK), -1).indices  # [A, block, k]
+        for i, k in enumerate(TOPK):
+            self.hits[:, i] += (top[..., :k] == truth[..., None]).any(-1).sum(0)
+        agree = top[..., 0] == truth
+        for k in self.leading:
+            self.leading[k] += (1 + agree[:, :k].int().cumprod(1).sum(1)).sum().item()
+        self.anchors += truth.shape[0]
+
+    def report(self) -> dict:
+        n = max(1, self.anchors)
+        positions = range(self.hits.shape[0])
+        return {
+            "anchors": self.anchors,
+            "position": {
+                str(j + 1): {f"top{k}": self.hits[j, i].item() / n for i, k in enumerate(TOPK)} for j in positions
+            },
+            "chain_tau": {str(k): v / n for k, v in self.leading.items()},
+        }
+
+
 @torch.no_grad()
 def heldout_metrics(draft: TrainableDraft, heldout: HeldOut, mask_token: int | None, block: int) -> dict:
     """Per-position top-k agreement with the target's greedy tokens and greedy chain tau on held-out anchors.
@@ -256,9 +286,7 @@ def heldout_metrics(draft: TrainableDraft, heldout: HeldOut, mask_token: int | N
     target greedy tokens after it. ``mask_token`` None: an AR draft, teacher-forced on the true
     (accepted) tokens, which is what its greedy chain sees while it agrees.
     """
-    hits = torch.zeros(block, len(TOPK))
-    leading_sum = {k: 0.0 for k in CHAIN_DEPTHS if k <= block}
-    anchors_total, mask_argmax = 0, 0
+    agreement, mask_argmax = BlockAgreement(block), 0
     for seq, prompt in zip(heldout.sequences, heldout.prompt_lens):
         anchors = list(range(prompt - 1, len(seq) - block))
         if not anchors:
@@ -277,21 +305,10 @@ def heldout_metrics(draft: TrainableDraft, heldout: HeldOut, mask_token: int | N
             logits = torch.cat((logits[a][:, None], logits[mask_rows]), 1)  # [A, block, V]
             mask_argmax += (logits.argmax(-1) == mask_token).sum().item()
             logits = logits[..., :mask_token]
-        top = logits.topk(max(TOPK), -1).indices  # [A, block, k]
-        for i, k in enumerate(TOPK):
-            hits[:, i] += (top[..., :k] == truth[..., None]).any(-1).sum(0)
-        agree = top[..., 0] == truth
-        for k in leading_sum:
-            leading_sum[k] += (1 + agree[:, :k].int().cumprod(1).sum(1)).sum().item()
-        anchors_total += len(anchors)
-    n = max(1, anchors_total)
-    result = {
-        "anchors": anchors_total,
-        "position": {str(j + 1): {f"top{k}": hits[j, i].item() / n for i, k in enumerate(TOPK)} for j in range(block)},
-        "chain_tau": {str(k): v / n for k, v in leading_sum.items()},
-    }
+        agreement.add(logits, truth)
+    result = agreement.report()
     if mask_token is not None:
-        result["mask_token_argmax_share"] = mask_argmax / (n * block)
+        result["mask_token_argmax_share"] = mask_argmax / (max(1, agreement.anchors) * block)
     return result
 
 

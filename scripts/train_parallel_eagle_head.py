@@ -55,11 +55,9 @@ from head_training import (
 from torch import nn
 from train_eagle_head import TrainableHead, save_head
 from train_embedded_pair import lr_at
-from train_parallel_draft import block_layout, loss_by_position
+from train_parallel_draft import CHAIN_DEPTHS, BlockAgreement, block_layout, loss_by_position
 
 EAGLE_DIR = ROOT / "specdec" / "assets" / "eagle"
-TOPK = (1, 4)
-CHAIN_DEPTHS = (5, 8)
 
 
 class TrainableParallelHead(nn.Module):
@@ -109,9 +107,7 @@ def heldout_metrics(model: TrainableParallelHead, heldout: HeldOut, embed, lm_he
     Anchors: every row a from the prompt's last (its token x_{a+1} is the first generated token, the root)
     with K generated tokens after the root; position d predicts token a + 1 + d.
     """
-    hits = torch.zeros(block, len(TOPK))
-    leading = {k: 0.0 for k in CHAIN_DEPTHS if k <= block}
-    total = 0
+    agreement = BlockAgreement(block)
     for seq, prompt, feats in zip(heldout.sequences, heldout.prompt_lens, heldout.features):
         anchors = list(range(prompt - 1, len(seq) - block - 1))
         if not anchors:
@@ -121,20 +117,8 @@ def heldout_metrics(model: TrainableParallelHead, heldout: HeldOut, embed, lm_he
         logits, _, _ = block_logits(model, feats[None, : S + 1], tokens[None, : S + 1], embed, lm_head, anchors, block)
         mask_rows = S + torch.arange(len(anchors) * (block - 1)).view(len(anchors), block - 1)
         logits = torch.cat((logits[0, a][:, None], logits[0, mask_rows]), 1)  # [A, K, V]
-        truth = tokens[a[:, None] + 1 + torch.arange(1, block + 1)]
-        top = logits.topk(max(TOPK), -1).indices
-        for i, k in enumerate(TOPK):
-            hits[:, i] += (top[..., :k] == truth[..., None]).any(-1).sum(0)
-        agree = top[..., 0] == truth
-        for k in leading:
-            leading[k] += (1 + agree[:, :k].int().cumprod(1).sum(1)).sum().item()
-        total += len(anchors)
-    n = max(1, total)
-    return {
-        "anchors": total,
-        "position": {str(j + 1): {f"top{k}": hits[j, i].item() / n for i, k in enumerate(TOPK)} for j in range(block)},
-        "chain_tau": {str(k): v / n for k, v in leading.items()},
-    }
+        agreement.add(logits, tokens[a[:, None] + 1 + torch.arange(1, block + 1)])
+    return agreement.report()
 
 
 @torch.no_grad()
