@@ -167,5 +167,6 @@ def tree_tau_table(target, head, prompts, new_tokens: int) -> Table:
         table.add(t, *[f"{tau:.2f}" for tau in taus])
     chains = [decode_all(target, ParallelEagleStrategy(head, depth=k), "", prompts, new_tokens, adaptive=False).tau
               for k in (5, head.block_size)]  # fmt: skip
-    table.add("chains K=5 / K=8", f"{chains[0]:.2f} / {chains[1]:.2f}", *[""] * (len(TREE_BUDGETS) - 1))
+    blank = [""] * (len(TREE_BUDGETS) - 1)
+    table.add(f"chains K=5 / K={head.block_size}", f"{chains[0]:.2f} / {chains[1]:.2f}", *blank)
     return table
