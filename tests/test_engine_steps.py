@@ -341,3 +341,27 @@ def test_tree_commits_beside_slots_without_blocks_keep_every_token(pair, strateg
         if decoder.generate(prompts, max_new_tokens=30, eos_token_id=None).tokens != expected:
             diverged.append(seed)
     assert diverged == []
+
+
+def test_a_step_runs_in_inference_mode_whatever_the_callers(pair, monkeypatch):
+    """A serving loop calls ``step`` without entering ``torch.inference_mode``: the step enters it, so no forward runs
+    with autograd recording (on the CPU that would leave the packed GEMM kernels for ``F.linear``, twice as slow),
+    and aborting a request between such steps works; the caller's own mode is left as it was."""
+    import torch
+
+    import specdec.model.llama as llama
+
+    grad_at_forward, real = [], llama.linear_for
+    monkeypatch.setattr(llama, "linear_for", lambda rows: grad_at_forward.append(torch.is_grad_enabled()) or real(rows))
+    target, draft = pair
+    engine = SpeculativeDecoder(target, DraftModelStrategy(draft, (1,) * 3)).engine(max_batch=2, max_len=64)
+    first = engine.add_request([1, 2, 3, 4], max_new_tokens=8)
+    engine.add_request([5, 6], max_new_tokens=8)
+    engine.step()
+    engine.step()
+    assert engine.abort(first)
+    engine.add_request([7, 8, 9], max_new_tokens=5)
+    while engine.has_unfinished():
+        engine.step()
+    assert torch.is_grad_enabled()
+    assert grad_at_forward and not any(grad_at_forward)
