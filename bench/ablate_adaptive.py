@@ -178,9 +178,10 @@ def replay_ablation(trace_path: Path, variants: list[str], batches: list[int], s
 
 def serving_ablation(variants: list[str], loads: list[float], rounds: int, max_depth: int, strategy: str,
                      temperature: float, out: Path | None) -> None:  # fmt: skip
-    from bench_serving import paired, serve, serve_rounds, workload
+    from bench_serving import serve, serve_rounds
     from common import cpu_threads
     from serving_policies import CostTable, FixedDepth
+    from serving_workload import paired, workload
 
     from specdec.decoding import DraftModelStrategy, NgramStrategy, SpeculativeDecoder
     from specdec.testing import ASSETS, heldout_token_ids, load_pair

@@ -10,6 +10,8 @@ recording), every seed's exact cost in the recorded times, the fixed depths' cos
 the best fixed depth's (or plain decoding's) time over the controller's, per batch size, over seeds.
 
     python bench/bench_adaptive_replay.py --record trace.json     # record (embedded pair, one thread, ~4 min)
+    python bench/bench_adaptive_replay.py --record trace.json --match-tokens 96   # one bench_serving.py --replay
+                                                                  # can use (acceptance over 96 tokens a prompt)
     python bench/bench_adaptive_replay.py --trace trace.json      # replay: a table per batch size
     python bench/bench_adaptive_replay.py --record t.json --trace t.json --batches 1 2 --max-depth 2 --rounds 1
                                                                   # a smoke run (tests/test_adaptive_replay.py)
@@ -50,8 +52,9 @@ MAX_DEPTH = 8
 NEW_TOKENS = 48
 
 
-def record(path: Path, rounds: int, batches: list[int], max_depth: int, drift_passes: int) -> None:
-    """Writes the trace of the embedded pair on this machine (CPU, one intra-op thread, fp32)."""
+def record(path: Path, rounds: int, batches: list[int], max_depth: int, drift_passes: int, match_tokens: int) -> None:
+    """Writes the trace of the embedded pair on this machine (CPU, one intra-op thread, fp32): acceptance over each
+    prompt's first ``match_tokens`` generated tokens, step costs, noise and drift, and what a joining prompt adds."""
     from specdec.decoding import AdaptiveSpeculation, DraftModelStrategy, SpeculativeDecoder
     from specdec.testing import ASSETS, heldout_token_ids, load_pair
 
@@ -59,10 +62,10 @@ def record(path: Path, rounds: int, batches: list[int], max_depth: int, drift_pa
     target, draft, tokenizer = load_pair("cpu", assets=ASSETS)
     pool = heldout_token_ids(tokenizer)
     greedy = {"temperature": 0.0, "seed": 0, "eos_token_id": None}
-    texts = SpeculativeDecoder(target, None).generate(pool, max_new_tokens=NEW_TOKENS + max_depth, **greedy).tokens
+    texts = SpeculativeDecoder(target, None).generate(pool, max_new_tokens=match_tokens + max_depth, **greedy).tokens
     matches = []
     for prompt, text in zip(pool, texts):  # the draft's greedy chain from every position of the target's text
-        prefixes = [prompt + text[:p] for p in range(NEW_TOKENS)]
+        prefixes = [prompt + text[:p] for p in range(match_tokens)]
         drafts = SpeculativeDecoder(draft, None).generate(prefixes, max_new_tokens=max_depth, **greedy).tokens
         row = []
         for p, chain in enumerate(drafts):
@@ -118,6 +121,7 @@ def record(path: Path, rounds: int, batches: list[int], max_depth: int, drift_pa
             runs.append(forced.times[1:])
         noise, drift, drift_steps = fit_drift(step_residuals(runs))
         print(f"drift measured over {sum(map(len, runs))} steps of batch {batch}, depth {forced.depths[0]}", flush=True)
+    joins = record_joins(decoder, forced, pool, max_depth, rounds)
     trace = {
         "machine": "embedded pair, CPU, one intra-op thread, fp32, thread time",
         "recorded": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -129,6 +133,7 @@ def record(path: Path, rounds: int, batches: list[int], max_depth: int, drift_pa
         "relative_noise": noise,
         "drift": drift,
         "drift_steps": drift_steps,
+        "join_costs": joins,
     }
     path.write_text(json.dumps(trace))
     print(f"trace written to {path} (step-time noise {noise:.1%} per step, drift {drift:.1%} over "
@@ -192,6 +197,44 @@ def oracle_table(trace: Trace, batches: list[int], out: Path | None) -> None:
     table.write(out, "adaptive_oracles")
 
 
+JOIN_RUNNING = (0, 1, 4, 7)  # running requests beside a joining prompt (7: a full 8-slot serving engine)
+
+
+def record_joins(decoder, forced, pool, max_depth: int, rounds: int, steps: int = 6) -> list[list[float]]:
+    """What a joining prompt adds to a step: rows ``[running, levels, seconds per prompt token]``. Per shape, an
+    engine of ``running + 1`` slots runs ``running`` requests at ``levels`` draft tokens each, and every other step a
+    one-token request joins (its prompt rides in the step's forward, the drafter prefills it, it ends at once): the
+    median join step less the median step without one, over the prompts' mean length (whole steps' thread time,
+    as ``bench_serving.py`` counts them)."""
+    rows = []
+    for running in JOIN_RUNNING:
+        for levels in (0,) if running == 0 else sorted({0, (max_depth + 1) // 2, max_depth}):
+            plain, joined, tokens = [], [], []
+            for r in range(rounds):
+                forced.depths = [levels] * running
+                engine = decoder.engine(max_batch=running + 1, max_len=max(map(len, pool)) + 4 * steps * (levels + 1))
+                for b in range(running):
+                    engine.add_request(pool[(r + b) % len(pool)], max_new_tokens=3 * steps * (levels + 1),
+                                       eos_token_id=None)  # fmt: skip
+                for _ in range(3 if running else 0):  # the prefill and two untimed steps
+                    engine.step()
+                for k in range(steps):
+                    prompt = pool[(r * steps + k) % len(pool)]
+                    if running:
+                        start = time.thread_time()
+                        engine.step()
+                        plain.append(time.thread_time() - start)
+                    engine.add_request(prompt, max_new_tokens=1, eos_token_id=None)
+                    start = time.thread_time()
+                    engine.step()
+                    joined.append(time.thread_time() - start)
+                    tokens.append(len(prompt))
+            extra = statistics.median(joined) - (statistics.median(plain) if plain else 0.0)
+            rows.append([running, levels, extra / statistics.mean(tokens)])
+    print(f"join costs recorded for {len(rows)} shapes", flush=True)
+    return rows
+
+
 def step_residuals(runs: list[list[float]]) -> list[float]:
     """Runs of one shape's step times, in the order they ran, as one series of log times less the median log time
     of the same step of every run (the context grows through a run, and the runs repeat it)."""
@@ -224,11 +267,16 @@ def main() -> None:
                         "drift (0: none)")  # fmt: skip
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES), help="batch sizes recorded / replayed")
     parser.add_argument("--max-depth", type=int, default=MAX_DEPTH, help="the longest draft recorded")
+    parser.add_argument("--match-tokens", type=int, default=NEW_TOKENS, help="generated tokens per prompt whose "
+                        "acceptance is recorded (at least the replay's 48; bench_serving.py --replay needs its "
+                        "--max-tokens)")  # fmt: skip
     parser.add_argument("--out", type=Path, help="directory for the table (markdown and CSV)")
     parser.add_argument("--oracles", action="store_true", help="also the table of rules that read the trace")
     args = parser.parse_args()
     if args.record:
-        record(args.record, args.rounds, args.batches, args.max_depth, args.drift_passes)
+        if args.match_tokens < NEW_TOKENS:
+            parser.error(f"--match-tokens must be at least {NEW_TOKENS} (the replay's tokens per request)")
+        record(args.record, args.rounds, args.batches, args.max_depth, args.drift_passes, args.match_tokens)
     if not args.trace:
         return
     trace = Trace.load(args.trace)

@@ -12,7 +12,13 @@ time to first token (TTFT, from arrival) and time per output token after the fir
 requests; per load the median run of the rounds. Ratios against the best of plain and the fixed depths, and
 against slot admission, are the issue's targets.
 
+A live round moves by several percent either way on the same arrivals, more than the policies differ; ``--replay
+TRACE`` runs the same loop on a recorded trace instead (``serving_replay.py``: recorded step and join costs, the
+trace's acceptance, the controller's clock noisy as the machine's), ``--rounds`` workloads x ``--seeds`` clock
+seeds, each exact.
+
     python bench/bench_serving.py --out OUT                       # 4 loads, every policy, 3 rounds
+    python bench/bench_serving.py --replay TRACE --rounds 5 --out OUT    # the same on a trace (seconds, no timing)
     python bench/bench_serving.py --quick --out OUT               # a smoke run (tests/test_bench_serving.py)
 """
 
@@ -20,54 +26,19 @@ from __future__ import annotations
 
 import argparse
 import operator
-import random
-import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from common import Table, cpu_threads, positive_int
 from png_chart import line_chart
+from replay import Trace
 from serving_policies import Adaptive, CostTable, FixedDepth, SlotAdmission
+from serving_replay import replay_rounds, trace_costs
+from serving_workload import Served, Workload, p99_tpot, paired, served, summarise, workload
 
 from specdec.decoding import DraftModelStrategy, NgramStrategy, SpeculativeDecoder
 from specdec.testing import ASSETS, heldout_token_ids, load_pair
-
-
-@dataclass(frozen=True)
-class Workload:
-    """Request i arrives at ``arrivals[i]`` seconds with ``prompts[i]`` and asks for ``lengths[i]`` tokens."""
-
-    arrivals: list[float]
-    prompts: list[list[int]]
-    lengths: list[int]
-
-
-@dataclass(frozen=True)
-class Served:
-    """One run's figures: tokens per second, per request TTFT and TPOT in seconds, and the mean tokens a request
-    got per step (first tokens included)."""
-
-    throughput: float
-    ttft: list[float]
-    tpot: list[float]
-    tokens_per_step: float
-
-
-def workload(
-    pool: Sequence[Sequence[int]], requests: int, rate: float, lengths: tuple[int, int], seed: int
-) -> Workload:
-    """Poisson arrivals at ``rate`` requests per second (seeded), the prompt pool in turn from a seeded start, output
-    lengths uniform in ``lengths``."""
-    rng = random.Random(seed)
-    now, arrivals = 0.0, []
-    for _ in range(requests):
-        arrivals.append(now)
-        now += rng.expovariate(rate)
-    start = rng.randrange(len(pool))
-    prompts = [list(pool[(start + i) % len(pool)]) for i in range(requests)]
-    return Workload(arrivals, prompts, [rng.randint(*lengths) for _ in range(requests)])
 
 
 def serve(decoder: SpeculativeDecoder, work: Workload, slots: int, temperature: float) -> Served:
@@ -80,7 +51,7 @@ def serve(decoder: SpeculativeDecoder, work: Workload, slots: int, temperature: 
         if not engine.has_unfinished():
             clock = max(clock, work.arrivals[waiting])  # idle until the next arrival
         while waiting < n and work.arrivals[waiting] <= clock:
-            engine.add_request(work.prompts[waiting], request_id=waiting, max_new_tokens=work.lengths[waiting],
+            engine.add_request(list(work.prompts[waiting]), request_id=waiting, max_new_tokens=work.lengths[waiting],
                                temperature=temperature, seed=waiting, eos_token_id=None)  # fmt: skip
             waiting += 1
         start = time.thread_time()
@@ -93,9 +64,7 @@ def serve(decoder: SpeculativeDecoder, work: Workload, slots: int, temperature: 
             last[request] = clock
         if out.requests:
             per_step.append(sum(map(len, out.tokens)) / len(out.requests))
-    ttft = [first[i] - work.arrivals[i] for i in range(n)]
-    tpot = [(last[i] - first[i]) / (emitted[i] - 1) for i in range(n) if emitted[i] > 1]
-    return Served(sum(emitted) / (max(last.values()) - work.arrivals[0]), ttft, tpot, statistics.mean(per_step))
+    return served(work, first, last, emitted, per_step)
 
 
 def serve_rounds(policies, make_decoder, pool: Sequence[Sequence[int]], rate: float, rounds: int, requests: int,
@@ -110,38 +79,6 @@ def serve_rounds(policies, make_decoder, pool: Sequence[Sequence[int]], rate: fl
     return runs
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) by linear interpolation between the order statistics."""
-    ordered = sorted(values)
-    x = (len(ordered) - 1) * q / 100
-    i = int(x)
-    return ordered[i] if i + 1 >= len(ordered) else ordered[i] + (x - i) * (ordered[i + 1] - ordered[i])
-
-
-def summarise(runs: list[Served]) -> dict[str, float]:
-    """Per figure, the median over the rounds of each run's value (ms for times)."""
-
-    def median(f) -> float:
-        return statistics.median(f(run) for run in runs)
-
-    figures = dict(throughput=median(lambda r: r.throughput), tokens_per_step=median(lambda r: r.tokens_per_step))
-    for what in ("ttft", "tpot"):
-        for q in (50, 99):
-            figures[f"{what}_p{q}"] = median(lambda r, w=what, q=q: percentile(getattr(r, w), q)) * 1e3
-    return figures
-
-
-def paired(runs: list[Served], against: list[Served], figure) -> tuple[float, float, float]:
-    """(median, lowest, highest) over the rounds of ``figure(run) / figure(other run)``: each round's two runs served
-    the same arrivals, so the ratio leaves out how the rounds' workloads differ."""
-    ratios = sorted(figure(a) / figure(b) for a, b in zip(runs, against))
-    return statistics.median(ratios), ratios[0], ratios[-1]
-
-
-def p99_tpot(run: Served) -> float:
-    return percentile(run.tpot, 99)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--loads", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0],
@@ -154,12 +91,34 @@ def main() -> None:
     parser.add_argument("--rounds", type=positive_int, default=3, help="rounds (each runs every policy once)")
     parser.add_argument("--strategy", choices=["chain", "ngram"], default="chain", help="draft chain or n-gram")
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--replay", type=Path, help="replay the policies on this recorded trace instead of running "
+                        "them (serving_replay.py; a draft chain, greedy)")  # fmt: skip
+    parser.add_argument("--seeds", type=positive_int, default=10, help="with --replay: noise seeds of the "
+                        "controller's clock per round")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 loads, 8 requests, depths 0-2, 1 round")
     parser.add_argument("--out", type=Path, help="directory for the tables and charts")
     args = parser.parse_args()
     if args.quick:
         args.loads, args.requests, args.slots, args.max_depth, args.rounds = [0.5, 2.0], 8, 4, 2, 1
         args.min_tokens, args.max_tokens = 8, 24
+    if args.replay is not None and (args.strategy != "chain" or args.temperature != 0):
+        parser.error("--replay replays a greedy draft chain: leave --strategy and --temperature at their defaults")
+    batches = sorted({1, *(2**k for k in range(1, args.slots.bit_length()) if 2**k < args.slots), args.slots})
+    mean_tokens = (args.min_tokens + args.max_tokens) / 2
+    lengths = (args.min_tokens, args.max_tokens)
+    by_load: dict[float, dict[str, list[Served]]] = {}
+    if args.replay is not None:
+        trace = Trace.load(args.replay)
+        costs = trace_costs(trace, batches, args.max_depth)
+        capacity = args.slots / (costs.seconds[-1][0] * mean_tokens)
+        top = args.max_depth
+        policies = [FixedDepth(d) for d in range(top + 1)] + [Adaptive(), SlotAdmission(costs, top)]
+        for load in args.loads:
+            by_load[load] = replay_rounds(trace, policies, load * capacity, args.rounds, args.seeds, args.requests,
+                                          lengths, args.slots, args.max_depth)  # fmt: skip
+        how = f"replayed on {args.replay.name}, {args.rounds} rounds x {args.seeds} clock seeds"
+        report(args, by_load, costs, capacity, how)
+        return
     cpu_threads("cpu")
     target, draft, tokenizer = load_pair("cpu", assets=ASSETS)
     pool = heldout_token_ids(tokenizer)
@@ -169,35 +128,32 @@ def main() -> None:
         strategy = DraftModelStrategy(draft, (1,) * top) if args.strategy == "chain" else NgramStrategy(num_draft=top)
         return SpeculativeDecoder(target, strategy, adaptive=controller)
 
-    batches = sorted({1, *(2**k for k in range(1, args.slots.bit_length()) if 2**k < args.slots), args.slots})
     started = time.thread_time()
     costs = CostTable.profile(make_decoder, pool, batches, top)
     profile_s = time.thread_time() - started
-    mean_tokens = (args.min_tokens + args.max_tokens) / 2
     capacity = args.slots / (costs.seconds[-1][0] * mean_tokens)  # requests per second plain decoding can serve
     policies = [FixedDepth(d) for d in range(top + 1)] + [Adaptive(), SlotAdmission(costs, top)]
     # A short run per policy first, untimed: one-off costs (weight packs, the first allocations) go there.
     warm = workload(pool, max(2, args.slots), capacity, (args.min_tokens, args.min_tokens), seed=0)
     for policy in policies:
         serve(make_decoder(policy.controller()), warm, args.slots, args.temperature)
-    by_load: dict[float, dict[str, list[Served]]] = {}
     for load in args.loads:
         by_load[load] = serve_rounds(policies, make_decoder, pool, load * capacity, args.rounds, args.requests,
-                                     (args.min_tokens, args.max_tokens), args.slots, args.temperature)  # fmt: skip
-    report(args, by_load, costs, capacity, profile_s)
+                                     lengths, args.slots, args.temperature)  # fmt: skip
+    report(args, by_load, costs, capacity, f"{args.rounds} rounds, cost table timed in {profile_s:.1f} s")
 
 
 def report(args, by_load: dict[float, dict[str, list[Served]]], costs: CostTable, capacity: float,
-           profile_s: float) -> None:  # fmt: skip
-    """The per-policy table, the targets table (ratios paired round by round), the charts."""
+           how: str) -> None:  # fmt: skip
+    """The per-policy table, the targets table (ratios paired round by round), the charts; ``how``: the runs'
+    count and source."""
     figures = {load: {name: summarise(served) for name, served in runs.items()} for load, runs in by_load.items()}
     names = list(next(iter(by_load.values())))
     fixed = [n for n in names if n == "plain" or n.startswith("K=")]
     what = "draft chain" if args.strategy == "chain" else "n-gram"
     setting = (f"embedded pair, {what} up to {args.max_depth}, cpu, one thread, T={args.temperature:g}, {args.slots} "
-               f"slots, {args.requests} requests of {args.min_tokens}-{args.max_tokens} tokens, {args.rounds} rounds "
-               f"(median); load 1 = {capacity:.2f} requests/s, plain decoding's capacity at full batch; cost table "
-               f"timed in {profile_s:.1f} s")  # fmt: skip
+               f"slots, {args.requests} requests of {args.min_tokens}-{args.max_tokens} tokens, {how} (median); load 1 "
+               f"= {capacity:.2f} requests/s, plain decoding's capacity at full batch")  # fmt: skip
     table = Table(
         f"Serving: Poisson arrivals, slots refilled ({setting})",
         ["load", "policy", "tok/s", "/ best fixed", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms",

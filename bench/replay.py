@@ -43,7 +43,9 @@ class Trace:
     ``levels`` tokens or the first ``drafting requests`` of them and the rest none; ``relative_noise``: one
     step's time's independent relative noise; ``drift`` and ``drift_steps``: the machine's speed drift (its log's
     standard deviation, and the steps over which its correlation falls by e), both as ``fit_drift`` measures them
-    (no drift when the trace does not say)."""
+    (no drift when the trace does not say); ``join_costs``: rows ``[running, levels, seconds per prompt token]``,
+    what a joining prompt adds to a step of ``running`` requests drafting ``levels`` tokens (traces recorded before
+    the serving replay have none)."""
 
     machine: str
     new_tokens: int
@@ -54,6 +56,7 @@ class Trace:
     relative_noise: float = DEFAULT_NOISE
     drift: float = 0.0
     drift_steps: float = 1.0
+    join_costs: list[list[float]] | None = None
 
     @classmethod
     def load(cls, path: str | Path) -> Trace:
@@ -80,6 +83,14 @@ class Trace:
         return (1 - w) * self._at(low, levels, extra_rows * low / running) + w * self._at(
             high, levels, extra_rows * high / running
         )
+
+    def join_seconds(self, running: int, levels: int, tokens: int) -> float:
+        """What joining prompts of ``tokens`` tokens in all add to a step of ``running`` requests drafting up to
+        ``levels`` tokens: the price per token of the recorded shape nearest in running requests, then in levels."""
+        if not self.join_costs:
+            raise ValueError("this trace has no join costs: record it again (bench_adaptive_replay.py --record)")
+        _, _, price = min(self.join_costs, key=lambda row: (abs(row[0] - running), abs(row[1] - levels)))
+        return price * tokens
 
     def _at(self, batch: int, levels: int, extra_rows: float) -> float:
         uniform = self._table[batch, levels, batch]

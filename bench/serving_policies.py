@@ -1,6 +1,7 @@
 """Draft-depth policies for ``bench_serving.py``, each behind one interface: a fresh controller per run.
 
-A policy's ``controller()`` is what ``SpeculativeDecoder(adaptive=...)`` takes (an ``AdaptiveSpeculation``):
+A policy's ``controller(clock)`` is what ``SpeculativeDecoder(adaptive=...)`` takes (an ``AdaptiveSpeculation``
+reading ``clock``: per-thread CPU time live, a simulated clock in the replay, ``serving_replay.py``):
 the engine asks it for every running request's depth before each step (``choose``), tells it when new requests
 take slots (``forget``) and what each step cost and accepted (``observe``). The policies:
 
@@ -40,10 +41,8 @@ class FixedDepth:
         self.depth = depth
         self.name = "plain" if depth == 0 else f"K={depth}"
 
-    def controller(self) -> AdaptiveSpeculation:
-        return AdaptiveSpeculation(
-            clock=time.thread_time, forced=lambda step, running, limits: [self.depth] * len(running)
-        )
+    def controller(self, clock=time.thread_time) -> AdaptiveSpeculation:
+        return AdaptiveSpeculation(clock=clock, forced=lambda step, running, limits: [self.depth] * len(running))
 
 
 class Adaptive:
@@ -51,8 +50,8 @@ class Adaptive:
 
     name = "adaptive"
 
-    def controller(self) -> AdaptiveSpeculation:
-        return AdaptiveSpeculation(clock=time.thread_time)
+    def controller(self, clock=time.thread_time) -> AdaptiveSpeculation:
+        return AdaptiveSpeculation(clock=clock)
 
 
 @dataclass(frozen=True)
@@ -139,16 +138,16 @@ class SlotAdmission:
     def __init__(self, costs: CostTable, max_depth: int):
         self.costs, self.max_depth = costs, max_depth
 
-    def controller(self) -> AdaptiveSpeculation:
-        return _SlotAdmissionController(self.costs, self.max_depth)
+    def controller(self, clock=time.thread_time) -> AdaptiveSpeculation:
+        return _SlotAdmissionController(self.costs, self.max_depth, clock)
 
 
 class _SlotAdmissionController(AdaptiveSpeculation):
     """The engine's controller interface around ``admit``: depths through ``forced``, acceptance from ``on_step``,
     and a slot's confidences dropped when a new request takes it (``forget``)."""
 
-    def __init__(self, costs: CostTable, max_depth: int):
-        super().__init__(clock=time.thread_time, forced=self._depths, on_step=self._observe)
+    def __init__(self, costs: CostTable, max_depth: int, clock):
+        super().__init__(clock=clock, forced=self._depths, on_step=self._observe)
         self.costs, self.top = costs, max_depth
         self.pooled = [PRIOR] * max_depth
         self.confidence: dict[int, list[float]] = {}

@@ -211,16 +211,20 @@ def test_a_controller_that_always_drafts_its_longest_fails_the_bound():
 
 def test_the_benchmark_records_a_trace_and_replays_it(tmp_path):
     """``bench/bench_adaptive_replay.py`` on the embedded pair, batches 1 and 2, depth 2, one round: a trace whose
-    matches are the draft's accepted tokens (within the depth) and whose costs cover every recorded shape, then
-    the replay's table (with a switch penalty, named in its title)."""
+    matches are the draft's accepted tokens (within the depth) over ``--match-tokens``, whose costs cover every
+    recorded shape and whose join costs every joining shape, then the replay's table (with a switch penalty, named
+    in its title)."""
     trace_path = tmp_path / "trace.json"
     args = ["--record", str(trace_path), "--trace", str(trace_path), "--batches", "1", "2", "--max-depth", "2",
             "--rounds", "1", "--drift-passes", "12", "--seeds", "2", "--out", str(tmp_path), "--oracles",
-            "--switch-penalty", "0.3", "0.1"]  # fmt: skip
+            "--switch-penalty", "0.3", "0.1", "--match-tokens", "56"]  # fmt: skip
     done = run_bench("bench_adaptive_replay.py", *args, cpu_path=True)
     assert done.returncode == 0, done.stderr
     data = json.loads(trace_path.read_text())
-    assert all(len(row) == data["new_tokens"] and set(row) <= {0, 1, 2} for row in data["matches"])
+    assert data["new_tokens"] == 48 and all(len(row) == 56 and set(row) <= {0, 1, 2} for row in data["matches"])
+    joins = {(running, levels): price for running, levels, price in data["join_costs"]}
+    assert set(joins) == {(0, 0)} | {(running, levels) for running in (1, 4, 7) for levels in (0, 1, 2)}
+    assert all(0 < price < 0.01 for price in joins.values()), "seconds per prompt token"
     assert {(b, d, h) for b, d, h, _ in data["costs"]} == {(1, 0, 1), (1, 1, 1), (1, 2, 1), (2, 0, 2), (2, 1, 2),
                                                             (2, 1, 1), (2, 2, 2), (2, 2, 1)}  # fmt: skip
     assert all(seconds > 0 for *_, seconds in data["costs"])

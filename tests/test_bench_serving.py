@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from bench_serving import percentile, workload
 from helpers import run_bench, table_rows
 from serving_policies import CostTable, admit
+from serving_workload import percentile, workload
 
 
 def test_admission_takes_the_best_slots_of_the_whole_batch_while_they_pay():

@@ -1,0 +1,113 @@
+"""The serving benchmark replayed on a recorded trace: the depth policies judged on exact costs (issue 36).
+
+Live serving runs (``bench_serving.py``) move by 5-30% from round to round on the same arrivals, far more than the
+policies differ. Greedy decoding with a draft chain depends on two things no policy changes: which draft tokens
+the target accepts at each position of each prompt's text, and what each step shape costs. A ``Trace``
+(``replay.py``, recorded by ``bench_adaptive_replay.py --record --match-tokens N``) holds both, and what a joining
+prompt adds to a step. ``replay_serving`` runs the engine's serving loop on it: requests arrive at the workload's
+seeded times in recorded seconds, take the lowest free slots and get their first token in the step they join (their
+prompt's cost added to it, the step untimed for the controller, as the engine does), running requests draft the
+depths the policy's controller chooses, and each step costs its shape's recorded time. The controller reads a clock
+that adds the machine's noise and drift to those times (``_NoisyClock``); the run is charged the recorded times
+themselves, so a fixed depth's run is exact and an adaptive one's differs only by the noise it was shown.
+
+Not replayed: a drafter's catch-up after plain steps (no shape in the trace prices it; it falls on the adaptive
+controller only, and on the live runs), pausing in a bounded pool, and sampling (the text is the greedy one).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from replay import Trace, _NoisyClock
+from serving_policies import CostTable
+from serving_workload import Served, Workload, served, workload
+
+from specdec.decoding.adaptive import AdaptiveSpeculation
+
+
+def trace_costs(trace: Trace, batches: Sequence[int], max_depth: int) -> CostTable:
+    """The slot admission's start-up cost table (``CostTable.profile``'s batch sizes and depths 0 .. ``max_depth``)
+    read from the trace's recorded shapes instead of timed."""
+    seconds = tuple(tuple(trace.step_seconds(b, d, b * d) for d in range(max_depth + 1)) for b in batches)
+    return CostTable(tuple(batches), tuple(tuple(itertools.accumulate(row, max)) for row in seconds))
+
+
+def replay_rounds(trace: Trace, policies, rate: float, rounds: int, seeds: int, requests: int,
+                  lengths: tuple[int, int], slots: int, max_depth: int) -> dict[str, list[Served]]:  # fmt: skip
+    """``bench_serving.serve_rounds`` on the trace: per policy (by name), ``rounds`` x ``seeds`` runs, round r's
+    seeded arrivals at ``rate`` served once per clock seed (the trace's noise and drift), each with a fresh
+    controller; a run of a policy that reads no clock is the same for every seed."""
+    runs: dict[str, list[Served]] = {p.name: [] for p in policies}
+    for r in range(rounds):
+        work = workload(range(len(trace.matches)), requests, rate, lengths, seed=1000 + r)
+        for policy in policies:
+            for s in range(seeds):
+                clock = _NoisyClock(trace.relative_noise, 1000 * r + s, trace.drift, trace.drift_steps)
+                runs[policy.name].append(replay_serving(trace, work, slots, max_depth, policy.controller(clock), clock))
+    return runs
+
+
+def replay_serving(trace: Trace, work: Workload[int], slots: int, max_depth: int, controller: AdaptiveSpeculation,
+                   clock: _NoisyClock | None = None) -> Served:  # fmt: skip
+    """``work`` (prompts: indices into the trace's prompts) served by an engine of ``slots`` slots whose depths
+    ``controller`` chooses (bound here to a chain of ``max_depth``); ``clock``: the controller's, advanced by
+    each step's recorded cost (None when the controller reads no clock). Times in recorded seconds."""
+    if not 1 <= max_depth <= trace.max_depth:
+        raise ValueError(f"max_depth must be in 1 .. the trace's {trace.max_depth}, got {max_depth}")
+    longest = min(map(len, trace.matches))
+    if max(work.lengths) > longest:
+        raise ValueError(f"the trace records acceptance over {longest} tokens per prompt, the workload asks up to "
+                         f"{max(work.lengths)}: record it with --match-tokens {max(work.lengths)}")  # fmt: skip
+    controller.bind(max_depth, max_depth + 1)
+    controller.start()
+    n, now, waiting = len(work.arrivals), 0.0, 0
+    held: dict[int, list[int]] = {}  # slot -> [request, tokens it got]
+    first, last, emitted, per_step = {}, {}, [0] * n, []
+    while waiting < n or held:
+        if not held:
+            now = max(now, work.arrivals[waiting])  # idle until the next arrival
+        joining = []
+        for slot in range(slots):
+            if waiting < n and work.arrivals[waiting] <= now and slot not in held:
+                joining.append((slot, waiting))
+                waiting += 1
+        running = sorted(held)
+        if joining:
+            controller.forget([slot for slot, _ in joining])
+        depths, accepted, contexts, cost = [], [], [], 0.0
+        if running:
+            requests = [held[b] for b in running]
+            limits = [work.lengths[r] - got - 1 for r, got in requests]
+            contexts = [trace.prompt_lengths[work.prompts[r]] + got - 1 for r, got in requests]
+            depths = controller.choose(running, limits, contexts)
+            controller.restart_clock()
+            accepted = [min(d, trace.matches[work.prompts[r]][got]) for (r, got), d in zip(requests, depths)]
+            cost = trace.step_seconds(len(running), max(depths), sum(depths))
+        if joining:
+            tokens = sum(trace.prompt_lengths[work.prompts[r]] for _, r in joining)
+            cost += trace.join_seconds(len(running), max(depths, default=0), tokens)
+        now += cost
+        if clock is not None:
+            clock.advance(cost)
+        got_now = []
+        for b, a in zip(running, accepted):
+            held[b][1] += a + 1
+            got_now.append(a + 1)
+        for slot, r in joining:
+            held[slot] = [r, 1]
+            first[r] = now
+            got_now.append(1)
+        for slot in running + [slot for slot, _ in joining]:
+            r, got = held[slot]
+            emitted[r] = got
+            if got >= work.lengths[r]:
+                last[r] = now
+                del held[slot]
+        per_step.append(sum(got_now) / len(got_now))
+        if running:
+            if joining:
+                controller.untimed()
+            controller.observe(running, [d + 1 for d in depths], depths, accepted, contexts)
+    return served(work, first, last, emitted, per_step)
