@@ -7,12 +7,12 @@ in one process, on the same work:
 * ``--replay TRACE``: the recorded-trace replay of the static batch sweep (``bench/replay.py``), every variant on
   the same noise seeds, under the trace's own noise, and again with 2% stalled steps and the measured cost of
   switching between plain and drafting steps; ratios are the best fixed depth's seconds over the variant's.
-* ``--serving``: the serving benchmark's Poisson arrivals into the step engine (``bench_serving.py``), every
-  variant and every fixed depth on the same arrivals each round, in rotated order; ratios are paired per round.
+* ``--serving TRACE``: the serving benchmark's Poisson arrivals replayed on a trace (``bench_serving.py --replay``),
+  every variant and every fixed depth on the same workloads and clock seeds; ratios are paired per run.
 * ``--tests``: the controller's tests once per variant (this module as a pytest plugin), and which fail.
 
     python bench/ablate_adaptive.py --replay bench/traces/embedded_pair_cpu_dbf04f7.json --seeds 20
-    python bench/ablate_adaptive.py --serving --rounds 5
+    python bench/ablate_adaptive.py --serving bench/traces/embedded_pair_cpu_c6cab18.json --seeds 10
     python bench/ablate_adaptive.py --tests
 """
 
@@ -22,7 +22,6 @@ import argparse
 import contextlib
 import math
 import statistics
-import time
 from pathlib import Path
 
 from common import Table
@@ -176,69 +175,55 @@ def replay_ablation(trace_path: Path, variants: list[str], batches: list[int], s
         table.write(out, f"ablation_replay_{'stalls' if stalls else 'plain'}")
 
 
-def serving_ablation(variants: list[str], loads: list[float], rounds: int, max_depth: int, strategy: str,
-                     temperature: float, out: Path | None) -> None:  # fmt: skip
-    from bench_serving import serve, serve_rounds
-    from common import cpu_threads
-    from serving_policies import CostTable, FixedDepth
-    from serving_workload import paired, workload
+def serving_ablation(trace_path: Path, variants: list[str], loads: list[float], rounds: int, seeds: int,
+                     max_depth: int, out: Path | None) -> None:  # fmt: skip
+    """Every variant and every fixed depth on the serving benchmark's replay (``bench_serving.py --replay``): 8 slots,
+    48 requests of 16-96 tokens, ``rounds`` workloads x ``seeds`` clock seeds per load."""
+    from replay import Trace
+    from serving_policies import FixedDepth
+    from serving_replay import replay_rounds, trace_costs
 
-    from specdec.decoding import DraftModelStrategy, NgramStrategy, SpeculativeDecoder
-    from specdec.testing import ASSETS, heldout_token_ids, load_pair
-
-    cpu_threads("cpu")
-    target, draft, tokenizer = load_pair("cpu", assets=ASSETS)
-    pool = heldout_token_ids(tokenizer)
+    trace = Trace.load(trace_path)
     slots, lengths, requests = 8, (16, 96), 48
-
-    def make_decoder(controller) -> SpeculativeDecoder:
-        drafter = (
-            DraftModelStrategy(draft, (1,) * max_depth) if strategy == "chain" else NgramStrategy(num_draft=max_depth)
-        )
-        return SpeculativeDecoder(target, drafter, adaptive=controller)
-
-    costs = CostTable.profile(make_decoder, pool, [slots], max_depth)
-    capacity = slots / (costs.seconds[-1][0] * sum(lengths) / 2)
+    capacity = slots / (trace_costs(trace, [slots], max_depth).seconds[0][0] * sum(lengths) / 2)
 
     class Variant:
         def __init__(self, name):
             self.name = name
 
-        def controller(self):
-            return Ablated(self.name, clock=time.thread_time)
+        def controller(self, clock):
+            return Ablated(self.name, clock=clock)
 
     fixed = [FixedDepth(d) for d in range(max_depth + 1)]
-    policies = fixed + [Variant(n) for n in variants]
-    warm = workload(pool, slots, capacity, (16, 16), seed=0)
-    for policy in policies:
-        serve(make_decoder(policy.controller()), warm, slots, temperature)
     table = Table(
-        f"Controller ablation, serving (embedded pair, {strategy} up to {max_depth}, {slots} slots, {requests} "
-        f"requests of {lengths[0]}-{lengths[1]} tokens, T={temperature:g}, {rounds} rounds): per load, throughput over "
-        f"the best fixed depth's and over the full controller's, medians of per-round ratios (lowest-highest)",
-        ["variant", *(f"load {g:g}: / best fixed" for g in loads), *(f"load {g:g}: / full" for g in loads)],
+        f"Controller ablation, serving replayed on {trace_path.name} ({slots} slots, {requests} requests of "
+        f"{lengths[0]}-{lengths[1]} tokens, draft chain up to {max_depth}, {rounds} workloads x {seeds} clock seeds): "
+        f"per load, the mean of throughput over the best fixed depth's, and the mean of the variant's over the full "
+        f"controller's less 1, paired by run, +- standard error",
+        ["variant", *(f"load {g:g}: / best fixed" for g in loads), *(f"load {g:g}: against full" for g in loads)],
     )
     cells = {}
     for load in loads:
-        rate = load * capacity
-        runs = serve_rounds(policies, make_decoder, pool, rate, rounds, requests, lengths, slots, temperature)
-        print(f"load {load:g}: {rounds} rounds served", flush=True)
-        throughput = lambda run: run.throughput  # noqa: E731
-        best = max((p.name for p in fixed), key=lambda n: statistics.median(map(throughput, runs[n])))
+        runs = replay_rounds(trace, fixed + [Variant(n) for n in variants], load * capacity, rounds, seeds, requests,
+                             lengths, slots, max_depth)  # fmt: skip
+        best = max((p.name for p in fixed), key=lambda n: statistics.mean(r.throughput for r in runs[n]))
         for name in variants:
-            cells[name, load, "best"] = paired(runs[name], runs[best], throughput)
-            cells[name, load, "full"] = paired(runs[name], runs["full"], throughput)
+            mine = [r.throughput for r in runs[name]]
+            diffs = [a / b - 1 for a, b in zip(mine, (r.throughput for r in runs["full"]))]
+            error = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else 0.0
+            cells[name, load] = (statistics.mean(a / b.throughput for a, b in zip(mine, runs[best])),
+                                 f"{statistics.mean(diffs):+.4f} +- {error:.4f}")  # fmt: skip
+        print(f"load {load:g} replayed", flush=True)
     for name in variants:
-        text = [f"{m:.3f} ({lo:.2f}-{hi:.2f})" for m, lo, hi in
-                [cells[name, g, "best"] for g in loads] + [cells[name, g, "full"] for g in loads]]  # fmt: skip
-        table.add(name, *text)
-    table.write(out, f"ablation_serving_{strategy}")
+        table.add(name, *(f"{cells[name, g][0]:.3f}" for g in loads), *(cells[name, g][1] for g in loads))
+    table.write(out, "ablation_serving")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replay", type=Path, help="replay the variants on this trace")
-    parser.add_argument("--serving", action="store_true", help="serve Poisson arrivals with every variant")
+    parser.add_argument("--serving", type=Path, metavar="TRACE", help="the serving benchmark's Poisson arrivals, "
+                        "replayed on this trace (recorded with --match-tokens 96), with every variant")  # fmt: skip
     parser.add_argument("--tests", nargs="*", help="run these tests (default: the controller's) with every variant")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
@@ -246,8 +231,6 @@ def main() -> None:
     parser.add_argument("--loads", type=float, nargs="+", default=[0.5, 1.0, 2.0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-depth", type=int, default=4)
-    parser.add_argument("--strategy", choices=["chain", "ngram"], default="chain")
-    parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     variants = ["full", *(v for v in args.variants if v != "full")]
@@ -256,7 +239,7 @@ def main() -> None:
     if args.tests is not None:
         tests_ablation(variants, args.tests or ["tests/test_adaptive.py", "tests/test_adaptive_replay.py"])
     if args.serving:
-        serving_ablation(variants, args.loads, args.rounds, args.max_depth, args.strategy, args.temperature, args.out)
+        serving_ablation(args.serving, variants, args.loads, args.rounds, args.seeds, args.max_depth, args.out)
 
 
 if __name__ == "__main__":

@@ -71,6 +71,18 @@ def test_the_replay_table_has_a_row_per_variant(tmp_path):
             assert len(table_rows(path, name)) == 1, (condition, name)
 
 
+def test_the_serving_replay_table_has_a_row_per_variant_and_the_whole_controller_is_its_own_reference(tmp_path):
+    serving_trace = Path(__file__).resolve().parents[1] / "bench" / "traces" / "embedded_pair_cpu_c6cab18.json"
+    run = run_bench("ablate_adaptive.py", "--serving", str(serving_trace), "--seeds", "1", "--rounds", "1", "--loads",
+                    "2", "--variants", "no shape means", "--out", str(tmp_path))  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    path = tmp_path / "ablation_serving.md"
+    (full,) = table_rows(path, "full")
+    (ablated,) = table_rows(path, "no shape means")
+    assert full[2] == "+0.0000 +- 0.0000" and 0.9 < float(full[1]) < 1.1
+    assert ablated[2] != full[2]
+
+
 def test_the_controller_time_benchmark_times_the_controllers_calls(tmp_path):
     """``bench/bench_controller_time.py``: a row per batch size, the controller's time a positive share of a step."""
     run = run_bench("bench_controller_time.py", "--batches", "2", "--tokens", "6", "--rounds", "1", "--out",
