@@ -12,7 +12,7 @@ in one process, on the same work:
 * ``--tests``: the controller's tests once per variant (this module as a pytest plugin), and which fail.
 
     python bench/ablate_adaptive.py --replay bench/traces/embedded_pair_cpu_dbf04f7.json --seeds 20
-    python bench/ablate_adaptive.py --serving bench/traces/embedded_pair_cpu_c6cab18.json --seeds 10
+    python bench/ablate_adaptive.py --serving bench/traces/embedded_pair_cpu_3e22767.json --seeds 10
     python bench/ablate_adaptive.py --tests
 """
 

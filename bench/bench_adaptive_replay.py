@@ -122,6 +122,7 @@ def record(path: Path, rounds: int, batches: list[int], max_depth: int, drift_pa
         noise, drift, drift_steps = fit_drift(step_residuals(runs))
         print(f"drift measured over {sum(map(len, runs))} steps of batch {batch}, depth {forced.depths[0]}", flush=True)
     joins = record_joins(decoder, forced, pool, max_depth, rounds)
+    catch_up = record_catch_up(target, draft, pool, rounds)
     trace = {
         "machine": "embedded pair, CPU, one intra-op thread, fp32, thread time",
         "recorded": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -134,6 +135,7 @@ def record(path: Path, rounds: int, batches: list[int], max_depth: int, drift_pa
         "drift": drift,
         "drift_steps": drift_steps,
         "join_costs": joins,
+        "catch_up_price": catch_up,
     }
     path.write_text(json.dumps(trace))
     print(f"trace written to {path} (step-time noise {noise:.1%} per step, drift {drift:.1%} over "
@@ -233,6 +235,36 @@ def record_joins(decoder, forced, pool, max_depth: int, rounds: int, steps: int 
             rows.append([running, levels, extra / statistics.mean(tokens)])
     print(f"join costs recorded for {len(rows)} shapes", flush=True)
     return rows
+
+
+def record_catch_up(target, draft, pool, rounds: int) -> float:
+    """Seconds per token of the draft chain's catch-up: ``prepare`` feeding the drafter what its cache missed (a joined
+    request's prompt, which waits for the request's first step that drafts, or a run of plain steps) as a forward of
+    its own, outside the step's timing. The median over every prompt joining an engine alone, ``rounds`` times, of
+    ``prepare``'s thread time over the tokens it owed."""
+    from specdec.decoding import AdaptiveSpeculation, DraftModelStrategy, SpeculativeDecoder
+
+    strategy = DraftModelStrategy(draft, (1,))
+    own, prices = strategy.prepare, []
+
+    def timed(step):
+        owed = strategy.owed_tokens(step.running, [len(h) - 1 for h in step.histories])
+        start = time.thread_time()
+        own(step)
+        if owed:
+            prices.append((time.thread_time() - start) / owed)
+
+    strategy.prepare = timed
+    forced = AdaptiveSpeculation(forced=lambda step, running, limits: [1] * len(running))
+    decoder = SpeculativeDecoder(target, strategy, adaptive=forced)
+    for _ in range(rounds):
+        for prompt in pool:
+            engine = decoder.engine(max_batch=1, max_len=len(prompt) + 8)
+            engine.add_request(prompt, max_new_tokens=4, eos_token_id=None)
+            while engine.has_unfinished():
+                engine.step()
+    print(f"catch-up timed over {len(prices)} prompts", flush=True)
+    return statistics.median(prices)
 
 
 def step_residuals(runs: list[list[float]]) -> list[float]:

@@ -45,7 +45,8 @@ class Trace:
     standard deviation, and the steps over which its correlation falls by e), both as ``fit_drift`` measures them
     (no drift when the trace does not say); ``join_costs``: rows ``[running, levels, seconds per prompt token]``,
     what a joining prompt adds to a step of ``running`` requests drafting ``levels`` tokens (traces recorded before
-    the serving replay have none)."""
+    the serving replay have none); ``catch_up_price``: seconds per token the drafter feeds in a forward of its own when
+    it owes more than a few (a joined request's prompt, a run of plain steps; none in traces recorded before)."""
 
     machine: str
     new_tokens: int
@@ -57,6 +58,7 @@ class Trace:
     drift: float = 0.0
     drift_steps: float = 1.0
     join_costs: list[list[float]] | None = None
+    catch_up_price: float | None = None
 
     @classmethod
     def load(cls, path: str | Path) -> Trace:

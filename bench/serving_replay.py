@@ -11,8 +11,10 @@ depths the policy's controller chooses, and each step costs its shape's recorded
 that adds the machine's noise and drift to those times (``_NoisyClock``); the run is charged the recorded times
 themselves, so a fixed depth's run is exact and an adaptive one's differs only by the noise it was shown.
 
-Not replayed: a drafter's catch-up after plain steps (no shape in the trace prices it; it falls on the adaptive
-controller only, and on the live runs), pausing in a bounded pool, and sampling (the text is the greedy one).
+The drafter's catch-up is replayed where the trace prices it (``catch_up_price``): a joined request's prompt fed to
+the draft at its first step that drafts, and a run of plain steps fed when drafting resumes, both before the step as
+the strategy's ``prepare`` runs them (the adaptive controller prices them through the ``owed_tokens`` hook, as live).
+Not replayed: pausing in a bounded pool, and sampling (the text is the greedy one).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from serving_policies import CostTable
 from serving_workload import Served, Workload, served, workload
 
 from specdec.decoding.adaptive import AdaptiveSpeculation
+from specdec.decoding.draft_cache import FOLD_MISSING
 
 
 def trace_costs(trace: Trace, batches: Sequence[int], max_depth: int) -> CostTable:
@@ -49,6 +52,33 @@ def replay_rounds(trace: Trace, policies, rate: float, rounds: int, seeds: int, 
     return runs
 
 
+class _DrafterGaps:
+    """What the draft chain's cache lacks per slot, as ``specdec.decoding.draft_cache`` counts it: a joined request's
+    prompt but its last token, fed at the request's first step that drafts; a token more for every step that drafts
+    nothing. A step that drafts feeds every running request's gap: in a forward of its own before the step (the
+    catch-up the trace prices) when one exceeds ``FOLD_MISSING``, else as rows of its first draft forward (in the
+    step's recorded cost)."""
+
+    def __init__(self):
+        self.missing: dict[int, int] = {}
+
+    def join(self, slot: int, prompt_length: int) -> None:
+        self.missing[slot] = prompt_length - 1
+
+    def owed(self, running: Sequence[int], contexts: Sequence[int] = ()) -> int:
+        """Tokens a step of ``running`` that drafts would feed in a forward of its own (the strategy's
+        ``owed_tokens`` hook, which the adaptive controller prices)."""
+        gaps = [self.missing[b] for b in running]
+        return sum(gaps) if max(gaps, default=0) > FOLD_MISSING else 0
+
+    def step(self, running: Sequence[int], drafts: bool) -> int:
+        """A step of ``running`` ran (``drafts``: some request drafted): the tokens its catch-up fed."""
+        owed = self.owed(running) if drafts else 0
+        for b in running:
+            self.missing[b] = 0 if drafts else self.missing[b] + 1
+        return owed
+
+
 def replay_serving(trace: Trace, work: Workload[int], slots: int, max_depth: int, controller: AdaptiveSpeculation,
                    clock: _NoisyClock | None = None) -> Served:  # fmt: skip
     """``work`` (prompts: indices into the trace's prompts) served by an engine of ``slots`` slots whose depths
@@ -60,7 +90,8 @@ def replay_serving(trace: Trace, work: Workload[int], slots: int, max_depth: int
     if max(work.lengths) > longest:
         raise ValueError(f"the trace records acceptance over {longest} tokens per prompt, the workload asks up to "
                          f"{max(work.lengths)}: record it with --match-tokens {max(work.lengths)}")  # fmt: skip
-    controller.bind(max_depth, max_depth + 1)
+    drafter = _DrafterGaps()
+    controller.bind(max_depth, max_depth + 1, None, drafter.owed if trace.catch_up_price else None)
     controller.start()
     n, now, waiting = len(work.arrivals), 0.0, 0
     held: dict[int, list[int]] = {}  # slot -> [request, tokens it got]
@@ -76,19 +107,24 @@ def replay_serving(trace: Trace, work: Workload[int], slots: int, max_depth: int
         running = sorted(held)
         if joining:
             controller.forget([slot for slot, _ in joining])
-        depths, accepted, contexts, cost = [], [], [], 0.0
+        depths, accepted, contexts, cost, catch_up = [], [], [], 0.0, 0.0
         if running:
             requests = [held[b] for b in running]
             limits = [work.lengths[r] - got - 1 for r, got in requests]
             contexts = [trace.prompt_lengths[work.prompts[r]] + got - 1 for r, got in requests]
             depths = controller.choose(running, limits, contexts)
+            catch_up = drafter.step(running, max(depths) > 0) * (trace.catch_up_price or 0.0)
+            if clock is not None and catch_up:  # the strategy's ``prepare``: before the step's clock restarts
+                clock.advance(catch_up)
             controller.restart_clock()
             accepted = [min(d, trace.matches[work.prompts[r]][got]) for (r, got), d in zip(requests, depths)]
             cost = trace.step_seconds(len(running), max(depths), sum(depths))
         if joining:
             tokens = sum(trace.prompt_lengths[work.prompts[r]] for _, r in joining)
             cost += trace.join_seconds(len(running), max(depths, default=0), tokens)
-        now += cost
+            for slot, r in joining:
+                drafter.join(slot, trace.prompt_lengths[work.prompts[r]])
+        now += catch_up + cost
         if clock is not None:
             clock.advance(cost)
         got_now = []

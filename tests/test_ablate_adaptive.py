@@ -72,7 +72,7 @@ def test_the_replay_table_has_a_row_per_variant(tmp_path):
 
 
 def test_the_serving_replay_table_has_a_row_per_variant_and_the_whole_controller_is_its_own_reference(tmp_path):
-    serving_trace = Path(__file__).resolve().parents[1] / "bench" / "traces" / "embedded_pair_cpu_c6cab18.json"
+    serving_trace = Path(__file__).resolve().parents[1] / "bench" / "traces" / "embedded_pair_cpu_3e22767.json"
     run = run_bench("ablate_adaptive.py", "--serving", str(serving_trace), "--seeds", "1", "--rounds", "1", "--loads",
                     "2", "--variants", "no shape means", "--out", str(tmp_path))  # fmt: skip
     assert run.returncode == 0, run.stderr

@@ -212,8 +212,8 @@ def test_a_controller_that_always_drafts_its_longest_fails_the_bound():
 def test_the_benchmark_records_a_trace_and_replays_it(tmp_path):
     """``bench/bench_adaptive_replay.py`` on the embedded pair, batches 1 and 2, depth 2, one round: a trace whose
     matches are the draft's accepted tokens (within the depth) over ``--match-tokens``, whose costs cover every
-    recorded shape and whose join costs every joining shape, then the replay's table (with a switch penalty, named
-    in its title)."""
+    recorded shape, whose join costs every joining shape and with the drafter's catch-up priced, then the replay's
+    table (with a switch penalty, named in its title)."""
     trace_path = tmp_path / "trace.json"
     args = ["--record", str(trace_path), "--trace", str(trace_path), "--batches", "1", "2", "--max-depth", "2",
             "--rounds", "1", "--drift-passes", "12", "--seeds", "2", "--out", str(tmp_path), "--oracles",
@@ -225,6 +225,7 @@ def test_the_benchmark_records_a_trace_and_replays_it(tmp_path):
     joins = {(running, levels): price for running, levels, price in data["join_costs"]}
     assert set(joins) == {(0, 0)} | {(running, levels) for running in (1, 4, 7) for levels in (0, 1, 2)}
     assert all(0 < price < 0.01 for price in joins.values()), "seconds per prompt token"
+    assert 0 < data["catch_up_price"] < 0.01, "seconds per token the drafter catches up"
     assert {(b, d, h) for b, d, h, _ in data["costs"]} == {(1, 0, 1), (1, 1, 1), (1, 2, 1), (2, 0, 2), (2, 1, 2),
                                                             (2, 1, 1), (2, 2, 2), (2, 2, 1)}  # fmt: skip
     assert all(seconds > 0 for *_, seconds in data["costs"])
