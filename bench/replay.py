@@ -133,7 +133,7 @@ class SwitchPenalty:
 STALL_SLOWER = (0.15, 0.40)  # how much longer a stalled step takes, drawn uniformly (spanning what live runs show)
 
 
-class _NoisyClock:
+class NoisyClock:
     """The controller's clock: advanced by each step's recorded cost times the machine's speed (a drift: its log an
     AR(1) process of stationary standard deviation ``drift`` and correlation ``exp(-1 / drift_steps)`` from one
     step to the next) times independent noise; a share ``stalls`` of the steps also stall (``STALL_SLOWER``: a page
@@ -159,7 +159,7 @@ class _NoisyClock:
 
 def fit_drift(residuals: list[float], max_lag: int = 100) -> tuple[float, float, float]:
     """``(noise, drift, drift_steps)`` of consecutive steps' log-time residuals (each step's log time less its
-    shape's and context's typical one): the model ``_NoisyClock`` draws from -- independent noise of standard
+    shape's and context's typical one): the model ``NoisyClock`` draws from -- independent noise of standard
     deviation ``noise`` plus a drift of standard deviation ``drift`` whose correlation from one step to the next
     is ``exp(-1 / drift_steps)`` -- fitted by least squares to the residuals' variogram at lags 1 .. ``max_lag``
     (half the mean squared difference of residuals that many steps apart: ``noise**2 + drift**2 * (1 - rho**lag)``).
@@ -248,7 +248,7 @@ def replay(
     _check(batch, switch)
     if not isinstance(stalls, (int, float)) or not 0.0 <= stalls <= 1.0:
         raise ValueError(f"stalls must be a share in [0, 1], got {stalls!r}")
-    clock = _NoisyClock(
+    clock = NoisyClock(
         trace.relative_noise if noise is None else noise, seed, trace.drift if drift is None else drift,
         trace.drift_steps if drift_steps is None else drift_steps, stalls,
     )  # fmt: skip

@@ -1,14 +1,14 @@
 """The serving benchmark replayed on a recorded trace: the depth policies judged on exact costs (issue 36).
 
-Live serving runs (``bench_serving.py``) move by 5-30% from round to round on the same arrivals, far more than the
-policies differ. Greedy decoding with a draft chain depends on two things no policy changes: which draft tokens
+Live serving runs (``bench_serving.py``) move by 10% or more from round to round on the same arrivals, more than
+the policies differ. Greedy decoding with a draft chain depends on two things no policy changes: which draft tokens
 the target accepts at each position of each prompt's text, and what each step shape costs. A ``Trace``
 (``replay.py``, recorded by ``bench_adaptive_replay.py --record --match-tokens N``) holds both, and what a joining
 prompt adds to a step. ``replay_serving`` runs the engine's serving loop on it: requests arrive at the workload's
 seeded times in recorded seconds, take the lowest free slots and get their first token in the step they join (their
 prompt's cost added to it, the step untimed for the controller, as the engine does), running requests draft the
 depths the policy's controller chooses, and each step costs its shape's recorded time. The controller reads a clock
-that adds the machine's noise and drift to those times (``_NoisyClock``); the run is charged the recorded times
+that adds the machine's noise and drift to those times (``NoisyClock``); the run is charged the recorded times
 themselves, so a fixed depth's run is exact and an adaptive one's differs only by the noise it was shown.
 
 The drafter's catch-up is replayed where the trace prices it (``catch_up_price``): a joined request's prompt fed to
@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from replay import Trace, _NoisyClock
+from replay import NoisyClock, Trace
 from serving_policies import CostTable
 from serving_workload import Served, Workload, served, workload
 
@@ -47,7 +47,7 @@ def replay_rounds(trace: Trace, policies, rate: float, rounds: int, seeds: int, 
         work = workload(range(len(trace.matches)), requests, rate, lengths, seed=1000 + r)
         for policy in policies:
             for s in range(seeds):
-                clock = _NoisyClock(trace.relative_noise, 1000 * r + s, trace.drift, trace.drift_steps)
+                clock = NoisyClock(trace.relative_noise, 1000 * r + s, trace.drift, trace.drift_steps)
                 runs[policy.name].append(replay_serving(trace, work, slots, max_depth, policy.controller(clock), clock))
     return runs
 
@@ -80,7 +80,7 @@ class _DrafterGaps:
 
 
 def replay_serving(trace: Trace, work: Workload[int], slots: int, max_depth: int, controller: AdaptiveSpeculation,
-                   clock: _NoisyClock | None = None) -> Served:  # fmt: skip
+                   clock: NoisyClock | None = None) -> Served:  # fmt: skip
     """``work`` (prompts: indices into the trace's prompts) served by an engine of ``slots`` slots whose depths
     ``controller`` chooses (bound here to a chain of ``max_depth``); ``clock``: the controller's, advanced by
     each step's recorded cost (None when the controller reads no clock). Times in recorded seconds."""

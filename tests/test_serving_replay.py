@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from helpers import run_bench, table_rows
-from replay import Trace, _NoisyClock
+from replay import NoisyClock, Trace
 from serving_policies import Adaptive, FixedDepth
 from serving_replay import replay_serving, trace_costs
 from serving_workload import Workload, workload
@@ -89,7 +89,7 @@ def test_a_fixed_depth_replay_is_the_same_whatever_the_clock_but_adaptive_reads_
     runs = {}
     for seed in (0, 1):
         for policy in (FixedDepth(2), Adaptive()):
-            clock = _NoisyClock(noisy.relative_noise, seed)
+            clock = NoisyClock(noisy.relative_noise, seed)
             runs[policy.name, seed] = replay_serving(noisy, work, 2, 2, policy.controller(clock), clock)
     assert runs["K=2", 0] == runs["K=2", 1]
     assert runs["adaptive", 0] != runs["adaptive", 1], "the controller's choices follow its noisy clock"
@@ -170,6 +170,6 @@ def test_the_controller_serves_within_four_percent_of_the_best_fixed_depth_on_th
     best = max(fixed)
     assert [f < 0.96 * best for f in fixed] == [True, True, False, True, True]
     for seed in range(4):
-        clock = _NoisyClock(trace.relative_noise, seed, trace.drift, trace.drift_steps)
+        clock = NoisyClock(trace.relative_noise, seed, trace.drift, trace.drift_steps)
         run = replay_serving(trace, work, 8, 4, Adaptive().controller(clock), clock)
         assert run.throughput >= 0.96 * best, f"seed {seed}: {run.throughput / best:.3f} of the best fixed depth"
