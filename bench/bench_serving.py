@@ -104,43 +104,41 @@ def main() -> None:
     if args.replay is not None and (args.strategy != "chain" or args.temperature != 0):
         parser.error("--replay replays a greedy draft chain: leave --strategy and --temperature at their defaults")
     batches = sorted({1, *(2**k for k in range(1, args.slots.bit_length()) if 2**k < args.slots), args.slots})
-    mean_tokens = (args.min_tokens + args.max_tokens) / 2
-    lengths = (args.min_tokens, args.max_tokens)
-    by_load: dict[float, dict[str, list[Served]]] = {}
+    lengths, top = (args.min_tokens, args.max_tokens), args.max_depth
     if args.replay is not None:
         trace = Trace.load(args.replay)
-        costs = trace_costs(trace, batches, args.max_depth)
-        capacity = args.slots / (costs.seconds[-1][0] * mean_tokens)
-        top = args.max_depth
-        policies = [FixedDepth(d) for d in range(top + 1)] + [Adaptive(), SlotAdmission(costs, top)]
+        costs = trace_costs(trace, batches, top)
+        how = f"replayed on {args.replay.name}, {args.rounds} rounds x {args.seeds} clock seeds"
+    else:
+        cpu_threads("cpu")
+        target, draft, tokenizer = load_pair("cpu", assets=ASSETS)
+        pool = heldout_token_ids(tokenizer)
+
+        def make_decoder(controller) -> SpeculativeDecoder:
+            chain = args.strategy == "chain"
+            strategy = DraftModelStrategy(draft, (1,) * top) if chain else NgramStrategy(num_draft=top)
+            return SpeculativeDecoder(target, strategy, adaptive=controller)
+
+        started = time.thread_time()
+        costs = CostTable.profile(make_decoder, pool, batches, top)
+        how = f"{args.rounds} rounds, cost table timed in {time.thread_time() - started:.1f} s"
+    # requests per second plain decoding can serve at full batch
+    capacity = args.slots / (costs.seconds[-1][0] * (args.min_tokens + args.max_tokens) / 2)
+    policies = [FixedDepth(d) for d in range(top + 1)] + [Adaptive(), SlotAdmission(costs, top)]
+    by_load: dict[float, dict[str, list[Served]]] = {}
+    if args.replay is not None:
         for load in args.loads:
             by_load[load] = replay_rounds(trace, policies, load * capacity, args.rounds, args.seeds, args.requests,
-                                          lengths, args.slots, args.max_depth)  # fmt: skip
-        how = f"replayed on {args.replay.name}, {args.rounds} rounds x {args.seeds} clock seeds"
-        report(args, by_load, costs, capacity, how)
-        return
-    cpu_threads("cpu")
-    target, draft, tokenizer = load_pair("cpu", assets=ASSETS)
-    pool = heldout_token_ids(tokenizer)
-    top = args.max_depth
-
-    def make_decoder(controller) -> SpeculativeDecoder:
-        strategy = DraftModelStrategy(draft, (1,) * top) if args.strategy == "chain" else NgramStrategy(num_draft=top)
-        return SpeculativeDecoder(target, strategy, adaptive=controller)
-
-    started = time.thread_time()
-    costs = CostTable.profile(make_decoder, pool, batches, top)
-    profile_s = time.thread_time() - started
-    capacity = args.slots / (costs.seconds[-1][0] * mean_tokens)  # requests per second plain decoding can serve
-    policies = [FixedDepth(d) for d in range(top + 1)] + [Adaptive(), SlotAdmission(costs, top)]
-    # A short run per policy first, untimed: one-off costs (weight packs, the first allocations) go there.
-    warm = workload(pool, max(2, args.slots), capacity, (args.min_tokens, args.min_tokens), seed=0)
-    for policy in policies:
-        serve(make_decoder(policy.controller()), warm, args.slots, args.temperature)
-    for load in args.loads:
-        by_load[load] = serve_rounds(policies, make_decoder, pool, load * capacity, args.rounds, args.requests,
-                                     lengths, args.slots, args.temperature)  # fmt: skip
-    report(args, by_load, costs, capacity, f"{args.rounds} rounds, cost table timed in {profile_s:.1f} s")
+                                          lengths, args.slots, top)  # fmt: skip
+    else:
+        # A short run per policy first, untimed: one-off costs (weight packs, the first allocations) go there.
+        warm = workload(pool, max(2, args.slots), capacity, (args.min_tokens, args.min_tokens), seed=0)
+        for policy in policies:
+            serve(make_decoder(policy.controller()), warm, args.slots, args.temperature)
+        for load in args.loads:
+            by_load[load] = serve_rounds(policies, make_decoder, pool, load * capacity, args.rounds, args.requests,
+                                         lengths, args.slots, args.temperature)  # fmt: skip
+    report(args, by_load, costs, capacity, how)
 
 
 def report(args, by_load: dict[float, dict[str, list[Served]]], costs: CostTable, capacity: float,
