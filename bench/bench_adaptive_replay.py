@@ -54,7 +54,8 @@ NEW_TOKENS = 48
 
 def record(path: Path, rounds: int, batches: list[int], max_depth: int, drift_passes: int, match_tokens: int) -> None:
     """Writes the trace of the embedded pair on this machine (CPU, one intra-op thread, fp32): acceptance over each
-    prompt's first ``match_tokens`` generated tokens, step costs, noise and drift, and what a joining prompt adds."""
+    prompt's first ``match_tokens`` generated tokens, step costs, noise and drift, what a joining prompt adds and
+    what the drafter's catch-up costs."""
     from specdec.decoding import AdaptiveSpeculation, DraftModelStrategy, SpeculativeDecoder
     from specdec.testing import ASSETS, heldout_token_ids, load_pair
 
@@ -205,9 +206,9 @@ JOIN_RUNNING = (0, 1, 4, 7)  # running requests beside a joining prompt (7: a fu
 def record_joins(decoder, forced, pool, max_depth: int, rounds: int, steps: int = 6) -> list[list[float]]:
     """What a joining prompt adds to a step: rows ``[running, levels, seconds per prompt token]``. Per shape, an
     engine of ``running + 1`` slots runs ``running`` requests at ``levels`` draft tokens each, and every other step a
-    one-token request joins (its prompt rides in the step's forward, the drafter prefills it, it ends at once): the
-    median join step less the median step without one, over the prompts' mean length (whole steps' thread time,
-    as ``bench_serving.py`` counts them)."""
+    one-token request joins (its prompt rides in the step's forward and it ends at once; the drafter's prefill of a
+    prompt waits for the request's first step that drafts, ``record_catch_up``): the median join step less the median
+    step without one, over the prompts' mean length (whole steps' thread time, as ``bench_serving.py`` counts them)."""
     rows = []
     for running in JOIN_RUNNING:
         for levels in (0,) if running == 0 else sorted({0, (max_depth + 1) // 2, max_depth}):
