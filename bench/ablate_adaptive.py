@@ -185,7 +185,7 @@ def serving_ablation(trace_path: Path, variants: list[str], loads: list[float], 
 
     trace = Trace.load(trace_path)
     slots, lengths, requests = 8, (16, 96), 48
-    capacity = slots / (trace_costs(trace, [slots], max_depth).seconds[0][0] * sum(lengths) / 2)
+    capacity = trace_costs(trace, [slots], max_depth).capacity(slots, sum(lengths) / 2)
 
     class Variant:
         def __init__(self, name):

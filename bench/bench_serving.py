@@ -122,8 +122,7 @@ def main() -> None:
         started = time.thread_time()
         costs = CostTable.profile(make_decoder, pool, batches, top)
         how = f"{args.rounds} rounds, cost table timed in {time.thread_time() - started:.1f} s"
-    # requests per second plain decoding can serve at full batch
-    capacity = args.slots / (costs.seconds[-1][0] * (args.min_tokens + args.max_tokens) / 2)
+    capacity = costs.capacity(args.slots, (args.min_tokens + args.max_tokens) / 2)
     policies = [FixedDepth(d) for d in range(top + 1)] + [Adaptive(), SlotAdmission(costs, top)]
     by_load: dict[float, dict[str, list[Served]]] = {}
     if args.replay is not None:

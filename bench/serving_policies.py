@@ -88,6 +88,11 @@ class CostTable:
             table.append(tuple(itertools.accumulate(row, max)))  # a deeper draft never costs less: noise out
         return cls(tuple(batches), tuple(table))
 
+    def capacity(self, slots: int, mean_tokens: float) -> float:
+        """Requests per second plain decoding serves with ``slots`` requests of ``mean_tokens`` tokens running at once
+        (its step at the largest batch timed): ``bench_serving.py``'s load 1."""
+        return slots / (self.seconds[-1][0] * mean_tokens)
+
     def cost(self, batch: int, drafted: int) -> float:
         """Seconds of a step of ``batch`` requests drafting ``drafted`` tokens in all: linear in the mean depth
         between the timed depths, and in the batch size between the timed ones (beyond them, the nearest)."""

@@ -28,6 +28,7 @@ def test_the_cost_table_interpolates_in_depth_and_batch():
     assert costs.cost(4, 2) == pytest.approx(3.0)  # mean depth 0.5 at batch 4
     assert costs.cost(2, 2) == pytest.approx((2 / 3) * 2.0 + (1 / 3) * 4.0)  # depth 1, a third of the way to 4
     assert costs.cost(8, 40) == 6.0  # beyond the table: the nearest batch, the deepest depth
+    assert costs.capacity(8, 10) == pytest.approx(8 / (2.0 * 10))  # plain steps of the largest batch timed
 
 
 def test_workloads_are_seeded_and_percentiles_interpolate():

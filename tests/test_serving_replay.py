@@ -164,7 +164,7 @@ def test_the_controller_serves_within_four_percent_of_the_best_fixed_depth_on_th
     issue's line, 0.97x, holds for the median run: ``bench_serving.py --replay``). Plain decoding and every other
     fixed depth fall under it there: the bound tells choices apart."""
     trace = Trace.load(SERVING_TRACE)
-    capacity = 8 / (trace_costs(trace, [8], 4).seconds[0][0] * 56)
+    capacity = trace_costs(trace, [8], 4).capacity(8, 56)
     work = workload(range(len(trace.matches)), 48, load * capacity, (16, 96), seed=1000)
     fixed = [replay_serving(trace, work, 8, 4, FixedDepth(d).controller()).throughput for d in range(5)]
     best = max(fixed)
