@@ -6,10 +6,14 @@
 
 namespace specdec {
 
-// specdec.decoding.depth_choice.fill_shapes (fill_shapes.cpp).
-PyObject* fill_shapes(PyObject* module, PyObject* args);
+// specdec.decoding.depth_choice.best_depths, over the cost model's tables (depth_choice.cpp).
+PyObject* best_depths(PyObject* module, PyObject* args);
 
-// specdec.decoding.step_cost.ridge_solve (ridge_solve.cpp).
-PyObject* ridge_solve(PyObject* module, PyObject* args);
+// specdec.decoding.acceptance.AcceptanceModel's observe_step and expected_tokens, over its tables (acceptance.cpp).
+PyObject* observe_acceptance(PyObject* module, PyObject* args);
+PyObject* expected_tokens(PyObject* module, PyObject* args);
+
+// specdec.decoding.step_cost.StepCostModel.observe, over the model's attributes (step_cost.cpp).
+PyObject* observe_cost(PyObject* module, PyObject* args);
 
 }  // namespace specdec

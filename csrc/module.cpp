@@ -8,10 +8,14 @@
 namespace {
 
 PyMethodDef methods[] = {
-    {"fill_shapes", specdec::fill_shapes, METH_VARARGS,
-     "The adaptive controller's greedy fills, as specdec.decoding.depth_choice.fill_shapes computes them."},
-    {"ridge_solve", specdec::ridge_solve, METH_VARARGS,
-     "The adaptive controller's cost fit, solved as specdec.decoding.step_cost.ridge_solve solves it."},
+    {"best_depths", specdec::best_depths, METH_VARARGS,
+     "The adaptive controller's choice of depths, as specdec.decoding.depth_choice.best_depths makes it."},
+    {"observe_acceptance", specdec::observe_acceptance, METH_VARARGS,
+     "A step's observations, as specdec.decoding.acceptance.AcceptanceModel.observe_step records them."},
+    {"expected_tokens", specdec::expected_tokens, METH_VARARGS,
+     "Expected tokens per depth, as specdec.decoding.acceptance.AcceptanceModel.expected_tokens computes them."},
+    {"observe_cost", specdec::observe_cost, METH_VARARGS,
+     "A step's time learnt, as specdec.decoding.step_cost.StepCostModel.observe learns it."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -3,12 +3,16 @@
 For each request and draft depth i, the chance that the node at depth i is accepted given that its ancestors
 were: a running estimate of the request's own, seeded with the pooled estimate of every request so far, whose
 own prior is ``prior_acceptance`` at depth 1 and the pooled estimate at depth i - 1 beyond. ``expected_tokens``
-turns the rates into the tokens a step is expected to emit at each depth (``specdec.decoding.adaptive``).
+turns the rates into the tokens a step is expected to emit at each depth (``specdec.decoding.adaptive``). Both
+run every step over every running request: where the extension is built, ``specdec._C.observe_acceptance`` and
+``specdec._C.expected_tokens`` do the Python's arithmetic in its order (the same bits) on the same tables.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from specdec._backend import extension_function
 
 
 class AcceptanceModel:
@@ -55,6 +59,17 @@ class AcceptanceModel:
             rates.append(previous)
         return rates
 
+    def observe_step(self, running: Sequence[int], depths: Sequence[int], accepted: Sequence[int | None]) -> None:
+        """A step's trees: request ``running[r]`` proposed ``depths[r]`` levels and ``accepted[r]`` of its nodes
+        were accepted (None: its logits were invalid, nothing is learnt; so is nothing from a plain step)."""
+        native = extension_function("observe_acceptance")
+        if native is not None:
+            native(self.requests, self.pooled, running, depths, accepted, self.request_decay, self.pooled_decay)
+            return
+        for b, d, a in zip(running, depths, accepted):
+            if a is not None and d > 0:
+                self.observe(b, d, a)
+
     def observe(self, request: int, depth: int, accepted: int) -> None:
         """Request ``request`` proposed a tree of ``depth`` levels and ``accepted`` of its nodes were accepted."""
         own, pooled, decay = self.requests.setdefault(request, []), self.pooled, self.pooled_decay
@@ -77,6 +92,10 @@ class AcceptanceModel:
         """Per running request, the tokens it is expected to emit when drafting d levels, d = 0 .. its cap: 1 plus
         the chances that its first 1, 2, .. drafts are all accepted. (Every step, for every request and level:
         plain loops; the rates of positions no request has counts of are worked out once.)"""
+        native = extension_function("expected_tokens")
+        if native is not None:
+            return native(self.requests, self.pooled, self.prior, self.pooled_weight, self.request_weight, running,
+                          caps)  # fmt: skip
         pooled = self.pooled_rates(max(caps, default=0))
         weight = self.request_weight
         weighted = [weight * p for p in pooled]

@@ -199,12 +199,11 @@ class AdaptiveSpeculation:
             self.on_step(seconds, running, nodes, depths, accepted, contexts)
         if self.forced is not None:
             return
-        learn_nodes = self._draft_nodes is None  # the hook says a tree's size; else the proposals seen do
-        for b, n, d, a in zip(running, nodes, depths, accepted):
-            if learn_nodes and n > self._nodes_seen.get(d, 0):
-                self._nodes_seen[d], self._rows = n, []
-            if a is not None and d > 0:
-                self.acceptance.observe(b, d, a)
+        if self._draft_nodes is None:  # the hook says a tree's size; else the proposals seen do
+            for n, d in zip(nodes, depths):
+                if n > self._nodes_seen.get(d, 0):
+                    self._nodes_seen[d], self._rows = n, []
+        self.acceptance.observe_step(running, depths, accepted)
         if not timed:
             return
         context_rows = sum(n * c for n, c in zip(nodes, contexts))

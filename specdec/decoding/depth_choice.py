@@ -8,9 +8,10 @@ Every function here is pure: it reads a ``StepCostModel`` (the prices) and ``pri
 second of extra cost (the chance that a request's first i drafts are all accepted, over the cost of the rows its
 i-th level adds) while that raises the batch's tokens per second; that fill and the uniform depth L are priced as
 whole shapes (``StepCostModel.price``: a measured shape at its own mean), and the best of every L wins. 0 is
-plain decoding. The fills (``fill_shapes``, every request and level every step) run in the extension where it is
-built: ``specdec._C.fill_shapes`` does the same arithmetic in the same order. ``exploration_variants``: the
-neighbours of a choice an exploration step may try instead.
+plain decoding. This runs every step over every request and level: where the extension is built,
+``specdec._C.best_depths`` makes the choice, the fills and the prices included, in the same arithmetic and order as
+the Python here (so the same bits). ``exploration_variants``: the neighbours of a choice an exploration step may try
+instead.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ def best_depths(cost: StepCostModel, prices: Prices, caps: Sequence[int], contex
     """The depths (each within its request's cap) maximising expected tokens / predicted seconds (see the module
     docstring); ``entry``: seconds added to every shape that drafts."""
     expected, rows = prices
+    native = extension_function("best_depths")
+    if native is not None:
+        return native(cost.shape_mean, cost.residual, cost.theta, cost.row_price, cost.context_price, expected, rows,
+                      caps, contexts, entry)  # fmt: skip
     top = max(caps, default=0)
     requests, context = len(caps), sum(contexts)
     tokens0, seconds0 = float(requests), cost.price(requests, 0, 0, context)
@@ -49,8 +54,7 @@ def best_depths(cost: StepCostModel, prices: Prices, caps: Sequence[int], contex
                 best_rate, best = rate, [levels]
         return best
     starts = [max(cost.price(requests, 0, levels, context) + entry, 1e-12) for levels in range(1, top + 1)]
-    fills = extension_function("fill_shapes") or fill_shapes
-    shapes = fills(expected, rows, caps, contexts, cost.row_price, cost.context_price / 1024, starts, tokens0)
+    shapes = fill_shapes(expected, rows, caps, contexts, cost.row_price, cost.context_price / 1024, starts, tokens0)
     for levels, (depth, fill, uniform_sums) in enumerate(shapes, 1):
         uniform = [levels if cap >= levels else cap for cap in caps]  # the shape fixed sizes use: often measured
         if max(depth) == levels:  # the whole shape, priced as measured where it was
@@ -72,8 +76,7 @@ def fill_shapes(expected: list[list[float]], rows: Sequence[int], caps: Sequence
     uniform one (every request drafting L levels or its cap), added in request order as ``expected_rate`` adds
     them. A level's cost is its rows x (``row_price`` + ``context_row_price`` x its request's context); a fill of L
     levels starts from ``tokens0`` tokens (plain decoding's) and ``starts[L - 1]`` seconds (the L-level step's
-    price). The extension's ``specdec._C.fill_shapes`` computes the same, bit for bit, without the interpreter's
-    cost (``tests/test_controller_ops.py``)."""
+    price). The extension's ``best_depths`` fills the same, bit for bit (``tests/test_controller_ops.py``)."""
     top = max(caps, default=0)
     row_steps = [rows[i] - rows[i - 1] for i in range(1, top + 1)]
     # Items (ratio, -depth, request index, gain, cost): the i-th draft level of a request. (This runs every

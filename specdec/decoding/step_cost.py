@@ -71,6 +71,14 @@ class StepCostModel:
         return [1.0, float(requests), drafting, drafting * requests, rows, float(levels), context_rows / 1024]
 
     def observe(self, x: Sequence[float], seconds: float) -> None:
+        """Learn that a step of features ``x`` took ``seconds``. Every step: where the extension is built,
+        ``specdec._C.observe_cost`` does all of this in the same arithmetic and order (the same bits), reading the
+        module's constants as they are now."""
+        native = extension_function("observe_cost")
+        if native is not None:
+            native(self, x, seconds, SHAPE_STEP_CAP, FIT_OUTLIER_CAP, SHAPE_DECAY, PRIOR_SHARES, PRIOR_WEIGHTS,
+                   RESIDUAL_DECAY)  # fmt: skip
+            return
         levels, shape = self._keys(x)
         mean = self.shape_mean.get(shape)
         own = seconds
@@ -88,7 +96,9 @@ class StepCostModel:
             for i, v in enumerate((own, x[CONTEXT], x[ROWS])):
                 mean[i] += (v - mean[i]) / mean[3]
         if self.theta is not None:
-            fitted = sum(t * v for t, v in zip(self.theta, x))
+            fitted = 0.0
+            for t, v in zip(self.theta, x):  # (a loop: sum() adds floats with compensation from Python 3.12)
+                fitted += t * v
             seconds = min(seconds, FIT_OUTLIER_CAP * fitted) if fitted > 0 else seconds
             if mean is not None:  # the out-of-sample error of the linear part, at this level count (a warm step)
                 error = seconds - fitted
@@ -98,7 +108,7 @@ class StepCostModel:
         self.moment = [decay * m + v * seconds for m, v in zip(self.moment, x)]
         self.gram = [[decay * g + v * w for g, w in zip(row, x)] for row, v in zip(self.gram, x)]
         self.steps += 1
-        self.theta = self._solve()
+        self.theta = ridge_solve(self.gram, self.prior_precision, self.moment, self.prior_mean)
         self.row_price, self.context_price = max(self.theta[ROWS], 0.0), max(self.theta[CONTEXT], 0.0)
 
     def predict(self, x: Sequence[float]) -> float:
@@ -135,16 +145,12 @@ class StepCostModel:
         """The key a step's time is kept under: (requests, levels, mean depth rounded)."""
         return requests, levels, round(extra_rows / max(requests, 1))
 
-    def _solve(self) -> list[float]:
-        solve = extension_function("ridge_solve") or ridge_solve
-        return solve(self.gram, self.prior_precision, self.moment, self.prior_mean)
-
 
 def ridge_solve(gram: Sequence[Sequence[float]], precision: Sequence[float], moment: Sequence[float],
                 prior_mean: Sequence[float]) -> list[float]:  # fmt: skip
     """theta from (gram + diag(precision)) theta = moment + precision * prior_mean, by Cholesky (only gram's lower
     triangle is read): the matrix is a sum of outer products plus a positive diagonal (every prior weight is
-    positive), so it is positive definite. The extension's ``specdec._C.ridge_solve`` computes the same bits."""
+    positive), so it is positive definite."""
     n = len(moment)
     low = []  # the Cholesky factor's rows
     for i in range(n):
