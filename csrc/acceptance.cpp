@@ -29,11 +29,6 @@ bool read_counts(PyObject* counts, const char* function, const char* table, doub
   return false;
 }
 
-bool set_float(PyObject* list, Py_ssize_t i, double value) {
-  PyObject* item = PyFloat_FromDouble(value);
-  return item != nullptr && PyList_SetItem(list, i, item) == 0;  // the list takes the new item, drops the old
-}
-
 bool check_list(PyObject* table, const char* function, const char* name) {
   if (PyList_Check(table)) return true;
   PyErr_Format(PyExc_TypeError, "%s: %s must be a list of [accepted, tested] lists", function, name);

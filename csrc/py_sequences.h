@@ -64,4 +64,10 @@ PyObject* make_list(const std::vector<T>& values, Make make) {
   return list;
 }
 
+// list[i] = float(value) for a Python list: false with the exception set when it fails.
+inline bool set_float(PyObject* list, Py_ssize_t i, double value) {
+  PyObject* item = PyFloat_FromDouble(value);
+  return item != nullptr && PyList_SetItem(list, i, item) == 0;  // the list takes the new item, drops the old
+}
+
 }  // namespace specdec

@@ -83,11 +83,6 @@ bool set_attribute(PyObject* model, const char* name, PyObject* value) {
   return failed == 0;
 }
 
-bool set_float(PyObject* list, Py_ssize_t i, double value) {
-  PyObject* item = PyFloat_FromDouble(value);
-  return item != nullptr && PyList_SetItem(list, i, item) == 0;  // the list takes the new item, drops the old
-}
-
 double python_max(double a, double b) { return b > a ? b : a; }  // max(a, b): a unless b is greater
 double python_min(double a, double b) { return b < a ? b : a; }
 
