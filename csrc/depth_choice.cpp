@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "controller.h"
+#include "cost_tables.h"
 #include "py_sequences.h"
 
 namespace specdec {
@@ -70,10 +71,7 @@ class Prices {
   // False with a Python exception set when a table holds what the cost model never puts there.
   bool price(int64_t requests, int64_t extra_rows, int64_t levels, int64_t context_rows, double& seconds) const {
     const double rows = static_cast<double>(extra_rows), context = static_cast<double>(context_rows) / 1024;
-    // round(): half to even, as Python's (the default rounding mode)
-    const double depth = std::nearbyint(rows / static_cast<double>(std::max<int64_t>(requests, 1)));
-    PyObject* key = Py_BuildValue("(LLL)", static_cast<long long>(requests), static_cast<long long>(levels),
-                                  static_cast<long long>(depth));
+    PyObject* key = shape_key(requests, levels, rows);
     if (key == nullptr) return false;
     PyObject* mean = PyDict_GetItemWithError(shape_mean_, key);  // borrowed
     Py_DECREF(key);
@@ -88,19 +86,9 @@ class Prices {
     const double drafting = levels > 0 ? 1.0 : 0.0, count = static_cast<double>(requests);
     const double linear = t[0] + t[1] * count + t[2] * drafting + t[3] * (drafting * count) + t[4] * rows;
     double residual = 0.0;
-    PyObject* level_key = PyLong_FromLongLong(levels);
-    if (level_key == nullptr) return false;
-    PyObject* found = PyDict_GetItemWithError(residual_, level_key);  // borrowed
-    Py_DECREF(level_key);
-    if (found != nullptr) {
-      residual = PyFloat_AsDouble(found);
-      if (residual == -1.0 && PyErr_Occurred()) {
-        PyErr_SetString(PyExc_TypeError, "best_depths: residual's values must be floats");
-        return false;
-      }
-    } else if (PyErr_Occurred()) {
+    bool found;
+    if (!level_residual(residual_, levels, "best_depths: residual's values must be floats", residual, found))
       return false;
-    }
     seconds = linear + t[5] * static_cast<double>(levels) + t[6] * context + residual;
     return true;
   }

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "controller.h"
+#include "cost_tables.h"
 #include "py_sequences.h"
 
 namespace specdec {
@@ -66,14 +67,19 @@ bool ridge_solve(const std::vector<std::vector<double>>& gram, const std::vector
   return true;
 }
 
-// The model's attribute `name` read as kFeatures floats.
-bool read_attribute(PyObject* model, const char* name, std::vector<double>& out) {
-  Ref value(PyObject_GetAttrString(model, name));
-  if (value.p == nullptr || !read_floats(value.p, "observe_cost", name, out)) return false;
+// The model's `name` (its value `value`) read as kFeatures floats.
+bool read_features(PyObject* value, const char* name, std::vector<double>& out) {
+  if (!read_floats(value, "observe_cost", name, out)) return false;
   if (out.size() == kFeatures) return true;
   PyErr_Format(PyExc_ValueError, "observe_cost: the model's %s must hold %zu floats, got %zu", name, kFeatures,
                out.size());
   return false;
+}
+
+// The model's attribute `name` read as kFeatures floats.
+bool read_attribute(PyObject* model, const char* name, std::vector<double>& out) {
+  Ref value(PyObject_GetAttrString(model, name));
+  return value.p != nullptr && read_features(value.p, name, out);
 }
 
 bool set_attribute(PyObject* model, const char* name, PyObject* value) {
@@ -146,13 +152,11 @@ PyObject* observe_cost(PyObject* /*module*/, PyObject* args) {
     if (PyErr_Occurred()) return nullptr;
   }
 
-  // The step's shape: (requests, levels, mean depth rounded), each round() half to even as Python's.
-  const double requests = std::nearbyint(x[kRequests]), levels = std::nearbyint(x[kLevels]);
-  const double depth = std::nearbyint(x[kRows] / python_max(requests, 1.0));
-  Ref shape(Py_BuildValue("(LLL)", static_cast<long long>(requests), static_cast<long long>(levels),
-                          static_cast<long long>(depth)));
-  Ref level_key(PyLong_FromLongLong(static_cast<long long>(levels)));
-  if (!shape.p || !level_key.p) return nullptr;
+  // The step's shape (requests and levels rounded half to even, as Python's round()).
+  const auto requests = static_cast<int64_t>(std::nearbyint(x[kRequests]));
+  const auto levels = static_cast<int64_t>(std::nearbyint(x[kLevels]));
+  Ref shape(shape_key(requests, levels, x[kRows]));
+  if (!shape.p) return nullptr;
   PyObject* mean = PyDict_GetItemWithError(shape_mean.p, shape.p);  // borrowed
   if (mean == nullptr && PyErr_Occurred()) return nullptr;
   double m[4] = {0.0, 0.0, 0.0, 0.0};  // [seconds, context, rows, weight]
@@ -166,18 +170,18 @@ PyObject* observe_cost(PyObject* /*module*/, PyObject* args) {
   }
   const bool fitted_before = theta_obj.p != Py_None;
   std::vector<double> theta_before;
-  if (fitted_before && !read_attribute(model, "theta", theta_before)) return nullptr;
-  PyObject* found_residual = PyDict_GetItemWithError(residual.p, level_key.p);  // borrowed
+  if (fitted_before && !read_features(theta_obj.p, "theta", theta_before)) return nullptr;
   double residual_before = 0.0;
-  if (found_residual != nullptr) {
-    residual_before = PyFloat_AsDouble(found_residual);
-    if (residual_before == -1.0 && PyErr_Occurred()) {
-      PyErr_SetString(PyExc_TypeError, "observe_cost: the model's residual must map level counts to floats");
-      return nullptr;
-    }
-  } else if (PyErr_Occurred()) {
+  bool has_residual;
+  if (!level_residual(residual.p, levels, "observe_cost: the model's residual must map level counts to floats",
+                      residual_before, has_residual))
     return nullptr;
-  }
+  // The prior: as the model holds it, or set by this, its first step.
+  std::vector<double> prior_mean, prior_precision;
+  if (prior_mean_obj.p != Py_None &&
+      (!read_features(prior_mean_obj.p, "prior_mean", prior_mean) ||
+       !read_attribute(model, "prior_precision", prior_precision)))
+    return nullptr;
 
   double own = seconds;
   if (mean != nullptr && m[3] > 0) {  // a warm shape's mean takes a stalled step at no more than its cap
@@ -185,7 +189,8 @@ PyObject* observe_cost(PyObject* /*module*/, PyObject* args) {
     own = python_min(python_max(seconds, (1 - shape_step_cap) * price), (1 + shape_step_cap) * price);
   }
   if (prior_mean_obj.p == Py_None) {  // the first step sets the scale of the prior
-    std::vector<double> prior_mean(kFeatures), prior_precision(kFeatures);
+    prior_mean.resize(kFeatures);
+    prior_precision.resize(kFeatures);
     for (size_t i = 0; i < kFeatures; ++i) {
       const double s = python_max(x[i], 1.0);
       prior_mean[i] = shares[i] * seconds / s;
@@ -211,9 +216,10 @@ PyObject* observe_cost(PyObject* /*module*/, PyObject* args) {
     seconds = fitted > 0 ? python_min(seconds, fit_outlier_cap * fitted) : seconds;
     if (mean != nullptr) {  // the out-of-sample error of the linear part, at this level count (a warm step)
       const double error = seconds - fitted;
-      const double previous = found_residual != nullptr ? residual_before : error;
+      const double previous = has_residual ? residual_before : error;
+      Ref level_key(PyLong_FromLongLong(levels));
       Ref updated(PyFloat_FromDouble(residual_decay * previous + (1 - residual_decay) * error));
-      if (!updated.p || PyObject_SetItem(residual.p, level_key.p, updated.p) != 0) return nullptr;
+      if (!level_key.p || !updated.p || PyObject_SetItem(residual.p, level_key.p, updated.p) != 0) return nullptr;
     }
   }
   // The decayed normal equations, in place, then their solve.
@@ -229,10 +235,8 @@ PyObject* observe_cost(PyObject* /*module*/, PyObject* args) {
   const long long steps = PyLong_AsLongLong(steps_obj.p);
   if (steps == -1 && PyErr_Occurred()) return nullptr;
   if (!set_attribute(model, "steps", PyLong_FromLongLong(steps + 1))) return nullptr;
-  std::vector<double> prior_mean, prior_precision, theta;
-  if (!read_attribute(model, "prior_mean", prior_mean) || !read_attribute(model, "prior_precision", prior_precision) ||
-      !ridge_solve(gram_rows, prior_precision, moment_values, prior_mean, theta))
-    return nullptr;
+  std::vector<double> theta;
+  if (!ridge_solve(gram_rows, prior_precision, moment_values, prior_mean, theta)) return nullptr;
   if (!set_attribute(model, "theta", make_list(theta, PyFloat_FromDouble)) ||
       !set_attribute(model, "row_price", PyFloat_FromDouble(python_max(theta[kRows], 0.0))) ||
       !set_attribute(model, "context_price", PyFloat_FromDouble(python_max(theta[kContext], 0.0))))
