@@ -2,10 +2,13 @@
 
 A public call checks its arguments, picks the backend, allocates its results and plans its
 launches; the unchecked call (``check=False``, or a model op's registered ``<op>_op.run``) skips the checks. On the
-CPU the Triton bodies run with their launches captured (``tuning.capture_launches``): every line of
-host code a GPU call runs is run, no kernel is. TRITON_INTERPRET=1 is set only so that the Triton
-bodies are chosen for CPU tensors; with the launches captured the interpreter never runs. On CUDA
-the calls launch for real and a call's host time is the time until it returns.
+CPU the Triton bodies run with their launches captured (``tuning.capture_launches``): specdec's host
+code runs, no kernel does, and Triton's own dispatch of each launch is left out. TRITON_INTERPRET=1 is
+set only so that the Triton bodies are chosen for CPU tensors; with the launches captured the
+interpreter never runs. ``--dispatch`` (CPU only) adds Triton's dispatch: the launches go through
+Triton's JIT to ``stand_in_driver``'s launcher (kernels compiled for sm_90, nothing launched), which
+leaves out only the real launcher's packing of the arguments and its driver call. On CUDA the calls
+launch for real and a call's host time is the time until it returns.
 
 Each sample times ``--inner`` calls in a row (one thread's CPU time on the CPU, wall time on CUDA,
 one intra-op thread), the operations interleaved sample by sample after a warm-up; rows give the
@@ -14,6 +17,7 @@ median and p20/p80 of the per-call time and the launches a call makes, next to t
     python bench/bench_host_time.py                   # table on stdout
     python bench/bench_host_time.py --out OUT         # also OUT/host_time.json and OUT/host_time.md
     python bench/bench_host_time.py --out OUT.json    # the JSON to that file
+    python bench/bench_host_time.py --dispatch        # on the CPU: with Triton's dispatch of every launch
     python bench/bench_host_time.py --dry-run         # a few calls (tests the script)
 
 The JSON holds every row and a ``targets`` list: ``{"what", "value", "target", "pass"}``.
@@ -28,7 +32,7 @@ if __name__ == "__main__":  # before specdec decorates its kernels: the Triton b
     _device = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv[:-1] else None
     import torch
 
-    if (_device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu":
+    if (_device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu" and "--dispatch" not in sys.argv:
         os.environ["TRITON_INTERPRET"] = "1"
 
 import contextlib
@@ -40,8 +44,9 @@ from dataclasses import dataclass
 
 import torch
 from common import Table, bench_args, cpu_threads  # noqa: E402
+from stand_in_driver import stand_in_driver  # noqa: E402
 
-from specdec import use_backend  # noqa: E402
+from specdec import _backend, use_backend  # noqa: E402
 from specdec.kernels import (  # noqa: E402
     SamplingParams,
     add_rms_norm,
@@ -129,15 +134,19 @@ def cases(device: str) -> list[Case]:
     ]  # fmt: skip
 
 
-def measure(all_cases: list[Case], device: str, samples: int, inner: int, warmup: int) -> list[dict]:
-    """Per case: median, p20, p80 microseconds a call and launches a call, the cases interleaved."""
+def measure(all_cases: list[Case], device: str, samples: int, inner: int, warmup: int,
+            launched: list | None = None) -> list[dict]:  # fmt: skip
+    """Per case: median, p20, p80 microseconds a call and launches a call, the cases interleaved. ``launched``: the
+    stand-in driver's list of launches (``--dispatch``); else CPU launches are captured."""
     cuda = device.startswith("cuda")
     now = time.perf_counter if cuda else time.thread_time
-    capture = contextlib.nullcontext if cuda else tuning.capture_launches
+    capture = contextlib.nullcontext if cuda or launched is not None else tuning.capture_launches
     times: list[list[float]] = [[] for _ in all_cases]
     launches = [0] * len(all_cases)
     for round_ in range(warmup + samples):
         for i, case in enumerate(all_cases):
+            if launched is not None:
+                launched.clear()
             with capture() as recorded:
                 start = now()
                 for _ in range(inner):
@@ -145,6 +154,7 @@ def measure(all_cases: list[Case], device: str, samples: int, inner: int, warmup
                 elapsed = now() - start
             if round_ >= warmup:
                 times[i].append(1e6 * elapsed / inner)
+            recorded = launched if launched is not None else recorded
             if recorded is not None:
                 launches[i] = len(recorded) // inner
         if cuda:
@@ -158,18 +168,40 @@ def measure(all_cases: list[Case], device: str, samples: int, inner: int, warmup
     return rows
 
 
+@contextlib.contextmanager
+def _triton_bodies():
+    """Every op takes its Triton body, CPU tensors too (``select_backend`` answers 'triton')."""
+    select = _backend.select_backend
+    _backend.select_backend = lambda *tensors: "triton"
+    try:
+        yield
+    finally:
+        _backend.select_backend = select
+
+
 def main() -> None:
     def extra(parser):
         parser.add_argument("--samples", type=int, default=200, help="timed samples per operation")
         parser.add_argument("--inner", type=int, default=10, help="calls per sample")
+        parser.add_argument("--dispatch", action="store_true",
+                            help="CPU: launches dispatched by Triton to a stand-in sm_90 driver")  # fmt: skip
 
     args = bench_args(__doc__.splitlines()[0], extra)
     samples, inner, warmup = (2, 2, 1) if args.dry_run else (args.samples, args.inner, 20)
     cpu_threads(args.device)
     cuda = args.device.startswith("cuda")
-    mode = "launched" if cuda else "launches captured (Triton bodies, nothing runs)"
-    with torch.inference_mode(), use_backend("triton"):
-        rows = measure(cases(args.device), args.device, samples, inner, warmup)
+    if args.dispatch and cuda:
+        raise SystemExit("--dispatch stands in for a GPU: run it with --device cpu")
+    with torch.inference_mode():
+        if args.dispatch:
+            mode = "launches dispatched by Triton to a stand-in sm_90 driver (nothing runs)"
+            # the Triton bodies for CPU tensors, without the interpreter (use_backend would refuse them)
+            with stand_in_driver() as launched, _triton_bodies():
+                rows = measure(cases(args.device), args.device, samples, inner, warmup, launched)
+        else:
+            mode = "launched" if cuda else "launches captured (Triton bodies, nothing runs)"
+            with use_backend("triton"):
+                rows = measure(cases(args.device), args.device, samples, inner, warmup)
     table = Table(
         f"Host time per call, batch 1 ({args.device}, {mode}; {samples} samples x {inner} calls, one thread)",
         ["op", "entry", "median µs", "p20 µs", "p80 µs", "launches", "target µs", "met"],
