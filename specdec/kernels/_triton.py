@@ -24,8 +24,26 @@ else:
         constexpr = int
 
 
+if triton is not None:
+
+    class _Constant(tl.constexpr):
+        """A ``tl.constexpr`` that compares with another of its kind as a plain value. Before every launch Triton
+        compares each global a kernel reads with the copy it made at compile time, and ``constexpr``'s own ``!=``
+        builds a new constexpr each time: over half a microsecond a global, a dozen of them for the tree walk."""
+
+        def __ne__(self, other):
+            if type(other) is _Constant:
+                return self.value != other.value
+            return super().__ne__(other)
+
+
+def constant(value):
+    """A module-level constant kernels may read (Triton's JIT reads only constexpr globals)."""
+    return _Constant(value) if triton is not None else value
+
+
 # Sentinel for "no index" in min-reductions over int32 indices (any real index is smaller).
-INT32_MAX = tl.constexpr(2147483647) if triton is not None else 2147483647
+INT32_MAX = constant(2147483647)
 
 
 def jit(fn=None, *, do_not_specialize=()):

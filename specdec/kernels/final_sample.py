@@ -14,7 +14,7 @@ drafts were all accepted (or that drafted nothing) never touches ``draft_probs``
 
 from __future__ import annotations
 
-from specdec.kernels._triton import jit, tl
+from specdec.kernels._triton import constant, jit, tl
 from specdec.kernels.sample_probs import race_block_tl
 from specdec.kernels.target_stats import target_cols_tl
 from specdec.kernels.uniforms import race_clock_tl
@@ -22,8 +22,8 @@ from specdec.kernels.uniforms import race_clock_tl
 RESIDUAL_EPS = 1e-5  # a residual with less mass is rounding noise: sample from p instead
 
 # The final draw the walk hands over:
-FINAL_TARGET = tl.constexpr(1)  # draw from p
-FINAL_RESIDUAL = tl.constexpr(2)  # stochastic rule: draw from max(0, p - C q), its mass summed over the row
+FINAL_TARGET = constant(1)  # draw from p
+FINAL_RESIDUAL = constant(2)  # stochastic rule: draw from max(0, p - C q), its mass summed over the row
 
 
 @jit

@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import functools
 
-from specdec.kernels._triton import jit, next_power_of_2, tl
+from specdec.kernels._triton import constant, jit, next_power_of_2, tl
 from specdec.kernels.final_sample import FINAL_RESIDUAL, FINAL_TARGET, RESIDUAL_EPS, final_draw_tl, residual_tile_tl
 from specdec.kernels.target_stats import (
     any_row_bad_tl,
@@ -76,7 +76,7 @@ from specdec.kernels.top_k_top_p import inverse_temperature_tl
 from specdec.kernels.tuning import TuningSpace, candidates, launch
 from specdec.kernels.uniforms import ROLE_TARGET, ROLE_TEST, counter_uniform_tl, race_key_tl
 
-_ROLE_TARGET, _ROLE_TEST = tl.constexpr(ROLE_TARGET), tl.constexpr(ROLE_TEST)
+_ROLE_TARGET, _ROLE_TEST = constant(ROLE_TARGET), constant(ROLE_TEST)
 
 
 @jit

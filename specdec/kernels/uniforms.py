@@ -42,7 +42,7 @@ import torch
 
 from specdec.kernels._checks import check_tensor
 from specdec.kernels._op import register_op
-from specdec.kernels._triton import cdiv, jit, tl
+from specdec.kernels._triton import cdiv, constant, jit, tl
 from specdec.kernels.tuning import TuningSpace, candidates, launch
 
 _HASH_START = 0x243F6A88
@@ -51,7 +51,7 @@ _MUL2 = 0x68E31DA5
 _MASK32 = 0xFFFFFFFF
 _U24 = 1.0 / 16777216.0  # 2**-24
 # The same constants for the kernels (jit code reads only constexpr globals).
-_HASH_START_TL, _MUL1_TL, _MUL2_TL, _MASK32_TL, _U24_TL = map(tl.constexpr, (_HASH_START, _MUL1, _MUL2, _MASK32, _U24))
+_HASH_START_TL, _MUL1_TL, _MUL2_TL, _MASK32_TL, _U24_TL = map(constant, (_HASH_START, _MUL1, _MUL2, _MASK32, _U24))
 _BLOCK = 256
 
 ROLE_TARGET = 0  # the target's draw at a position (plain sampling's token there): the counter of its race clocks
