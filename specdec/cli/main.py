@@ -16,7 +16,7 @@ import torch
 
 from specdec import __version__, _backend
 from specdec.cli.errors import USAGE, CliError, debug_requested, report
-from specdec.kernels import tuning
+from specdec.kernels import triton_dispatch, tuning
 from specdec.validation import INT32_MAX, INT64_MAX, INT64_MIN, as_device, as_float, as_int, as_temperature
 
 
@@ -81,6 +81,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"triton  {detail if ok else 'not installed'}")
     print(f"forced backend ({_backend.BACKEND_ENV}): {_backend.forced_backend()}")
     print(f"autotune ({tuning.AUTOTUNE_ENV}): {'on' if tuning.autotune_enabled() else 'off'}")
+    fast = triton_dispatch.fast_launch_enabled()
+    print(f"fast launch ({triton_dispatch.FAST_LAUNCH_ENV}): {'on' if fast else 'off'}")
     print()
     width = max(len(name) for name, _, _ in _backend.backend_report())
     for name, available, why in _backend.backend_report():

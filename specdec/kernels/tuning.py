@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from specdec import _backend
+from specdec.kernels import triton_dispatch
 
 AUTOTUNE_ENV = "SPECDEC_AUTOTUNE"
 PERF_KEYS = {"num_warps": "w", "num_stages": "s", "maxnreg": "r"}  # launch options (not kernel arguments), short
@@ -168,7 +169,7 @@ def launch(kernel, grid, args: tuple, meta: dict, config: dict, space: TuningSpa
         options = {"num_warps": best.num_warps, "num_stages": best.num_stages, "maxnreg": best.maxnreg}
         _chosen[kernel.__name__] = {**best.kwargs, **{k: v for k, v in options.items() if v is not None}}
         return
-    kernel[shape](*args, **meta, **config)
+    triton_dispatch.launch(kernel, shape, args, meta, config)
     _chosen[kernel.__name__] = config
 
 
