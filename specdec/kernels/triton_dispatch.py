@@ -29,7 +29,9 @@ from specdec.kernels._triton import triton
 
 FAST_LAUNCH_ENV = "SPECDEC_FAST_LAUNCH"
 _enabled: bool | None = None  # the variable as read at the first launch
-_compiled: dict[tuple, object] = {}  # (kernel, device, specialisation, options, knobs) -> Triton's compiled kernel
+# id(kernel) -> {(device, specialisation, options, knobs): Triton's compiled kernel}; kernels are module-level and
+# live as long as the process, and hashing a JITFunction hashes its source
+_compiled: dict[int, dict[tuple, object]] = {}
 
 if triton is not None:
     from triton import knobs
@@ -63,12 +65,13 @@ def launch(kernel, grid: tuple, args: tuple, meta: dict, config: dict) -> None:
         return
     compile_knobs = (kernel.debug, knobs.runtime.debug, knobs.compilation.instrumentation_mode,
                      getattr(knobs.compilation, "fpsan_homomorphic_casts", None))  # fmt: skip
-    key = (kernel, device, tuple(specialization), tuple(options.items()), compile_knobs)
-    compiled = _compiled.get(key)
+    key = (device, tuple(specialization), tuple(options.items()), compile_knobs)
+    known = _compiled.get(id(kernel))
+    compiled = None if known is None else known.get(key)
     if compiled is None:
         compiled = kernel[grid](*args, **meta, **config)  # compiles, or finds Triton's kernel, and launches it
         if all(hasattr(compiled, name) for name in ("run", "function", "packed_metadata")):
-            _compiled[key] = compiled
+            _compiled.setdefault(id(kernel), {})[key] = compiled
         return
     x, y, z = (*grid, 1, 1)[:3]
     compiled.run(x, y, z, active.get_current_stream(device), compiled.function, compiled.packed_metadata,
