@@ -39,6 +39,10 @@ def test_host_time_bench_runs_with_tritons_dispatch(tmp_path):
     assert report["mode"].startswith("launches dispatched by Triton")
     verify = [row for row in report["rows"] if row["op"] == "verify_chain"]
     assert verify and all(row["launches"] == 3 for row in verify)
+    # what the fast launch path saves: rows with Triton's own dispatch, reported beside the targets, not as ones
+    off = [row for row in report["rows"] if row["entry"].endswith("fast launch off")]
+    assert off and all(row["target_us"] is None for row in off)
+    assert len(report["targets"]) == len(report["rows"]) - len(off)
 
 
 @pytest.mark.parametrize("value, expected", [("", True), ("1", True), ("0", False), (" 0 ", False)])
