@@ -2,12 +2,13 @@
 
 Run as a script, in a process without TRITON_INTERPRET (``tests/test_triton_dispatch.py`` runs it with the
 installed Triton; ``make compile-matrix-triton36`` with Triton 3.6). Under ``bench/stand_in_driver`` the
-kernels compile for sm_90 and every launch is recorded, not run. The same calls (verification, sampling and the
-model ops, at shapes and alignments that Triton specialises differently) run twice in a row, first with
-``SPECDEC_FAST_LAUNCH`` off, then on; the launches must be identical: the compiled kernel (its function handle
-and packed metadata), the grid, the stream and every argument. With it on, the second round must not enter
-Triton's own dispatch at all, and an attached launch hook must send every launch back through it. Prints one
-JSON line: the number of launches compared and of Triton dispatches in each round.
+kernels compile for sm_90 and every launch is recorded, not run. The same calls (verification, sampling, the
+model ops, attention, the K/V append and the rollback, at shapes and alignments Triton specialises differently)
+run twice in a row, first with ``SPECDEC_FAST_LAUNCH`` off, then on; the launches must be identical: the
+compiled kernel (its function handle and packed metadata), the grid, the stream and every argument. With it on,
+the second round must not enter Triton's own dispatch at all, and an attached launch hook must send every launch
+back through it. Prints one JSON line: the launches compared, the kernels, the specialisations compiled and the
+Triton dispatches in each round.
 """
 
 from __future__ import annotations
@@ -25,7 +26,25 @@ from triton import knobs  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from specdec import _backend  # noqa: E402
-from specdec.kernels import SamplingParams, rms_norm, sample, triton_dispatch, verify_chain, verify_tree_greedy  # noqa: E402
+from specdec.kernels import (  # noqa: E402
+    SamplingParams,
+    add_rms_norm,
+    apply_rotary,
+    build_tree_metadata,
+    counter_uniform,
+    filtered_probs,
+    kv_append,
+    kv_compact,
+    rms_norm,
+    sample,
+    sample_probs,
+    silu_mul,
+    tree_attention,
+    triton_dispatch,
+    verify_chain,
+    verify_tree_greedy,
+)
+from specdec.kernels.filtered_probs import FilteredProbs  # noqa: E402
 from specdec.kernels.sampling import SampleResult  # noqa: E402
 from specdec.kernels.verify_chain import ChainVerifyResult  # noqa: E402
 from specdec.kernels.verify_tree import TreeVerifyResult  # noqa: E402
@@ -62,13 +81,60 @@ def calls():
     for dtype in (torch.float32, torch.float16):
         x, weight = torch.randn(3, 256, generator=gen).to(dtype), torch.ones(256, dtype=dtype)
         out.append(partial(rms_norm, x, weight, 1e-5, out=torch.empty_like(x)))
+        out.append(partial(add_rms_norm, x, torch.randn(3, 256, generator=gen).to(dtype), weight, 1e-5,
+                           out=torch.empty_like(x)))  # fmt: skip
+        qkv = torch.randn(3, 8, 32, generator=gen).to(dtype)
+        freq = 1.0 / 10000 ** (torch.arange(0, 32, 2, dtype=torch.float32) / 32)
+        out.append(partial(apply_rotary, qkv[:, :4], qkv[:, 4:6], torch.tensor([0, 5, 9]), freq))
+        gate_up = torch.randn(3, 320, generator=gen).to(dtype)
+        out.append(partial(silu_mul, gate_up, out=torch.empty(3, 160, dtype=dtype)))
+    return out + attention_and_cache_calls(gen) + sampling_calls(gen)
+
+
+def attention_and_cache_calls(gen) -> list:
+    """Paged decode (one split and two, the merge launch), a 16-node tree, the K/V append and the rollback."""
+    hq, hkv, d, batch, page, blocks = 4, 2, 32, 3, 16, 6
+    table = torch.randperm(batch * blocks, generator=gen).view(batch, blocks).to(torch.int32)
+    k, v = (torch.randn(batch * blocks, page, hkv, d, generator=gen).half() for _ in range(2))
+    prefix = torch.tensor([70, 33, 0], dtype=torch.int32)
+    out = []
+    for n, splits in ((1, 1), (1, 2), (16, None)):
+        q = torch.randn(batch * n, hq, d, generator=gen).half()
+        offsets = torch.arange(0, batch * n + 1, n, dtype=torch.int32)
+        mask = None
+        if n > 1:
+            parents = torch.tensor([-1] + [i // 2 for i in range(n - 1)], dtype=torch.int32).repeat(batch)
+            mask = build_tree_metadata(parents, offsets).ancestor_mask
+        out.append(partial(tree_attention, q, k, v, offsets, prefix, tree_mask=mask, causal=n == 1, block_table=table,
+                           out=torch.empty_like(q), num_splits=splits))  # fmt: skip
+    data = torch.randn(2, 2, batch * blocks, page, hkv, d, generator=gen).half()
+    lens, new_offsets = torch.tensor([5, 17, 40], dtype=torch.int32), torch.tensor([0, 9, 9, 21], dtype=torch.int32)
+    new_k, new_v = (torch.randn(21, hkv, d, generator=gen).half() for _ in range(2))
+    out.append(partial(kv_append, data, 1, new_k, new_v, lens, new_offsets, table))
+    path = torch.tensor([[0, 2, 5, -1], [0, -1, -1, -1], [0, 1, 2, 3]], dtype=torch.int32)
+    out.append(partial(kv_compact, data, lens.clone(), path, table))
     return out
 
 
+def sampling_calls(gen) -> list:
+    batch, vocab = 5, VOCAB
+    logits = torch.randn(batch, vocab, generator=gen)
+    params = SamplingParams.make(batch, temperature=[0.0, 0.5, 1.0, 1.0, 2.0], top_k=[0, 0, 20, 0, 0],
+                                 top_p=[1.0, 0.8, 1.0, 0.95, 1.0], seed=11)  # fmt: skip
+    probs = FilteredProbs(torch.empty(batch, vocab), torch.empty(batch, dtype=torch.bool))
+    counter, seed = torch.arange(batch), torch.randint(0, 2**62, (batch,), generator=gen)
+    return [
+        partial(filtered_probs, logits, params, out=probs),
+        partial(sample_probs, torch.softmax(logits, -1), params, counter=counter,
+                out=torch.empty(batch, dtype=torch.int32)),
+        partial(counter_uniform, seed, torch.arange(batch) * 2**33, counter, out=torch.empty(batch)),
+    ]  # fmt: skip
+
+
 def identity(launch) -> tuple:
-    """A launch with its tensors as the kernel sees them (address, dtype, shape, strides: views are made anew each
-    call) and everything else by value."""
-    args = tuple((a.data_ptr(), a.dtype, a.shape, a.stride()) if isinstance(a, torch.Tensor) else a
+    """A launch with its tensors as the kernel is specialised on them (dtype, shape, strides, 16-byte alignment: a
+    call may allocate its scratch anew) and everything else by value."""
+    args = tuple((a.dtype, a.shape, a.stride(), a.data_ptr() % 16) if isinstance(a, torch.Tensor) else a
                  for a in launch.args)  # fmt: skip
     return launch.kernel, launch.grid, launch.stream, id(launch.function), id(launch.metadata), args
 
