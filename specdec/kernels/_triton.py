@@ -29,7 +29,7 @@ if triton is not None:
     class _Constant(tl.constexpr):
         """A ``tl.constexpr`` that compares with another of its kind as a plain value. Before every launch Triton
         compares each global a kernel reads with the copy it made at compile time, and ``constexpr``'s own ``!=``
-        builds a new constexpr each time: over half a microsecond a global, a dozen of them for the tree walk."""
+        builds a new constexpr each time (bench/RESULTS.md, "Host time of the public ops")."""
 
         def __ne__(self, other):
             if type(other) is _Constant:

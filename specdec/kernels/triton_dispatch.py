@@ -4,8 +4,8 @@
 for the device and the stream, specialises every argument (its binder), turns the specialisation into a
 cache key, finds the compiled kernel, compares each global the kernel read with the copy it made at
 compile time, builds the launch hooks' metadata and calls the compiled kernel's launcher. For specdec's
-kernels that is several microseconds a launch beyond the launcher's own, and a verification call makes
-three launches (``bench/bench_host_time.py --dispatch`` measures it without a GPU).
+kernels that costs more host time than specdec's own code around the launch, and a verification call makes
+three launches (``bench/bench_host_time.py --dispatch`` measures it without a GPU; bench/RESULTS.md).
 
 ``launch`` keeps the part that decides which compiled kernel a launch needs, Triton's own binder, so the
 specialisation is exactly Triton's. The first launch of a specialisation goes through ``kernel[grid]``,
