@@ -44,9 +44,9 @@ from dataclasses import dataclass, replace
 
 import torch
 from common import Table, bench_args, cpu_threads  # noqa: E402
-from stand_in_driver import stand_in_driver  # noqa: E402
+from stand_in_driver import stand_in_driver, triton_bodies  # noqa: E402
 
-from specdec import _backend, use_backend  # noqa: E402
+from specdec import use_backend  # noqa: E402
 from specdec.kernels import (  # noqa: E402
     SamplingParams,
     add_rms_norm,
@@ -189,17 +189,6 @@ def measure(all_cases: list[Case], device: str, samples: int, inner: int, warmup
     return rows
 
 
-@contextlib.contextmanager
-def _triton_bodies():
-    """Every op takes its Triton body, CPU tensors too (``select_backend`` answers 'triton')."""
-    select = _backend.select_backend
-    _backend.select_backend = lambda *tensors: "triton"
-    try:
-        yield
-    finally:
-        _backend.select_backend = select
-
-
 def main() -> None:
     def extra(parser):
         parser.add_argument("--samples", type=int, default=200, help="timed samples per operation")
@@ -216,8 +205,7 @@ def main() -> None:
     with torch.inference_mode():
         if args.dispatch:
             mode = "launches dispatched by Triton to a stand-in sm_90 driver (nothing runs)"
-            # the Triton bodies for CPU tensors, without the interpreter (use_backend would refuse them)
-            with stand_in_driver() as launched, _triton_bodies():
+            with stand_in_driver() as launched, triton_bodies():
                 rows = measure(with_fast_launch_off(cases(args.device)), args.device, samples, inner, warmup,
                                launched)  # fmt: skip
         else:

@@ -13,6 +13,8 @@ What a GPU adds is that launcher: its Python wrapper, the C packing of the argum
         kernel[grid](*args)               # compiled for sm_90 once, then dispatched by Triton; not run
     launches                              # [Launch(kernel name, grid, ..., the kernel's arguments)]
 
+``triton_bodies()`` makes specdec's ops take their Triton bodies for CPU tensors meanwhile.
+
 Triton's ``driver`` keeps the active driver in ``_active`` (3.6 to 3.9); the default one cannot be made
 without a GPU, so the previous value is restored as it was.
 """
@@ -103,3 +105,17 @@ def stand_in_driver() -> Iterator[list[Launch]]:
         yield stand_in.launches
     finally:
         driver._active = previous
+
+
+@contextlib.contextmanager
+def triton_bodies() -> Iterator[None]:
+    """Every specdec op takes its Triton body inside the block, for CPU tensors too (``select_backend`` answers
+    'triton'; ``use_backend`` refuses CPU tensors without the interpreter)."""
+    from specdec import _backend
+
+    select = _backend.select_backend
+    _backend.select_backend = lambda *tensors: "triton"
+    try:
+        yield
+    finally:
+        _backend.select_backend = select

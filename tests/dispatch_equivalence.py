@@ -21,11 +21,10 @@ from functools import partial
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
 import torch  # noqa: E402
-from stand_in_driver import stand_in_driver  # noqa: E402
+from stand_in_driver import stand_in_driver, triton_bodies  # noqa: E402
 from triton import knobs  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from specdec import _backend  # noqa: E402
 from specdec.kernels import (  # noqa: E402
     SamplingParams,
     add_rms_norm,
@@ -148,9 +147,8 @@ def main() -> None:
         return triton_run(self, *args, **kwargs)
 
     JITFunction.run = counted
-    _backend.select_backend = lambda *tensors: "triton"  # the Triton bodies for CPU tensors, uninterpreted
     seen, rounds = {}, {}
-    with torch.inference_mode(), stand_in_driver() as launches:
+    with torch.inference_mode(), stand_in_driver() as launches, triton_bodies():
         todo = calls()
         for fast in (False, True):
             triton_dispatch._enabled = fast
