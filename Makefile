@@ -53,7 +53,7 @@ compile-matrix-triton36: install $(TRITON_OLD_DIR)/.installed
 	PYTHONPATH=$(TRITON_OLD_DIR) $(PY) -c 'import triton; assert triton.__version__ == "$(subst triton==,,$(TRITON_OLD_PIN))", triton.__version__'
 	PYTHONPATH=$(TRITON_OLD_DIR) $(PY) bench/compile_matrix.py --out $(MATRIX_OUT)
 	# the fast launch path hands the driver what Triton 3.6's own dispatch would (tests/test_triton_dispatch.py)
-	PYTHONPATH=$(TRITON_OLD_DIR) $(PY) tests/dispatch_equivalence.py
+	PYTHONPATH=$(TRITON_OLD_DIR) $(PY) bench/dispatch_equivalence.py
 
 $(TRITON_OLD_DIR)/.installed:
 	rm -rf $(TRITON_OLD_DIR)

@@ -22,7 +22,6 @@ without a GPU, so the previous value is restored as it was.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -94,7 +93,9 @@ class StandInDriver:
 @contextlib.contextmanager
 def stand_in_driver() -> Iterator[list[Launch]]:
     """Make a ``StandInDriver`` Triton's active driver inside the block; yields its list of launches."""
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    from specdec import _backend
+
+    if _backend.interpreter_enabled():
         raise RuntimeError("stand_in_driver needs a process without TRITON_INTERPRET (the kernels are interpreted)")
     from triton.runtime import driver
 

@@ -3,28 +3,21 @@ host-time benchmark runs with Triton's dispatch in it (``bench/stand_in_driver.p
 
 import copy
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-from helpers import ROOT, run_bench
+from helpers import run_bench
 
 from specdec.kernels import triton_dispatch
 from specdec.kernels._triton import constant, triton
 from specdec.kernels.compile_target import toolchain
 
 needs_toolchain = pytest.mark.skipif(not toolchain()[0], reason=f"no NVIDIA toolchain: {toolchain()[1]}")
-# a process that compiles: Triton's jit helpers imported with the interpreter on stay interpreted
-COMPILE_ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": ROOT}
 
 
 @needs_toolchain
 def test_fast_launches_equal_tritons_own_dispatch():
-    # the script asserts it all (tests/dispatch_equivalence.py); CI runs it again under Triton 3.6
-    script = os.path.join(ROOT, "tests", "dispatch_equivalence.py")
-    done = subprocess.run([sys.executable, script], cwd=ROOT, env=COMPILE_ENV, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    # the script asserts it all (bench/dispatch_equivalence.py); CI runs it again under Triton 3.6
+    done = run_bench("dispatch_equivalence.py", cpu_path=True)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["dispatches"]["fast round 2"] == 0 and summary["launches"] > 0

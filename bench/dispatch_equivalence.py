@@ -1,7 +1,7 @@
 """Launches through ``specdec.kernels.triton_dispatch`` reach the driver exactly as through Triton's own dispatch.
 
 Run as a script, in a process without TRITON_INTERPRET (``tests/test_triton_dispatch.py`` runs it with the
-installed Triton; ``make compile-matrix-triton36`` with Triton 3.6). Under ``bench/stand_in_driver`` the
+installed Triton; ``make compile-matrix-triton36`` with Triton 3.6). Under ``stand_in_driver`` the
 kernels compile for sm_90 and every launch is recorded, not run. The same calls (verification, sampling, the
 model ops, attention, the K/V append and the rollback, at shapes and alignments Triton specialises differently)
 run twice in a row, first with ``SPECDEC_FAST_LAUNCH`` off, then on; the launches must be identical: the
@@ -14,18 +14,14 @@ Triton dispatches in each round.
 from __future__ import annotations
 
 import json
-import os
-import sys
 from functools import partial
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+import torch
+from stand_in_driver import stand_in_driver, triton_bodies
+from triton import knobs
+from triton.runtime.jit import JITFunction
 
-import torch  # noqa: E402
-from stand_in_driver import stand_in_driver, triton_bodies  # noqa: E402
-from triton import knobs  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
-
-from specdec.kernels import (  # noqa: E402
+from specdec.kernels import (
     SamplingParams,
     add_rms_norm,
     apply_rotary,
@@ -43,10 +39,10 @@ from specdec.kernels import (  # noqa: E402
     verify_chain,
     verify_tree_greedy,
 )
-from specdec.kernels.filtered_probs import FilteredProbs  # noqa: E402
-from specdec.kernels.sampling import SampleResult  # noqa: E402
-from specdec.kernels.verify_chain import ChainVerifyResult  # noqa: E402
-from specdec.kernels.verify_tree import TreeVerifyResult  # noqa: E402
+from specdec.kernels.filtered_probs import FilteredProbs
+from specdec.kernels.sampling import SampleResult
+from specdec.kernels.verify_chain import ChainVerifyResult
+from specdec.kernels.verify_tree import TreeVerifyResult
 
 VOCAB = 1000
 TREE = [-1, 0, 0, 1, 1, 2, 3]
