@@ -9,8 +9,9 @@ with the installed Triton for each architecture (``specdec.kernels.compile_targe
 with its default configuration at every case, and with every candidate of its tuning
 space at the primary cases (LLaMA-3-8B and vocab 128256, bf16). A compile that fails,
 spills registers, needs more shared memory than a block may have or more registers than its
-kernel declares (``REGISTER_BOUND``), or a paged decode launch whose loop does not double
-buffer K and V (``DECODE_BUFFERS``), fails the run (exit 1).
+kernel declares (``REGISTER_BOUND``), a paged decode launch whose loop does not double
+buffer K and V (``DECODE_BUFFERS``), or a default launch of a kernel that streams vocabulary rows
+without a vector load (``ROW_STREAMS``), fails the run (exit 1).
 
     python bench/compile_matrix.py --out OUT                 # everything (CI, per Triton version)
     python bench/compile_matrix.py --primary --defaults-only # the test suite's check
@@ -127,6 +128,12 @@ WIDE_HEAD_BOUND = 248  # tree attention with heads wider than 128 (BLOCK_D 256),
 # tile's math instead of every tile paying a full DRAM round trip. The names are the kernel's variables
 # the loads assign. (fp32 tiles run their dots on FMA units and are not checked.)
 DECODE_BUFFERS = {"k": 2, "v": 2}
+# Kernels that stream vocabulary rows (logits or probability rows) a tile at a time. Every case's rows are whole
+# 16-byte multiples, so at the launchers' default configurations their loads must compile to vector loads: a
+# clamped address is read a value at a time, and 16-bit logits then move 2 bytes a load. (Not the walk: its final
+# draw reads [TILES, BLOCK] blocks clamped, because a plain load for the blocks inside the row made it spill at
+# its register cap under Triton 3.6 and 3.9.)
+ROW_STREAMS = {"_threshold_kernel", "_row_stats_kernel", "_probs_kernel", "_race_tile_kernel"}
 
 
 def register_bound(job: Job) -> int | None:
@@ -147,6 +154,11 @@ def buffer_check(job: Job, arch: int) -> tuple[dict, str]:
     return {}, ""
 
 
+def streams_rows(job: Job, arch: int) -> bool:
+    """Whether ``ROW_STREAMS`` asks this launch for vector loads: a row-streaming kernel, the default on ``arch``."""
+    return job.kernel in ROW_STREAMS and any(where == arch for where, _ in job.defaults)
+
+
 def compile_job(job: Job, arch: int) -> dict:
     kernel = getattr(sys.modules[job.module], job.kernel)
     try:
@@ -154,10 +166,12 @@ def compile_job(job: Job, arch: int) -> dict:
     except Exception as exc:  # reported per row; the run fails at the end
         return dict(error=f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200] if str(exc) else ''}")
     needed, case = buffer_check(job, arch)
-    problems = r.problems(arch, register_bound(job), needed)
+    rows = streams_rows(job, arch)
+    problems = r.problems(arch, register_bound(job), needed, rows)
     return dict(registers=r.registers, spill=r.spill_bytes, stack=r.stack_bytes, shared=r.shared_bytes,
                 seconds=r.compile_s, buffers=[[b.name, b.count, b.shape] for b in r.buffers],
-                waits=list(r.loop_waits), checked=case, problems=problems)  # fmt: skip
+                waits=list(r.loop_waits), vector_loads=r.vector_loads, checked=case, rows_checked=rows,
+                problems=problems)  # fmt: skip
 
 
 def _worker(payload):
@@ -176,12 +190,14 @@ def usage(r: dict) -> str:
 
 
 def rings(r: dict) -> str:
-    """The loop's buffer rings by load (several loops: several counts) and the in-loop waits' ``num``."""
+    """The loop's buffer rings by load (several loops: several counts), the in-loop waits' ``num`` and the vector
+    loads."""
     counts: dict[str, list] = {}
     for name, count, _ in r["buffers"]:
         counts.setdefault(name, []).append(str(count))
     text = ", ".join(f"{name} {'/'.join(c)}" for name, c in counts.items()) or "none"
-    return text + (f"; wait {'/'.join(map(str, r['waits']))}" if r["waits"] else "")
+    text += f"; wait {'/'.join(map(str, r['waits']))}" if r["waits"] else ""
+    return text + f"; {r['vector_loads']} vector loads"
 
 
 def bound_text(kernel: str) -> str:
@@ -209,9 +225,8 @@ def report(jobs: list[Job], results: dict, archs: list[int], version: str, elaps
         summary["cases"].update(job.cases)
         cells = []
         for arch in archs:
-            worst = summary["arch"].setdefault(
-                arch, dict(registers=0, spill=0, stack=0, shared=0, failed=0, buffer_checks=0, buffers={})
-            )
+            worst = summary["arch"].setdefault(arch, dict(registers=0, spill=0, stack=0, shared=0, failed=0,
+                                                          buffer_checks=0, buffers={}, row_checks=0, vector_loads=None))
             if (j, arch) not in results:  # this architecture's launchers never choose it
                 cells += ["-", "-"]
                 continue
@@ -226,6 +241,10 @@ def report(jobs: list[Job], results: dict, archs: list[int], version: str, elaps
                 continue
             for field in ("registers", "spill", "stack", "shared"):
                 worst[field] = max(worst[field], r[field])
+            if r["rows_checked"]:  # the fewest vector loads over the launches checked for them
+                worst["row_checks"] += 1
+                fewest = worst["vector_loads"]
+                worst["vector_loads"] = r["vector_loads"] if fewest is None else min(fewest, r["vector_loads"])
             if r["checked"]:  # the fewest buffers of each checked load over the checked launches
                 worst["buffer_checks"] += 1
                 for name in DECODE_BUFFERS:
@@ -268,14 +287,16 @@ def report(jobs: list[Job], results: dict, archs: list[int], version: str, elaps
         + "; registers per thread <= the kernel's declared bound ("
         + (f"not checked for {', '.join(unbounded)}: no bound declared" if unbounded else "every kernel declares one")
         + "); in the loop of a 16-bit paged decode launch at the launcher's default configuration, at least "
-        + ", ".join(f"{n} buffers for {name!r}" for name, n in DECODE_BUFFERS.items()) + ".",
+        + ", ".join(f"{n} buffers for {name!r}" for name, n in DECODE_BUFFERS.items())
+        + "; vector loads in the default launches of the kernels that stream vocabulary rows ("
+        + ", ".join(sorted(ROW_STREAMS)) + ").",
         "",
     ]
     if failures:
         lines += ["Failures:", ""] + [f"- {f}" for f in failures] + [""]
     lines += [
         "| kernel | config | origin | fixed meta-parameters, dtypes | case | register bound | "
-        + " | ".join(f"sm_{a} {USAGE} | sm_{a} buffers by load; loop waits" for a in archs) + " |",
+        + " | ".join(f"sm_{a} {USAGE} | sm_{a} buffers by load; loop waits; vector loads" for a in archs) + " |",
         "|---|---|---|---|---|---|" + "---|" * (2 * len(archs)),
         *rows,
     ]

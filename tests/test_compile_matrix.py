@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 from common import triton_kernels
+from compile_matrix import ROW_STREAMS
 
-from specdec.kernels.compile_target import SHARED_LIMIT, Buffer, Resources, pipeline, toolchain
+from specdec.kernels.compile_target import SHARED_LIMIT, Buffer, Resources, pipeline, toolchain, vector_loads
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_toolchain = pytest.mark.skipif(not toolchain()[0], reason=f"no NVIDIA toolchain: {toolchain()[1]}")
@@ -55,6 +56,11 @@ def test_every_kernel_compiles_for_sm90_and_sm80_within_its_limits(matrix):
         worst = attention["worst"][arch]
         assert worst["buffer_checks"] >= 2, worst
         assert worst["buffers"]["k"] >= 2 and worst["buffers"]["v"] >= 2, f"sm_{arch}: {worst['buffers']}"
+    # the kernels that stream vocabulary rows were checked for vector loads at their default launches
+    for kernel in ROW_STREAMS:
+        for arch in ("90", "80"):
+            worst = summary["kernels"][kernel]["worst"][arch]
+            assert worst["row_checks"] >= 1 and worst["vector_loads"] >= 1, f"{kernel} sm_{arch}: {worst}"
 
 
 # A launch compiled without a software pipeline (num_stages=1: no shared-memory ring for any load), run
@@ -157,11 +163,26 @@ def test_resources_problems_name_each_broken_limit():
         "1 shared-memory buffers for 'v' in the loop < 2",
     ]
     unpipelined = Resources(100, 8, 16, 200 * 1024, 1.0)
-    assert unpipelined.problems(80, min_buffers={"k": 2}) == [
+    assert unpipelined.problems(80, min_buffers={"k": 2}, vectorised=True) == [
         "8 bytes of register spill stores",
         f"{200 * 1024} bytes of shared memory > the {163 * 1024} a block may use",
         "0 shared-memory buffers for 'k' in the loop < 2",
+        "no vector load: its rows are read a value at a time",
     ]
+    assert Resources(40, 0, 0, 0, 1.0, vector_loads=1).problems(90, vectorised=True) == []
+
+
+def test_vector_loads_are_counted_from_the_ptx():
+    # real PTX lines (sm_90): a 16-byte load of eight bf16 logits, an 8-byte one, a read-only one, scalar loads
+    ptx = """
+\t@%p1 ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];
+\t@%p2 ld.global.v2.b32 { %r5, %r6 }, [ %rd2 + 0 ];
+\tld.global.nc.v4.b32 { %r7, %r8, %r9, %r10 }, [ %rd3 + 0 ];
+\tld.global.b16 %rs1, [ %rd4 + 0 ];
+\t@%p3 ld.global.b32 { %r11 }, [ %rd5 + 0 ];
+\tst.global.v4.b32 [ %rd6 + 0 ], { %r1, %r2, %r3, %r4 };
+"""
+    assert vector_loads(ptx) == 3
 
 
 def test_kernel_discovery_finds_the_known_kernels():

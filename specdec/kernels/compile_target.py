@@ -47,15 +47,17 @@ class Resources:
     compile_s: float
     buffers: tuple[Buffer, ...] = ()
     loop_waits: tuple[int, ...] = ()  # ``num`` of each async wait inside a loop: copy groups left in flight
+    vector_loads: int = 0  # global loads of 8 or 16 bytes a thread (``ld.global.v2`` / ``.v4`` in the PTX)
 
     def buffer_count(self, name: str) -> int:
         """The fewest buffers of a ring for the load into ``name`` (0: none, the load is not pipelined)."""
         return min((b.count for b in self.buffers if b.name == name), default=0)
 
-    def problems(self, arch: int, max_registers: int | None = None, min_buffers: dict | None = None) -> list[str]:
+    def problems(self, arch: int, max_registers: int | None = None, min_buffers: dict | None = None,
+                 vectorised: bool = False) -> list[str]:  # fmt: skip
         """Why this launch could fail or run slowly on ``arch`` (empty: it fits): spills, shared memory
-        over the limit, and, where given, registers over ``max_registers`` and fewer buffers than
-        ``min_buffers`` asks for the named loads."""
+        over the limit, and, where given, registers over ``max_registers``, fewer buffers than
+        ``min_buffers`` asks for the named loads, and with ``vectorised`` no vector load at all."""
         found = []
         if self.spill_bytes:
             found.append(f"{self.spill_bytes} bytes of register spill stores")
@@ -66,6 +68,8 @@ class Resources:
         for name, least in (min_buffers or {}).items():
             if self.buffer_count(name) < least:
                 found.append(f"{self.buffer_count(name)} shared-memory buffers for {name!r} in the loop < {least}")
+        if vectorised and not self.vector_loads:
+            found.append("no vector load: its rows are read a value at a time")
         return found
 
 
@@ -79,6 +83,7 @@ class Resources:
 #   %k_399 = ttg.async_wait %k_383, %v_385 {num = 2 : i32} loc(#loc330)
 _ALLOC = re.compile(r"^\s*%([\w.$-]+) = ttg\.local_alloc : \(\) -> !ttg\.memdesc<(\d+)x([^,>]+),[^>]*\bmutable>")
 _WAIT = re.compile(r"\bttg\.async_wait\b.*\{num = (\d+) : i32\}")
+_VECTOR_LOAD = re.compile(r"\bld\.global\.(?:\w+\.)*v[248]\.")
 
 
 def pipeline(ttgir: str) -> tuple[tuple[Buffer, ...], tuple[int, ...]]:
@@ -97,6 +102,11 @@ def pipeline(ttgir: str) -> tuple[tuple[Buffer, ...], tuple[int, ...]]:
         if text.endswith("{"):
             loops.append("scf.for " in text)
     return tuple(buffers), tuple(waits)
+
+
+def vector_loads(ptx: str) -> int:
+    """How many global loads in ``ptx`` move 8 or 16 bytes a thread (``ld.global.v4.b32``, ``ld.global.nc.v2.b32``)."""
+    return len(_VECTOR_LOAD.findall(ptx))
 
 
 def toolchain() -> tuple[bool, str]:
@@ -149,4 +159,5 @@ def compile_launch(kernel, args: tuple, meta: dict, arch: int) -> Resources:
         raise RuntimeError(f"no ptxas report in the compile log: {text[-500:]!r}")
     stack, spills, _ = map(int, frame.groups())
     buffers, waits = pipeline(compiled.asm["ttgir"])
-    return Resources(int(regs.group(1)), spills, stack, compiled.metadata.shared, seconds, buffers, waits)
+    shared, vectors = compiled.metadata.shared, vector_loads(compiled.asm["ptx"])
+    return Resources(int(regs.group(1)), spills, stack, shared, seconds, buffers, waits, vectors)

@@ -76,7 +76,11 @@ def _probs_kernel(
         row_ptr = logits_ptr + row.to(tl.int64) * stride_in
         inv_t, thr = tl.load(inv_row_ptr + row), tl.load(thr_ptr + row)
         cols, p = target_tile_tl(row_ptr, tile * BLOCK, V, inv_t, thr, m, z, BLOCK)
-    tl.store(probs_ptr + row.to(tl.int64) * stride_out + tl.minimum(cols, V - 1), p, mask=cols < V)
+    out_row = probs_ptr + row.to(tl.int64) * stride_out
+    if tile * BLOCK + BLOCK <= V:  # a whole tile: one plain (vectorised) store; the row's last one is clamped
+        tl.store(out_row + cols, p)
+    else:
+        tl.store(out_row + tl.minimum(cols, V - 1), p, mask=cols < V)
     if tile == 0:
         tl.store(invalid_ptr + row, bad)
 
