@@ -128,12 +128,11 @@ WIDE_HEAD_BOUND = 248  # tree attention with heads wider than 128 (BLOCK_D 256),
 # tile's math instead of every tile paying a full DRAM round trip. The names are the kernel's variables
 # the loads assign. (fp32 tiles run their dots on FMA units and are not checked.)
 DECODE_BUFFERS = {"k": 2, "v": 2}
-# Kernels that stream vocabulary rows (logits or probability rows) a tile at a time. Every case's rows are whole
-# 16-byte multiples, so at the launchers' default configurations their loads must compile to vector loads: a
-# clamped address is read a value at a time, and 16-bit logits then move 2 bytes a load. (Not the walk: its final
-# draw reads [TILES, BLOCK] blocks clamped, because a plain load for the blocks inside the row made it spill at
-# its register cap under Triton 3.6 and 3.9.)
-ROW_STREAMS = {"_threshold_kernel", "_row_stats_kernel", "_probs_kernel", "_race_tile_kernel"}
+# Kernels that stream vocabulary rows (logits, draft or probability rows) a block at a time. Every case's rows are
+# whole 16-byte multiples, so at the launchers' default configurations their loads must compile to vector loads: a
+# clamped address is read a value at a time, and 16-bit logits then move 2 bytes a load. (The greedy walk reads no
+# row.)
+ROW_STREAMS = {"_threshold_kernel", "_row_stats_kernel", "_probs_kernel", "_race_tile_kernel", "_tree_walk_kernel"}
 
 
 def register_bound(job: Job) -> int | None:
@@ -156,7 +155,8 @@ def buffer_check(job: Job, arch: int) -> tuple[dict, str]:
 
 def streams_rows(job: Job, arch: int) -> bool:
     """Whether ``ROW_STREAMS`` asks this launch for vector loads: a row-streaming kernel, the default on ``arch``."""
-    return job.kernel in ROW_STREAMS and any(where == arch for where, _ in job.defaults)
+    reads_rows = job.kernel in ROW_STREAMS and job.meta.get("RULE") != "greedy"
+    return reads_rows and any(where == arch for where, _ in job.defaults)
 
 
 def compile_job(job: Job, arch: int) -> dict:

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from specdec.kernels._triton import constant, jit, tl
 from specdec.kernels.sample_probs import race_block_tl
-from specdec.kernels.target_stats import target_cols_tl
+from specdec.kernels.target_stats import target_values_tl
+from specdec.kernels.top_k_top_p import row_load_tl
 from specdec.kernels.uniforms import race_clock_tl
 
 RESIDUAL_EPS = 1e-5  # a residual with less mass is rounding noise: sample from p instead
@@ -27,9 +28,9 @@ FINAL_RESIDUAL = constant(2)  # stochastic rule: draw from max(0, p - C q), its 
 
 
 @jit
-def residual_tile_tl(p, q_row_ptr, cols, V, c):
-    """max(0, p - C q) on one tile (negative or non-finite q read as 0; p is 0 past V)."""
-    q = tl.load(q_row_ptr + tl.minimum(cols, V - 1)).to(tl.float32)  # clamped: no lane leaves the row
+def residual_tile_tl(p, q, c):
+    """max(0, p - C q) on one tile of p and the draft row's values q there (negative or non-finite q read as 0)."""
+    q = q.to(tl.float32)
     return tl.maximum(p - c * tl.where((q >= 0) & (q < float("inf")), q, 0.0), 0.0)
 
 
@@ -44,17 +45,18 @@ def final_draw_tl(logits_row, q_row, mode, c, key, inv_t, thr, m, z, V, n_tiles,
     best_w = best_p
     arg_w = arg_p
     total = inv_t * 0.0
-    # ---- TILES vocabulary tiles a step (a shorter serial chain), in column order
+    # ---- TILES vocabulary tiles a step (a shorter serial chain), in column order, as one 1-D block: a
+    # [TILES, BLOCK] block spills once its loads are vectorised
     for first in range(0, n_tiles, TILES):
-        tiles = first + tl.arange(0, TILES)
-        cols = tiles[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # [TILES, BLOCK]; past V: p = 0
-        p = target_cols_tl(logits_row, cols, V, inv_t, thr, m, z)
+        cols = first * BLOCK + tl.arange(0, TILES * BLOCK)  # past V: p = 0
+        inside = (first + TILES) * BLOCK <= V
+        p = target_values_tl(row_load_tl(logits_row, cols, inside, V), cols, V, inv_t, thr, m, z)
         e = race_clock_tl(key, cols)  # one clock per entry, shared by both races
         best_p, arg_p = race_block_tl(p, cols, e, best_p, arg_p)
         if RULE == "stochastic":
             if mode == FINAL_RESIDUAL:  # the draft row of the final node's children: after a rejection, it exists
-                w = residual_tile_tl(p, q_row, cols, V, c)
-                total += tl.sum(tl.sum(w, 1), 0)
+                w = residual_tile_tl(p, row_load_tl(q_row, cols, inside, V), c)
+                total += tl.sum(w, 0)
                 best_w, arg_w = race_block_tl(w, cols, e, best_w, arg_w)
     # ---- the residual's winner, unless it is rounding noise (p == q): then p's
     if RULE == "stochastic":

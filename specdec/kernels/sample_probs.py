@@ -30,28 +30,23 @@ from specdec.kernels.uniforms import race_clock_tl, race_clocks, race_key_tl
 
 @jit
 def race_block_tl(w, cols, e, best, arg):
-    """Fold a 1-D or 2-D block of weights ``w`` at columns ``cols`` with clocks ``e`` (``race_clock_tl``) into the
-    running race (best score, its column): the block's best replaces it only when strictly higher, so of equal
-    scores the first folded (the lowest column, blocks folded in column order) stays."""
+    """Fold a block of weights ``w`` at columns ``cols`` (1-D, in the layout they were loaded in) with clocks ``e``
+    (``race_clock_tl``) into the running race (best score, its column): the block's best replaces it only when
+    strictly higher, so of equal scores the first folded (the lowest column, blocks folded in column order) stays."""
     score = tl.where(w > 0, tl.math.div_rn(w, e), -1.0)  # no weight: never wins
-    if len(score.shape) == 2:  # (decided at compile time) one axis at a time: a flattened block spills the walk
-        top = tl.max(tl.max(score, 1), 0)
-        at = tl.min(tl.min(tl.where(score == top, cols, INT32_MAX), 1), 0)
-    else:  # a row tile as loaded: adding an axis would move it through shared memory to another layout
-        top = tl.max(score, 0)
-        at = tl.min(tl.where(score == top, cols, INT32_MAX), 0)
+    top = tl.max(score, 0)
+    at = tl.min(tl.where(score == top, cols, INT32_MAX), 0)
     take = top > best
     return tl.where(take, top, best), tl.where(take, at, arg)
 
 
 @jit
-def _race_tile_tl(row_ptr, key, start, V, BLOCK: tl.constexpr, WHOLE: tl.constexpr):
-    """(best w / E, its first column) over the tile of a probability row from column ``start`` (WHOLE: the tile
-    lies inside the row, ``row_load_tl``): negative, NaN and infinite entries (and columns past V) count as 0."""
+def probs_tile_tl(row_ptr, start, V, BLOCK: tl.constexpr):
+    """(cols, w) on one tile of a probability row: negative, NaN and infinite entries (and columns
+    past V) count as 0."""
     cols = start + tl.arange(0, BLOCK)
-    w = row_load_tl(row_ptr, cols, V, WHOLE).to(tl.float32)
-    w = tl.where((cols < V) & (w >= 0) & (w < float("inf")), w, 0.0)
-    return race_block_tl(w, cols, race_clock_tl(key, cols), -1.0, -1)
+    w = row_load_tl(row_ptr, cols, start + BLOCK <= V, V).to(tl.float32)
+    return cols, tl.where((cols < V) & (w >= 0) & (w < float("inf")), w, 0.0)
 
 
 @jit
@@ -70,11 +65,8 @@ def _race_tile_kernel(
     row = tl.program_id(0)
     tile = tl.program_id(1)
     key = race_key_tl(tl.load(seed_ptr + row), tl.load(offset_ptr + row), tl.load(counter_ptr + row))
-    row_ptr = probs_ptr + row.to(tl.int64) * stride_row
-    if tile * BLOCK + BLOCK <= V:  # a tile inside the row in one vectorised load, the row's last one clamped
-        best, arg = _race_tile_tl(row_ptr, key, tile * BLOCK, V, BLOCK, True)
-    else:
-        best, arg = _race_tile_tl(row_ptr, key, tile * BLOCK, V, BLOCK, False)
+    cols, w = probs_tile_tl(probs_ptr + row.to(tl.int64) * stride_row, tile * BLOCK, V, BLOCK)
+    best, arg = race_block_tl(w, cols, race_clock_tl(key, cols), -1.0, -1)
     out = row.to(tl.int64) * n_tiles + tile
     tl.store(score_ptr + out, best)
     tl.store(arg_ptr + out, arg)

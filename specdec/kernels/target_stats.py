@@ -106,10 +106,10 @@ def target_tile_tl(row_ptr, start, V, inv_t, thr, m, z, BLOCK: tl.constexpr):
 
 
 @jit
-def target_cols_tl(row_ptr, cols, V, inv_t, thr, m, z):
-    """p at columns ``cols`` of any shape: the values ``target_tile_tl`` gives them (0 past V)."""
-    s = tl.load(row_ptr + tl.minimum(cols, V - 1)).to(tl.float32) * inv_t  # clamped: no lane leaves the row
-    s = tl.where(cols < V, s, float("-inf"))
+def target_values_tl(logits, cols, V, inv_t, thr, m, z):
+    """p from a row's raw ``logits`` at columns ``cols`` (loaded by the caller): the values ``target_tile_tl``
+    gives them (0 past V)."""
+    s = tl.where(cols < V, logits.to(tl.float32) * inv_t, float("-inf"))
     return tl.where((s >= thr) & (s > float("-inf")), tl.exp(s - m) / z, 0.0)
 
 

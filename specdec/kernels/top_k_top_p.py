@@ -52,11 +52,12 @@ def inverse_temperature_tl(t):
 
 
 @jit
-def row_load_tl(row_ptr, cols, V, WHOLE: tl.constexpr):
-    """``row_ptr[cols]`` for columns of any shape. ``WHOLE``: every column lies inside the row, and the load is a
-    plain one, which the compiler vectorises. Else lanes past V read column V - 1: clamped addresses keep every
-    lane inside the row (a masked lane may not point outside either), but are read a value at a time."""
-    if WHOLE:
+def row_load_tl(row_ptr, cols, inside, V):
+    """``row_ptr[cols]`` for a block of consecutive columns; ``inside``: every one lies inside the row. Then the
+    load is a plain one, which the compiler vectorises; else (the row's last block) lanes past V read column V - 1:
+    clamped addresses keep every lane inside the row (a masked lane may not point outside either), but are read a
+    value at a time."""
+    if inside:
         x = tl.load(row_ptr + cols)
     else:
         x = tl.load(row_ptr + tl.minimum(cols, V - 1))
@@ -65,15 +66,11 @@ def row_load_tl(row_ptr, cols, V, WHOLE: tl.constexpr):
 
 @jit
 def scaled_tile_tl(row_ptr, start, V, inv_t, BLOCK: tl.constexpr):
-    """One vocabulary tile of a row: (cols, in-vocabulary mask, s = l * inv_t in fp32, -inf past V). A tile inside
-    the row is one vectorised load, the row's last one clamped (``row_load_tl``)."""
+    """One vocabulary tile of a row: (cols, in-vocabulary mask, s = l * inv_t in fp32, -inf past V)."""
     cols = start + tl.arange(0, BLOCK)
     inb = cols < V
-    if start + BLOCK <= V:
-        logits = row_load_tl(row_ptr, cols, V, True)
-    else:
-        logits = row_load_tl(row_ptr, cols, V, False)
-    return cols, inb, tl.where(inb, logits.to(tl.float32) * inv_t, float("-inf"))
+    logits = row_load_tl(row_ptr, cols, start + BLOCK <= V, V).to(tl.float32)
+    return cols, inb, tl.where(inb, logits * inv_t, float("-inf"))
 
 
 @jit
@@ -116,7 +113,7 @@ def _threshold_search(row_ptr, V, inv_t, m, floor, target, BY_COUNT: tl.constexp
         acc = tl.zeros([BLOCK, WAYS], dtype=tl.float32)
         for start in range(0, V, BLOCK):  # scaled_tile_tl inline: nested jit calls are slow in the interpreter
             cols = start + tl.arange(0, BLOCK)
-            if start + BLOCK <= V:  # (scaled_tile_tl's load, inline)
+            if start + BLOCK <= V:  # (row_load_tl, inline)
                 s = tl.load(row_ptr + cols).to(tl.float32) * inv_t
             else:
                 s = tl.load(row_ptr + tl.minimum(cols, V - 1)).to(tl.float32) * inv_t

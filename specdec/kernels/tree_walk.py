@@ -72,7 +72,7 @@ from specdec.kernels.target_stats import (
     target_prob_tl,
     target_tile_tl,
 )
-from specdec.kernels.top_k_top_p import inverse_temperature_tl
+from specdec.kernels.top_k_top_p import inverse_temperature_tl, row_load_tl
 from specdec.kernels.tuning import TuningSpace, candidates, launch
 from specdec.kernels.uniforms import ROLE_TARGET, ROLE_TEST, counter_uniform_tl, race_key_tl
 
@@ -101,7 +101,7 @@ def _residual_mass(logits_row, q_row, V, inv_t, thr, m, z, c, BLOCK: tl.constexp
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, V, BLOCK):
         cols, p = target_tile_tl(logits_row, start, V, inv_t, thr, m, z, BLOCK)
-        acc += residual_tile_tl(p, q_row, cols, V, c)
+        acc += residual_tile_tl(p, row_load_tl(q_row, cols, start + BLOCK <= V, V), c)
     return tl.sum(acc, 0)
 
 
