@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from specdec.kernels._triton import INT32_MAX, cdiv, jit, tl
-from specdec.kernels.top_k_top_p import bad_rows, scaled_tile_tl
+from specdec.kernels.top_k_top_p import bad_rows, row_load_tl, scaled_tile_tl
 from specdec.kernels.tuning import TuningSpace, candidates, launch
 
 # ----------------------------------------------------------------------------- Triton
@@ -99,18 +99,18 @@ def row_normaliser_tl(max_ptr, sum_ptr, row, m, n_tiles, T_PAD: tl.constexpr):
 
 
 @jit
-def target_tile_tl(row_ptr, start, V, inv_t, thr, m, z, BLOCK: tl.constexpr):
-    """(cols, p) on the tile of ``row_ptr`` starting at column ``start``; p = 0 off the kept set and past V."""
-    cols, inb, s = scaled_tile_tl(row_ptr, start, V, inv_t, BLOCK)
-    return cols, tl.where((s >= thr) & (s > float("-inf")), tl.exp(s - m) / z, 0.0)
+def target_values_tl(logits, cols, V, inv_t, thr, m, z):
+    """p from a row's raw ``logits`` at columns ``cols`` (loaded by the caller): exp(s - m) / z with s = l * inv_t
+    on the kept entries (finite, s >= thr), 0 elsewhere and past V."""
+    s = tl.where(cols < V, logits.to(tl.float32) * inv_t, float("-inf"))
+    return tl.where((s >= thr) & (s > float("-inf")), tl.exp(s - m) / z, 0.0)
 
 
 @jit
-def target_values_tl(logits, cols, V, inv_t, thr, m, z):
-    """p from a row's raw ``logits`` at columns ``cols`` (loaded by the caller): the values ``target_tile_tl``
-    gives them (0 past V)."""
-    s = tl.where(cols < V, logits.to(tl.float32) * inv_t, float("-inf"))
-    return tl.where((s >= thr) & (s > float("-inf")), tl.exp(s - m) / z, 0.0)
+def target_tile_tl(row_ptr, start, V, inv_t, thr, m, z, BLOCK: tl.constexpr):
+    """(cols, p) on the tile of ``row_ptr`` starting at column ``start``; p = 0 off the kept set and past V."""
+    cols = start + tl.arange(0, BLOCK)
+    return cols, target_values_tl(row_load_tl(row_ptr, cols, start + BLOCK <= V, V), cols, V, inv_t, thr, m, z)
 
 
 @jit

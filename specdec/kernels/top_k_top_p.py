@@ -113,10 +113,7 @@ def _threshold_search(row_ptr, V, inv_t, m, floor, target, BY_COUNT: tl.constexp
         acc = tl.zeros([BLOCK, WAYS], dtype=tl.float32)
         for start in range(0, V, BLOCK):  # scaled_tile_tl inline: nested jit calls are slow in the interpreter
             cols = start + tl.arange(0, BLOCK)
-            if start + BLOCK <= V:  # (row_load_tl, inline)
-                s = tl.load(row_ptr + cols).to(tl.float32) * inv_t
-            else:
-                s = tl.load(row_ptr + tl.minimum(cols, V - 1)).to(tl.float32) * inv_t
+            s = row_load_tl(row_ptr, cols, start + BLOCK <= V, V).to(tl.float32) * inv_t
             sel = (cols < V)[:, None] & (s[:, None] >= t[None, :])
             if BY_COUNT:
                 acc += sel.to(tl.float32)
