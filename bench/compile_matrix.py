@@ -10,8 +10,10 @@ with its default configuration at every case, and with every candidate of its tu
 space at the primary cases (LLaMA-3-8B and vocab 128256, bf16). A compile that fails,
 spills registers, needs more shared memory than a block may have or more registers than its
 kernel declares (``REGISTER_BOUND``), a paged decode launch whose loop does not double
-buffer K and V (``DECODE_BUFFERS``), or a default launch of a kernel that streams vocabulary rows
-without a vector load (``ROW_STREAMS``), fails the run (exit 1).
+buffer K and V (``DECODE_BUFFERS``), a default launch of a kernel that streams vocabulary rows
+without a vector load (``ROW_STREAMS``), or a launch of a kernel whose last program acts on the others'
+work without an ordered arrival (``ARRIVALS``: a CTA barrier, then an acq_rel atomic add at GPU scope),
+fails the run (exit 1).
 
     python bench/compile_matrix.py --out OUT                 # everything (CI, per Triton version)
     python bench/compile_matrix.py --primary --defaults-only # the test suite's check
@@ -133,6 +135,10 @@ DECODE_BUFFERS = {"k": 2, "v": 2}
 # clamped address is read a value at a time, and 16-bit logits then move 2 bytes a load. (The greedy walk reads no
 # row.)
 ROW_STREAMS = {"_threshold_kernel", "_row_stats_kernel", "_probs_kernel", "_race_tile_kernel", "_tree_walk_kernel"}
+# Kernels whose last program of a group acts on what the others did (kv_compact: the last program of a request
+# advances its length, after every program of the request has read the old one). Each program must count itself
+# done after a barrier of its CTA, with an acq_rel atomic add at GPU scope: else the count can pass its accesses.
+ARRIVALS = {"kv_compact_kernel"}
 
 
 def register_bound(job: Job) -> int | None:
@@ -166,12 +172,12 @@ def compile_job(job: Job, arch: int) -> dict:
     except Exception as exc:  # reported per row; the run fails at the end
         return dict(error=f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200] if str(exc) else ''}")
     needed, case = buffer_check(job, arch)
-    rows = streams_rows(job, arch)
-    problems = r.problems(arch, register_bound(job), needed, rows)
+    rows, arrives = streams_rows(job, arch), job.kernel in ARRIVALS
+    problems = r.problems(arch, register_bound(job), needed, rows, arrives)
     return dict(registers=r.registers, spill=r.spill_bytes, stack=r.stack_bytes, shared=r.shared_bytes,
                 seconds=r.compile_s, buffers=[[b.name, b.count, b.shape] for b in r.buffers],
                 waits=list(r.loop_waits), vector_loads=r.vector_loads, checked=case, rows_checked=rows,
-                problems=problems)  # fmt: skip
+                arrivals_checked=arrives, ordered_arrivals=r.ordered_arrivals, problems=problems)  # fmt: skip
 
 
 def _worker(payload):
@@ -226,7 +232,8 @@ def report(jobs: list[Job], results: dict, archs: list[int], version: str, elaps
         cells = []
         for arch in archs:
             worst = summary["arch"].setdefault(arch, dict(registers=0, spill=0, stack=0, shared=0, failed=0,
-                                                          buffer_checks=0, buffers={}, row_checks=0, vector_loads=None))
+                                                          buffer_checks=0, buffers={}, row_checks=0, vector_loads=None,
+                                                          arrival_checks=0, ordered_arrivals=None))
             if (j, arch) not in results:  # this architecture's launchers never choose it
                 cells += ["-", "-"]
                 continue
@@ -245,6 +252,10 @@ def report(jobs: list[Job], results: dict, archs: list[int], version: str, elaps
                 worst["row_checks"] += 1
                 fewest = worst["vector_loads"]
                 worst["vector_loads"] = r["vector_loads"] if fewest is None else min(fewest, r["vector_loads"])
+            if r["arrivals_checked"]:  # the fewest ordered arrivals over the launches checked for them
+                worst["arrival_checks"] += 1
+                fewest, count = worst["ordered_arrivals"], r["ordered_arrivals"]
+                worst["ordered_arrivals"] = count if fewest is None else min(fewest, count)
             if r["checked"]:  # the fewest buffers of each checked load over the checked launches
                 worst["buffer_checks"] += 1
                 for name in DECODE_BUFFERS:
@@ -289,7 +300,8 @@ def report(jobs: list[Job], results: dict, archs: list[int], version: str, elaps
         + "); in the loop of a 16-bit paged decode launch at the launcher's default configuration, at least "
         + ", ".join(f"{n} buffers for {name!r}" for name, n in DECODE_BUFFERS.items())
         + "; vector loads in the default launches of the kernels that stream vocabulary rows ("
-        + ", ".join(sorted(ROW_STREAMS)) + ").",
+        + ", ".join(sorted(ROW_STREAMS)) + "); in every launch of " + ", ".join(sorted(ARRIVALS))
+        + ", a CTA barrier then an acq_rel GPU-scope atomic add (the arrival its last program waits for).",
         "",
     ]
     if failures:

@@ -17,9 +17,17 @@ from pathlib import Path
 
 import pytest
 from common import triton_kernels
-from compile_matrix import ROW_STREAMS
+from compile_matrix import ARRIVALS, ROW_STREAMS
 
-from specdec.kernels.compile_target import SHARED_LIMIT, Buffer, Resources, pipeline, toolchain, vector_loads
+from specdec.kernels.compile_target import (
+    SHARED_LIMIT,
+    Buffer,
+    Resources,
+    ordered_arrivals,
+    pipeline,
+    toolchain,
+    vector_loads,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_toolchain = pytest.mark.skipif(not toolchain()[0], reason=f"no NVIDIA toolchain: {toolchain()[1]}")
@@ -56,6 +64,11 @@ def test_every_kernel_compiles_for_sm90_and_sm80_within_its_limits(matrix):
         worst = attention["worst"][arch]
         assert worst["buffer_checks"] >= 2, worst
         assert worst["buffers"]["k"] >= 2 and worst["buffers"]["v"] >= 2, f"sm_{arch}: {worst['buffers']}"
+    # every launch of the kernels whose last program acts on the others' work counts its arrival after a barrier
+    for kernel in ARRIVALS:
+        for arch in ("90", "80"):
+            worst = summary["kernels"][kernel]["worst"][arch]
+            assert worst["arrival_checks"] >= 1 and worst["ordered_arrivals"] >= 1, f"{kernel} sm_{arch}: {worst}"
     # the kernels that stream vocabulary rows were checked for vector loads at their default launches
     for kernel in ROW_STREAMS:
         for arch in ("90", "80"):
@@ -170,6 +183,29 @@ def test_resources_problems_name_each_broken_limit():
         "no vector load: its rows are read a value at a time",
     ]
     assert Resources(40, 0, 0, 0, 1.0, vector_loads=1).problems(90, vectorised=True) == []
+    assert Resources(70, 0, 0, 0, 1.0).problems(90, arrives=True) == [
+        "no barrier then acq_rel GPU-scope atomic add: its arrival may pass its own stores"
+    ]
+    assert Resources(70, 0, 0, 0, 1.0, ordered_arrivals=1).problems(90, arrives=True) == []
+
+
+def test_ordered_arrivals_are_counted_from_the_ptx():
+    # a program's arrival as Triton 3.9 compiles it for sm_90 (a barrier, then one thread's acq_rel add at GPU
+    # scope past line markers and moves); without the barrier, or with a global store after it, it does not count
+    arrival = """
+\tbar.sync \t0;
+\t.loc\t1 110 12                        // kv_compact.py:110:12
+\t// begin inline asm
+\tmov.u32 %r1483, 0x0;
+\t@%p245 atom.global.gpu.acq_rel.add.u32 %r1483, [ %rd659 + 0 ], %r1484;
+"""
+    assert ordered_arrivals(arrival) == 1
+    assert ordered_arrivals(arrival.replace("gpu.acq_rel", "acq_rel.gpu")) == 1  # the other order PTX allows
+    assert ordered_arrivals(arrival.replace("bar.sync", "// bar.sync")) == 0
+    assert ordered_arrivals(arrival.replace("mov.u32", "st.global.b32 [ %rd1 + 0 ], %r9; mov.u32")) == 0
+    assert ordered_arrivals(arrival.replace("gpu.acq_rel", "gpu.relaxed")) == 0
+    assert ordered_arrivals(arrival.replace("gpu.acq_rel", "cta.acq_rel")) == 0
+    assert ordered_arrivals(arrival.replace(".add.u32", ".exch.b32")) == 0
 
 
 def test_vector_loads_are_counted_from_the_ptx():

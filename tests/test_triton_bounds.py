@@ -20,6 +20,21 @@ def _double_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr, CLAMP: tl.constexpr):
     tl.store(y_ptr + idx, 2 * tl.load(x_ptr + idx, mask=cols < n, other=0.0), mask=cols < n)
 
 
+@jit
+def _count_kernel(counts_ptr, slot):
+    tl.atomic_add(counts_ptr + slot, 1)
+
+
+def test_atomics_are_checked_too():
+    counts = torch.zeros(4, dtype=torch.int32)
+    with check_bounds():
+        _count_kernel[(3,)](counts, 3)
+    assert counts.tolist() == [0, 0, 0, 3]
+    with pytest.raises(Exception, match=r"atomic through counts_ptr \(4 elements\) reaches element offsets \[4\]"):
+        with check_bounds():
+            _count_kernel[(1,)](counts, 4)
+
+
 def test_clamped_lanes_pass_and_compute_the_same():
     x, y = torch.randn(5), torch.full((5,), float("nan"))
     with check_bounds():

@@ -144,12 +144,20 @@ def check_bounds(masked_lanes: bool = True):
         _check(ptrs, mask, "store", masked_only)
         return original_store(ptrs, value, mask, *rest)
 
+    def checked_atomic(rmw_op, ptrs, value, mask, *rest):
+        _check(ptrs, mask, "atomic", masked_only)
+        return original_atomic(rmw_op, ptrs, value, mask, *rest)
+
     original_load, original_store = builder.create_masked_load, builder.create_masked_store
-    patched = [n for n in dir(type(builder)) if n.startswith("create_") and n not in ("create_masked_load",
-               "create_masked_store", "create_load", "create_store")]  # fmt: skip
+    original_atomic = builder.create_atomic_rmw
+    checked = {"create_masked_load": checked_load, "create_masked_store": checked_store,
+               "create_atomic_rmw": checked_atomic}  # fmt: skip
+    patched = [n for n in dir(type(builder)) if n.startswith("create_") and n not in (*checked, "create_load",
+               "create_store")]  # fmt: skip
     for n in patched:
         setattr(builder, n, propagate(getattr(builder, n)))
-    builder.create_masked_load, builder.create_masked_store = checked_load, checked_store
+    for n, method in checked.items():
+        setattr(builder, n, method)
     interpreter._implicit_cvt = convert
     interpreter.GridExecutor.__call__ = launch
     try:
@@ -157,7 +165,7 @@ def check_bounds(masked_lanes: bool = True):
     finally:
         interpreter.GridExecutor.__call__ = original_call
         interpreter._implicit_cvt = original_cvt
-        for n in [*patched, "create_masked_load", "create_masked_store"]:
+        for n in [*patched, *checked]:
             delattr(builder, n)
 
 

@@ -48,16 +48,18 @@ class Resources:
     buffers: tuple[Buffer, ...] = ()
     loop_waits: tuple[int, ...] = ()  # ``num`` of each async wait inside a loop: copy groups left in flight
     vector_loads: int = 0  # global loads of 8 or 16 bytes a thread (``ld.global.v2`` / ``.v4`` in the PTX)
+    ordered_arrivals: int = 0  # acq_rel GPU-scope atomic adds right after a CTA barrier (``ordered_arrivals``)
 
     def buffer_count(self, name: str) -> int:
         """The fewest buffers of a ring for the load into ``name`` (0: none, the load is not pipelined)."""
         return min((b.count for b in self.buffers if b.name == name), default=0)
 
     def problems(self, arch: int, max_registers: int | None = None, min_buffers: dict | None = None,
-                 vectorised: bool = False) -> list[str]:  # fmt: skip
-        """Why this launch could fail or run slowly on ``arch`` (empty: it fits): spills, shared memory
-        over the limit, and, where given, registers over ``max_registers``, fewer buffers than
-        ``min_buffers`` asks for the named loads, and with ``vectorised`` no vector load at all."""
+                 vectorised: bool = False, arrives: bool = False) -> list[str]:  # fmt: skip
+        """Why this launch could fail, run slowly or merge wrongly on ``arch`` (empty: it fits): spills, shared
+        memory over the limit, and, where given, registers over ``max_registers``, fewer buffers than
+        ``min_buffers`` asks for the named loads, with ``vectorised`` no vector load at all, and with
+        ``arrives`` no ordered arrival (a program that counts itself done before its stores are visible)."""
         found = []
         if self.spill_bytes:
             found.append(f"{self.spill_bytes} bytes of register spill stores")
@@ -70,6 +72,8 @@ class Resources:
                 found.append(f"{self.buffer_count(name)} shared-memory buffers for {name!r} in the loop < {least}")
         if vectorised and not self.vector_loads:
             found.append("no vector load: its rows are read a value at a time")
+        if arrives and not self.ordered_arrivals:
+            found.append("no barrier then acq_rel GPU-scope atomic add: its arrival may pass its own stores")
         return found
 
 
@@ -102,6 +106,30 @@ def pipeline(ttgir: str) -> tuple[tuple[Buffer, ...], tuple[int, ...]]:
         if text.endswith("{"):
             loops.append("scf.for " in text)
     return tuple(buffers), tuple(waits)
+
+
+# A program's arrival after its stores (tree attention's split merge), as Triton 3.6 to 3.9 print it: a barrier,
+# then (past line markers, comments and register moves, with no global store between) one thread's add
+#   bar.sync 	0;
+#   @%p245 atom.global.gpu.acq_rel.add.u32 %r1483, [ %rd659 + 0 ], %r1484;
+_ARRIVAL = re.compile(r"^(?:@!?%p\d+\s+)?atom\.global\.(?:gpu\.acq_rel|acq_rel\.gpu)\.add\.")
+_GLOBAL_WRITE = re.compile(r"\b(?:st|atom|red)\.global\.")
+
+
+def ordered_arrivals(ptx: str) -> int:
+    """How many atomic adds in ``ptx`` release at GPU scope with no global store since a barrier of the whole CTA:
+    every thread's earlier stores are then visible to whoever acquires the count."""
+    count, after_barrier = 0, False
+    for line in ptx.splitlines():
+        text = line.strip()
+        if text.startswith("bar.sync"):
+            after_barrier = True
+        elif _ARRIVAL.match(text):
+            count += after_barrier
+            after_barrier = False
+        elif _GLOBAL_WRITE.search(text):
+            after_barrier = False
+    return count
 
 
 def vector_loads(ptx: str) -> int:
@@ -159,5 +187,6 @@ def compile_launch(kernel, args: tuple, meta: dict, arch: int) -> Resources:
         raise RuntimeError(f"no ptxas report in the compile log: {text[-500:]!r}")
     stack, spills, _ = map(int, frame.groups())
     buffers, waits = pipeline(compiled.asm["ttgir"])
-    shared, vectors = compiled.metadata.shared, vector_loads(compiled.asm["ptx"])
-    return Resources(int(regs.group(1)), spills, stack, shared, seconds, buffers, waits, vectors)
+    ptx = compiled.asm["ptx"]
+    return Resources(int(regs.group(1)), spills, stack, compiled.metadata.shared, seconds, buffers, waits,
+                     vector_loads(ptx), ordered_arrivals(ptx))  # fmt: skip
