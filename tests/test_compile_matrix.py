@@ -184,7 +184,7 @@ def test_resources_problems_name_each_broken_limit():
     ]
     assert Resources(40, 0, 0, 0, 1.0, vector_loads=1).problems(90, vectorised=True) == []
     assert Resources(70, 0, 0, 0, 1.0).problems(90, arrives=True) == [
-        "no barrier then acq_rel GPU-scope atomic add: its arrival may pass its own stores"
+        "no barrier then acq_rel GPU-scope atomic add: its arrival may pass its own accesses"
     ]
     assert Resources(70, 0, 0, 0, 1.0, ordered_arrivals=1).problems(90, arrives=True) == []
 

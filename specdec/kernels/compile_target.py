@@ -56,10 +56,10 @@ class Resources:
 
     def problems(self, arch: int, max_registers: int | None = None, min_buffers: dict | None = None,
                  vectorised: bool = False, arrives: bool = False) -> list[str]:  # fmt: skip
-        """Why this launch could fail, run slowly or merge wrongly on ``arch`` (empty: it fits): spills, shared
+        """Why this launch could fail, run slowly or race on ``arch`` (empty: it fits): spills, shared
         memory over the limit, and, where given, registers over ``max_registers``, fewer buffers than
         ``min_buffers`` asks for the named loads, with ``vectorised`` no vector load at all, and with
-        ``arrives`` no ordered arrival (a program that counts itself done before its stores are visible)."""
+        ``arrives`` no ordered arrival (a program that counts itself done before its accesses are ordered)."""
         found = []
         if self.spill_bytes:
             found.append(f"{self.spill_bytes} bytes of register spill stores")
@@ -73,7 +73,7 @@ class Resources:
         if vectorised and not self.vector_loads:
             found.append("no vector load: its rows are read a value at a time")
         if arrives and not self.ordered_arrivals:
-            found.append("no barrier then acq_rel GPU-scope atomic add: its arrival may pass its own stores")
+            found.append("no barrier then acq_rel GPU-scope atomic add: its arrival may pass its own accesses")
         return found
 
 
@@ -108,8 +108,8 @@ def pipeline(ttgir: str) -> tuple[tuple[Buffer, ...], tuple[int, ...]]:
     return tuple(buffers), tuple(waits)
 
 
-# A program's arrival after its stores (tree attention's split merge), as Triton 3.6 to 3.9 print it: a barrier,
-# then (past line markers, comments and register moves, with no global store between) one thread's add
+# A program's arrival after its accesses (kv_compact's ticket), as Triton 3.6 to 3.9 print it: a barrier, then
+# (past line markers, comments and register moves, with no global write between) one thread's add
 #   bar.sync 	0;
 #   @%p245 atom.global.gpu.acq_rel.add.u32 %r1483, [ %rd659 + 0 ], %r1484;
 _ARRIVAL = re.compile(r"^(?:@!?%p\d+\s+)?atom\.global\.(?:gpu\.acq_rel|acq_rel\.gpu)\.add\.")
@@ -117,8 +117,8 @@ _GLOBAL_WRITE = re.compile(r"\b(?:st|atom|red)\.global\.")
 
 
 def ordered_arrivals(ptx: str) -> int:
-    """How many atomic adds in ``ptx`` release at GPU scope with no global store since a barrier of the whole CTA:
-    every thread's earlier stores are then visible to whoever acquires the count."""
+    """How many atomic adds in ``ptx`` release at GPU scope with no global write since a barrier of the whole CTA:
+    every thread's earlier loads and stores then happen before whatever the program that acquires the count does."""
     count, after_barrier = 0, False
     for line in ptx.splitlines():
         text = line.strip()
