@@ -18,7 +18,9 @@ once, which is what each layer of a model's forward pays, inside a CUDA graph fr
 and V of every context token once, q and out once) over the planned median time; "% copy" is that
 over the device-to-device copy bandwidth this script measures; TFLOP/s counts the attention's useful
 multiply-adds (each query against its prefix and its tree ancestors, QK and PV) against the dense
-16-bit peak. The "x peer" ratios compare the planned time too. After the table, a fixed cost and a
+16-bit peak. The "x peer" ratios compare the planned time too. Where the plan splits the context over
+programs, "merge us" times its second launch alone in a graph, the merge of the splits: at most what merging
+inside the first launch could save. After the table, a fixed cost and a
 streaming rate are fitted per shape and batch over the contexts. FlexAttention is a peer (compiled,
 with a block mask of the ancestor-or-self mask over prefix + tree); when it fails, its whole error
 is printed and saved in the JSON (``flex_errors``). On the CPU (no TRITON_INTERPRET) specdec runs
@@ -51,6 +53,8 @@ from specdec.kernels import (
     tree_attention,
     unpack_mask_rows,
 )
+from specdec.kernels.tree_attention_kernels import triton_launches
+from specdec.kernels.tuning import launch
 
 HQ, HKV, D = 32, 8, 128
 BLOCK = 16
@@ -112,12 +116,23 @@ def run_specdec(c, out):
     )  # fmt: skip
 
 
-def plan_specdec(c):
+def plan_specdec(c, num_splits=None):
     return plan_attention(
         c["offsets"], c["prefix"], num_tokens=c["q"].shape[0], num_heads=HQ, cache_shape=tuple(c["k_cache"].shape),
         dtype=c["q"].dtype, tree_mask=c["tree_mask"], causal=c["tree_mask"] is None, block_table=c["table"],
-        max_queries=c["n"], max_context=c["length"],
+        max_queries=c["n"], max_context=c["length"], num_splits=num_splits,
     )  # fmt: skip
+
+
+def merge_alone(c, plan, out):
+    """The plan's second launch alone, the merge of its split contexts (what merging them inside the first launch
+    could save at most), or None when the plan runs one launch."""
+    if plan.tile is None or plan.tile.num_splits == 1:
+        return None
+    _, merge = triton_launches(c["q"], c["k_cache"], c["v_cache"], plan.q_offsets, plan.prefix_lens, plan.tree_start,
+                               plan.tree_mask, plan.block_table, plan.part_out, plan.part_lse, plan.softmax_scale,
+                               plan.tile, out, None)  # fmt: skip
+    return lambda: launch(*merge)
 
 
 def run_sdpa(c):
@@ -164,18 +179,23 @@ def flex_runner(c, device, compiled: bool):
     return fn, ""
 
 
-def bench_row(batch, context, shape, dtype, device, timing, flex_mode, flex_errors) -> dict:
-    """Times (median us) of every provider on one shape, specdec's p20/p80 and method, bytes moved, useful
-    FLOPs, error vs SDPA; ``flex_mode`` None (not measured), "compiled" or "unfused"."""
+def bench_row(batch, context, shape, dtype, device, timing, flex_mode, flex_errors, num_splits=None) -> dict:
+    """Times (median us) of every provider on one shape, specdec's p20/p80 and method, its merge launch's time
+    when the plan splits the context, bytes moved, useful FLOPs, error vs SDPA; ``flex_mode`` None (not
+    measured), "compiled" or "unfused"; ``num_splits`` overrides the plan's split count."""
     c = make_case(batch, context, shape, dtype, device)
     out = torch.empty_like(c["q"])
-    plan = plan_specdec(c)
+    plan = plan_specdec(c, num_splits)
     fns = [
         lambda: tree_attention(c["q"], c["k_cache"], c["v_cache"], plan=plan, out=out, check=False),
         lambda: run_specdec(c, out),
         lambda: run_sdpa(c), lambda: run_eager(c),
     ]  # fmt: skip
     methods = ["graph", "events", "graph", "events"]  # bodies in graphs; the public op and eager call by call
+    merge = merge_alone(c, plan, out)
+    if merge is not None:
+        fns.append(merge)
+        methods.append("graph")
     flex_fn = None
     if flex_mode is not None:
         flex_fn, error = flex_runner(c, device, compiled=flex_mode == "compiled")
@@ -187,13 +207,15 @@ def bench_row(batch, context, shape, dtype, device, timing, flex_mode, flex_erro
         methods.append("graph")
     times = measure_many_us(fns, device, method=methods, **timing)
     planned, public, sdpa, eager = times[0], times[1][0], times[2][0], times[3][0]
-    flex = times[4][0] if flex_fn is not None else None
+    merge_us = times[4][0] if merge is not None else None
+    flex = times[-1][0] if flex_fn is not None else None
     err = (out.float() - run_sdpa(c).transpose(1, 2).reshape_as(out).float()).abs().max().item()
     moved = 2 * batch * c["length"] * HKV * D * c["k_cache"].element_size()  # K and V of every position
     moved += 2 * c["q"].numel() * c["q"].element_size()  # q in, out back
     flops = 4 * batch * HQ * D * c["pairs"]  # QK and PV, 2 FLOPs a multiply-add
-    return dict(planned=planned, public=public, sdpa=sdpa, eager=eager, flex=flex, err=err, bytes=moved, flops=flops,
-                flex_failed=flex_mode is not None and flex_fn is None)  # fmt: skip
+    splits = plan.tile.num_splits if plan.tile is not None else 1
+    return dict(planned=planned, public=public, sdpa=sdpa, eager=eager, flex=flex, merge=merge_us, splits=splits,
+                err=err, bytes=moved, flops=flops, flex_failed=flex_mode is not None and flex_fn is None)  # fmt: skip
 
 
 def main() -> None:
@@ -221,7 +243,8 @@ def main() -> None:
         f"Tree attention, Hq={HQ} Hkv={HKV} D={D}, paged (block {BLOCK}), {dtype} on {dev_name} "
         f"(copy bandwidth {copy_gbs:.0f} GB/s, dense peak {peak:.3g} TFLOP/s)",
         [
-            "batch", "context", "queries", "specdec us", "planned us (p20-p80)", "GB/s", "% copy", "TFLOP/s",
+            "batch", "context", "queries", "specdec us", "planned us (p20-p80)", "splits", "merge us", "GB/s", "% copy",
+            "TFLOP/s",
             "% peak", "vs decode", "SDPA+mask us", "Flex us", "eager us", "x SDPA", "x Flex", "x eager",
             "max err vs SDPA", "timing",
         ],
@@ -246,7 +269,10 @@ def main() -> None:
                 elif not args.dry_run and time.perf_counter() - started > FLEX_BUDGET_S:
                     flex_skipped = f"skipped after the first {FLEX_BUDGET_S:.0f} s of the run (compile time)"
                     flex_mode = None
-                r = bench_row(batch, context, shape, dtype, device, timing, flex_mode, flex_errors)
+                # (the dry run splits every context in two: off the GPU a plan never splits, and the GPU run's
+                # merge column must not meet its code there first)
+                r = bench_row(batch, context, shape, dtype, device, timing, flex_mode, flex_errors,
+                              num_splits=2 if args.dry_run else None)  # fmt: skip
                 us, p20, p80 = r["planned"]
                 gbs = r["bytes"] / (us * 1e-6) / 1e9
                 tflops = r["flops"] / (us * 1e-6) / 1e12
@@ -257,13 +283,15 @@ def main() -> None:
                 flex = r["flex"]
                 flex_cell = "failed" if r["flex_failed"] else "-" if flex is None else flex
                 table.add(
-                    batch, context, shape, r["public"], f"{us:.1f} ({p20:.1f}-{p80:.1f})", gbs,
+                    batch, context, shape, r["public"], f"{us:.1f} ({p20:.1f}-{p80:.1f})", r["splits"],
+                    "-" if r["merge"] is None else r["merge"], gbs,
                     f"{100 * gbs / copy_gbs:.0f}%", f"{tflops:.3g}", f"{100 * tflops / peak:.1f}%",
                     f"{us / decode_us:.2f}x", r["sdpa"], flex_cell, r["eager"], f"{r['sdpa'] / us:.2f}",
                     "-" if flex is None else f"{flex / us:.2f}", f"{r['eager'] / us:.2f}", f"{r['err']:.1e}",
                     r["planned"].method,
                     data=dict(
                         batch=batch, context=context, shape=shape, planned_us=us, public_us=r["public"],
+                        splits=r["splits"], merge_us=r["merge"],
                         sdpa_us=r["sdpa"], flex_us=flex, eager_us=r["eager"], bytes=r["bytes"], flops=r["flops"],
                         pct_copy=100 * gbs / copy_gbs, tflops=tflops, pct_peak=100 * tflops / peak,
                         x_sdpa=r["sdpa"] / us, x_flex=None if flex is None else flex / us, max_err=r["err"],
