@@ -248,14 +248,11 @@ def report(jobs: list[Job], results: dict, archs: list[int], version: str, elaps
                 continue
             for field in ("registers", "spill", "stack", "shared"):
                 worst[field] = max(worst[field], r[field])
-            if r["rows_checked"]:  # the fewest vector loads over the launches checked for them
-                worst["row_checks"] += 1
-                fewest = worst["vector_loads"]
-                worst["vector_loads"] = r["vector_loads"] if fewest is None else min(fewest, r["vector_loads"])
-            if r["arrivals_checked"]:  # the fewest ordered arrivals over the launches checked for them
-                worst["arrival_checks"] += 1
-                fewest, count = worst["ordered_arrivals"], r["ordered_arrivals"]
-                worst["ordered_arrivals"] = count if fewest is None else min(fewest, count)
+            for asked, checks, field in (("rows_checked", "row_checks", "vector_loads"),
+                                         ("arrivals_checked", "arrival_checks", "ordered_arrivals")):  # fmt: skip
+                if r[asked]:  # the fewest vector loads / ordered arrivals over the launches checked for them
+                    worst[checks] += 1
+                    worst[field] = r[field] if worst[field] is None else min(worst[field], r[field])
             if r["checked"]:  # the fewest buffers of each checked load over the checked launches
                 worst["buffer_checks"] += 1
                 for name in DECODE_BUFFERS:
