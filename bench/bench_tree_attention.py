@@ -65,8 +65,10 @@ def random_parents(n: int, gen: torch.Generator) -> list[int]:
     return [-1] + [int(torch.randint(max(0, i - 8), i, (1,), generator=gen)) for i in range(1, n)]
 
 
-def make_case(batch: int, context: int, shape: str, dtype, device):
-    """Inputs for one row, made on the device (a 16k x 32 cache is 1G elements)."""
+def make_case(batch: int, context: int, shape: str, dtype, device, heads: tuple[int, int, int] | None = None):
+    """Inputs for one row, made on the device (a 16k x 32 cache is 1G elements); ``heads``: (Hq, Hkv, D), by
+    default the script's."""
+    hq, hkv, d = heads or (HQ, HKV, D)
     gen = torch.Generator(device=device).manual_seed(batch * 100003 + context)
     cpu_gen = torch.Generator().manual_seed(batch * 100003 + context)
     n = {"decode": 1, "chain 8": 8, "tree 64": 64}[shape]
@@ -75,8 +77,8 @@ def make_case(batch: int, context: int, shape: str, dtype, device):
     num_blocks = batch * blocks_per
     rand = lambda *shape: torch.randn(*shape, generator=gen, device=device).to(dtype)
     table = torch.randperm(num_blocks, generator=cpu_gen).view(batch, blocks_per).to(torch.int32).to(device)
-    k_cache, v_cache = rand(num_blocks, BLOCK, HKV, D), rand(num_blocks, BLOCK, HKV, D)
-    q = rand(batch * n, HQ, D)
+    k_cache, v_cache = rand(num_blocks, BLOCK, hkv, d), rand(num_blocks, BLOCK, hkv, d)
+    q = rand(batch * n, hq, d)
     offsets = torch.arange(0, batch * n + 1, n, dtype=torch.int32)
     prefix = torch.full((batch,), context, dtype=torch.int32, device=device)
     if shape == "tree 64":
@@ -102,7 +104,7 @@ def make_case(batch: int, context: int, shape: str, dtype, device):
         prefix=prefix,
         table=table,
         tree_mask=tree_mask,
-        q4=q.view(batch, n, HQ, D).transpose(1, 2).contiguous(),  # [B, Hq, n, D]
+        q4=q.view(batch, n, hq, d).transpose(1, 2).contiguous(),  # [B, Hq, n, D]
         k_dense=k_cache[phys, pos % BLOCK].permute(0, 2, 1, 3).contiguous(),
         v_dense=v_cache[phys, pos % BLOCK].permute(0, 2, 1, 3).contiguous(),
         mask4=dense_mask.expand(batch, 1, n, length),
@@ -118,9 +120,10 @@ def run_specdec(c, out):
 
 def plan_specdec(c, num_splits=None):
     return plan_attention(
-        c["offsets"], c["prefix"], num_tokens=c["q"].shape[0], num_heads=HQ, cache_shape=tuple(c["k_cache"].shape),
-        dtype=c["q"].dtype, tree_mask=c["tree_mask"], causal=c["tree_mask"] is None, block_table=c["table"],
-        max_queries=c["n"], max_context=c["length"], num_splits=num_splits,
+        c["offsets"], c["prefix"], num_tokens=c["q"].shape[0], num_heads=c["q"].shape[1],
+        cache_shape=tuple(c["k_cache"].shape), dtype=c["q"].dtype, tree_mask=c["tree_mask"],
+        causal=c["tree_mask"] is None, block_table=c["table"], max_queries=c["n"],
+        max_context=c["length"], num_splits=num_splits,
     )  # fmt: skip
 
 

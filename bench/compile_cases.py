@@ -49,6 +49,7 @@ def attention_cases():
     other models' decode, split decode, 64-node trees and prefill (bf16, paged), and fp16, a contiguous
     cache and ragged queries (the tile-to-request search) at LLaMA-3-8B's decode and trees; the rest plan
     uniform queries, as a model's forward does when every request has as many."""
+    from specdec.kernels.attention_plan import partial_dtype
     from specdec.kernels.tree_attention_kernels import tree_attention_triton
     from specdec.kernels.tree_attention_tiles import tile_config
 
@@ -64,7 +65,7 @@ def attention_cases():
         table = torch.zeros(batch, 300, dtype=torch.int32) if paged else None
         fp32, hopper = dtype == torch.float32, ARCH[0] >= 90
         tile = list(tile_config(tokens, batch, hq // hkv, d, splits, fp32=fp32, hopper=hopper, uniform=uniform))
-        part_out = torch.empty(splits, tokens, hq, d) if splits > 1 else None
+        part_out = torch.empty(splits, tokens, hq, d, dtype=partial_dtype(dtype)) if splits > 1 else None
         part_lse = torch.empty(splits, tokens, hq) if splits > 1 else None
         lse = torch.empty(tokens, hq) if splits > 1 else None
         tree_attention_triton(q, cache, cache, offsets, prefix, prefix, mask, table, None, None, None, None,
@@ -84,6 +85,8 @@ def attention_cases():
         )
         cases[f"attention llama3-8b {shape} fp16 paged"] = lambda s=shape: run(LLAMA, s, torch.float16, True)
         cases[f"attention llama3-8b {shape} bf16 contiguous"] = lambda s=shape: run(LLAMA, s, torch.bfloat16, False)
+    for shape in ("decode-b1-split8", "tree64-b2-split2"):  # fp16 queries store their split partials in fp16
+        cases[f"attention llama3-8b {shape} fp16 paged"] = lambda s=shape: run(LLAMA, s, torch.float16, True)
     return cases
 
 

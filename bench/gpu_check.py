@@ -15,8 +15,9 @@ skipped. Each stage is cut at its own limit, and what it measured so far still l
 4. benchmarks    decode and tree attention autotuned over the declared spaces (``SPECDEC_AUTOTUNE=1``),
                  verification, KV rollback, the model ops, the public ops' host time, the 8B-shaped
                  model step; each row names the kernel configurations it ran. End to end
-                 (bench_e2e), decode throughput against transformers (bench_model) and sampling
-                 (bench_sampling) are optional: only with --stages
+                 (bench_e2e), decode throughput against transformers (bench_model), sampling
+                 (bench_sampling) and the split partials' accuracy per dtype (bench_split_partials)
+                 are optional: only with --stages
 
 Then one table of issue 34's targets, each line PASS, FAIL or "not measured" (its stage did not run or measured no
 row it applies to), computed from the benchmarks' JSON (``gpu_targets.py``).
@@ -87,6 +88,7 @@ STAGES = [  # (name, expected s on an H200, limit s, expected s in a dry run on 
     Stage("bench_model", 40, 90, 15, "decode throughput vs transformers", optional=True),
     Stage("bench_sampling", 20, 60, 5, "sample, filtered_probs, kv_append vs eager", optional=True),
     Stage("bench_e2e", 100, 150, 15, "speculative decoding end to end, embedded pair", optional=True),
+    Stage("bench_split_partials", 45, 90, 12, "split partials per dtype vs float64 (decides bf16's)", optional=True),
 ]  # fmt: skip
 MODEL_BENCHES = {"bench_step", "bench_model", "bench_e2e"}  # whole models: PyTorch path in a dry run
 KV_CACHE_TESTS = "tests/test_kv_cache.py"

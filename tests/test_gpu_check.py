@@ -14,7 +14,7 @@ from common import triton_kernels
 ROOT = Path(__file__).resolve().parent.parent
 
 EIGHT_MINUTES = 480  # issues 18 and 34: the bound for the whole check on an H200
-CI_DRY_RUN = 180  # the dry run's share of CI: 3 minutes
+CI_DRY_RUN = 200  # the dry run's share of CI: 3 minutes 20 s
 # issue 34's Targets table, one line per bound (its combined rows split in two)
 TARGET_LINES = [
     ("decode attention, context >= 4k, batch >= 8", ">= 85% of copy bandwidth"),
@@ -40,7 +40,8 @@ def test_the_gpu_plan_runs_every_stage_within_eight_minutes():
     planned, total = gpu_check.plan(default, gpu_check.BUDGET, dry=False)
     assert all(fits for _, fits in planned), [s.name for s, fits in planned if not fits]
     assert total == sum(s.expected for s in default) <= gpu_check.BUDGET
-    assert [s.name for s in gpu_check.STAGES if s.optional] == ["bench_model", "bench_sampling", "bench_e2e"]
+    assert [s.name for s in gpu_check.STAGES if s.optional] == ["bench_model", "bench_sampling", "bench_e2e",
+                                                                "bench_split_partials"]  # fmt: skip
     names = [s.name for s in default]
     assert names == ["first-light", "extension", "tests-kv-cache", "tests-gpu", "tests-triton",  # issue 34's order
                      "bench_tree_attention", "bench_verify", "bench_kv_rollback", "bench_model_ops", "bench_host_time",

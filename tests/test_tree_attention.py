@@ -5,6 +5,7 @@ runs a plain softmax over the prefix keys plus the path keys: it never looks at 
 bit mask or a causal flag, so it checks the op's mask handling independently.
 """
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -16,6 +17,7 @@ from triton_bounds import check_bounds as watch_bounds
 from specdec import _backend
 from specdec.kernels import build_tree_metadata, plan_attention, tree_attention, tuning
 from specdec.kernels import tree_attention_torch as torch_path
+from specdec.kernels.attention_plan import partial_dtype
 from specdec.kernels.tree_attention_kernels import triton_launches
 from specdec.kernels.tree_attention_tiles import attention_space, ctas_per_sm, default_splits, tile_config
 from specdec.kernels.tree_attention_torch import tree_attention_reference
@@ -204,12 +206,43 @@ def test_long_prefill_chunk_causal(backend, device):
     check(batch, causal=True, what="prefill chunk")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("splits", [2, 5])
-def test_split_context(backend, device, splits):
-    # on the Triton path the context is split over programs and merged by log-sum-exp
+def test_split_context(backend, device, splits, dtype):
+    # on the Triton path the context is split over programs and merged by log-sum-exp (fp16: fp16 partials)
     trees = [random_tree(5), [-1], chain(4)]
-    batch = Batch([200, 0, 129], trees, hq=4, hkv=2, d=64, dtype=torch.float32, device=device, paged=True)
+    batch = Batch([200, 0, 129], trees, hq=4, hkv=2, d=64, dtype=dtype, device=device, paged=True)
     check(batch, what=f"{splits} splits", num_splits=splits)
+
+
+@pytest.mark.skipif(not _backend.triton_status()[0], reason="triton is not installed")
+def test_fp16_split_partials_add_little_error():
+    # fp16 queries store their split partials in fp16 (partial_dtype, half the merge's bytes): against the
+    # float64 oracle that adds at most half of the float32 partials' mean error, where bf16 storage (3 fewer
+    # mantissa bits) adds several times it; bench/bench_split_partials.py measures it at Llama's shapes
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    batch = Batch([300, 190], [random_tree(24), chain(8)], hq=4, hkv=2, d=64, dtype=torch.float16, device=device,
+                  paged=True)  # fmt: skip
+    with _backend.use_backend("triton"):
+        plan = plan_attention(batch.offsets, batch.prefix_lens, num_tokens=32, num_heads=4, cache_shape=batch.k.shape,
+                              dtype=torch.float16, tree_mask=batch.tree_mask, block_table=batch.block_table,
+                              num_splits=4)  # fmt: skip
+        assert plan.part_out.dtype == torch.float16 and plan.part_lse.dtype == torch.float32
+        ref = batch.oracle()[0]
+        errors = {}
+        for part_dtype in (torch.float32, torch.float16, torch.bfloat16):
+            stored = dataclasses.replace(plan, part_out=torch.empty_like(plan.part_out, dtype=part_dtype))
+            out = tree_attention(batch.q, batch.k, batch.v, plan=stored, check=False)
+            errors[part_dtype] = (out.double().cpu() - ref).abs().mean().item()
+    assert errors[torch.float16] <= 1.5 * errors[torch.float32], errors
+    assert errors[torch.bfloat16] > 3 * errors[torch.float32], errors  # the measure tells storage dtypes apart
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_split_partials_dtype(dtype):
+    # split outputs are stored in fp16 for fp16 queries only: float32 otherwise (bf16's storage error is
+    # larger; fp16 cannot hold every bf16 value); the log-sum-exps always in float32
+    assert partial_dtype(dtype) == (torch.float16 if dtype == torch.float16 else torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -491,11 +524,13 @@ def test_sdpa_without_enable_gqa_repeats_the_kv_heads(monkeypatch):
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_registered_op_passes_opcheck(backend, device, paged):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_registered_op_passes_opcheck(backend, device, paged, dtype):
     # the custom op behind tree_attention (torch.compile / CUDA graphs see this one); a split plan on Triton
-    batch = Batch([5, 0], [random_tree(4), chain(2)], 4, 2, 64, torch.float32, device, paged=paged)
+    # (fp16: its partials in fp16)
+    batch = Batch([5, 0], [random_tree(4), chain(2)], 4, 2, 64, dtype, device, paged=paged)
     plan = plan_attention(
-        batch.offsets, batch.prefix_lens, num_tokens=6, num_heads=4, cache_shape=batch.k.shape, dtype=torch.float32,
+        batch.offsets, batch.prefix_lens, num_tokens=6, num_heads=4, cache_shape=batch.k.shape, dtype=dtype,
         tree_mask=batch.tree_mask, block_table=batch.block_table, softmax_scale=0.2, num_splits=2,
     )  # fmt: skip
     out = torch.full_like(batch.q, math.nan)
@@ -504,8 +539,8 @@ def test_registered_op_passes_opcheck(backend, device, paged):
     torch.library.opcheck(torch.ops.specdec.tree_attention.default, args)  # works on copies of args
     torch.ops.specdec.tree_attention(*args)
     ref_out, ref_lse = batch.oracle(0.2)
-    assert_close(out, ref_out, 1e-4, 1e-4, "op out")
-    assert_close(lse, ref_lse, 1e-4, 1e-4, "op lse")
+    assert_close(out, ref_out, *TOL[dtype], "op out")
+    assert_close(lse, ref_lse, *TOL[dtype], "op lse")
 
 
 # ---------------------------------------------------------------- launches (bench/compile_matrix.py compiles them)

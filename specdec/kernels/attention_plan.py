@@ -8,7 +8,7 @@ the chosen backend needs; each layer then calls ``tree_attention(..., plan=plan,
 What the plan holds, and what each piece depends on:
 
     backend, tile (Triton)          host sizes: tokens, batch, heads, head dim, device; uniform_queries
-    num_splits, part_out, part_lse  host sizes and the context bound; scratch for split contexts
+    num_splits, part_out, part_lse  host sizes and the context bound; scratch for split contexts (``partial_dtype``)
     query_rows, token_slots         q_offsets                          (PyTorch path; None when uniform)
     kv_rows                         q_offsets, prefix_lens, block_table (PyTorch path; None for cache views)
     attn_bias                       q_offsets, prefix_lens, tree_start, tree_mask (PyTorch path)
@@ -54,7 +54,7 @@ class AttentionPlan:
     int32 (``prefix_lens`` itself when not given), ``tree_mask [T, W]`` int64 or None (causal),
     ``block_table [B, max_blocks]`` int32 or None (contiguous cache).
     Triton: ``tile`` (block sizes, warps, ``num_splits``), ``part_out [S, T, Hq, D]`` and
-    ``part_lse [S, T, Hq]`` float32 scratch when S > 1 (else None).
+    ``part_lse [S, T, Hq]`` scratch when S > 1 (else None): outputs in ``partial_dtype(dtype)``, lse in float32.
     PyTorch: ``query_rows [B, n_max]``, ``token_slots [T]``, ``kv_rows [B * L_max]`` int64 and
     ``attn_bias [B, 1, n_max, L_max]`` in the query dtype (see ``tree_attention_torch``); None on
     the Triton backend, and the first three None where the plan needs no gather (uniform queries;
@@ -262,7 +262,7 @@ def build_attention_plan(
                                               elem_bytes=dtype.itemsize)  # fmt: skip
         tile = tile._replace(num_splits=splits)
         if splits > 1:
-            part_out = torch.empty(splits, num_tokens, num_heads, head_dim, dtype=torch.float32, device=device)
+            part_out = torch.empty(splits, num_tokens, num_heads, head_dim, dtype=partial_dtype(dtype), device=device)
             part_lse = torch.empty(splits, num_tokens, num_heads, dtype=torch.float32, device=device)
         # the kernels assume unit stride along the index tensors' rows
         q_offsets, prefix_lens = q_offsets.contiguous(), prefix_lens.contiguous()
@@ -280,6 +280,14 @@ def build_attention_plan(
         max_context, q_offsets, prefix_lens, tree_start if tree_start is not None else prefix_lens, tree_mask,
         block_table, tile, part_out, part_lse, query_rows, token_slots, kv_rows, attn_bias,
     )  # fmt: skip
+
+
+def partial_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a split context's per-split outputs are stored in for queries of ``dtype``: float16 for float16
+    (half the merge's bytes, and the output's error against the float64 reference stays within the bound that
+    ``bench/bench_split_partials.py`` checks), float32 otherwise (bfloat16 partials fail that bound, and float16
+    cannot hold every bfloat16 value)."""
+    return torch.float16 if dtype == torch.float16 else torch.float32
 
 
 def _check_count(name: str, value, lowest: int) -> None:

@@ -71,7 +71,7 @@ def _attend_tl(q, k_ptr, v_ptr, k_off, v_off, d_at, d_ok, pos_ok, allowed, m_i, 
 @jit
 def tree_attention_kernel(
     # q [T, Hq, D]; k, v [rows, SLOTS, Hkv, D]: contiguous (a row per request) or paged (a block per row)
-    # out [S, T, Hq, D] and lse [S, T, Hq]: per-split partials (fp32) when NUM_SPLITS > 1, else the results
+    # out [S, T, Hq, D] and lse [S, T, Hq]: per-split partials when NUM_SPLITS > 1 (lse in fp32), else the results
     q_ptr,
     k_ptr,
     v_ptr,
@@ -262,7 +262,7 @@ def tree_attention_kernel(
 
 @jit
 def merge_splits_kernel(
-    # part_out [S, T, Hq, D] fp32, part_lse [S, T, Hq] fp32 -> out [T, Hq, D], lse [T, Hq]
+    # part_out [S, T, Hq, D] (fp32 or fp16), part_lse [S, T, Hq] fp32 -> out [T, Hq, D], lse [T, Hq]; sums in fp32
     part_out_ptr,
     part_lse_ptr,
     out_ptr,
@@ -302,7 +302,7 @@ def merge_splits_kernel(
         part_out_ptr + s_at[:, None] * stride_ps + t * stride_pt + h * stride_ph + d_at[None, :],
         mask=s_ok[:, None] & d_ok[None, :],
         other=0.0,
-    )
+    ).to(tl.float32)
     o = tl.sum(part * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d_at, o.to(out_ptr.dtype.element_ty), mask=d_ok)
     if WRITE_LSE:
@@ -319,9 +319,9 @@ def triton_launches(q, k_cache, v_cache, q_offsets, prefix_lens, tree_start, tre
     """[(kernel, grid, args, meta, config, space)] of one call (``tuning.launch``'s arguments): the main
     kernel, then the merge when the context is split.
 
-    ``tile`` is a ``TileConfig`` (or its list); ``part_out [S, T, Hq, D]`` / ``part_lse [S, T, Hq]``
-    float32 scratch are needed when ``tile.num_splits = S > 1``. Index tensors must have unit
-    stride along their last dim (the plan makes them so).
+    ``tile`` is a ``TileConfig`` (or its list); ``part_out [S, T, Hq, D]`` (``attention_plan.partial_dtype``) /
+    ``part_lse [S, T, Hq]`` (float32) scratch are needed when ``tile.num_splits = S > 1``. Index tensors must
+    have unit stride along their last dim (the plan makes them so).
     """
     tile = TileConfig(*tile)
     tokens, heads, head_dim = q.shape
