@@ -74,6 +74,7 @@ def main() -> None:
         f"on {torch.cuda.get_device_name() if on_gpu else 'the CPU (interpreter)'}",
         ["input", "shape", "context", "splits", "q scale", "partials", "the plan's", "max err", "mean err",
          "x fp32 partials (max / mean)", "rounding (max / mean)"],
+        configs=True,
     )  # fmt: skip
     worst: dict[tuple, list[float]] = {}  # (input, partials) -> the largest ratios (max, mean) over the rows
     chosen_on: dict[tuple, set[str]] = {}  # (input, partials) -> the shapes where the plan stores them

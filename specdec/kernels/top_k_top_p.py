@@ -15,7 +15,7 @@ The Triton kernel finds ``thr`` without sorting: a search over the fp32 values' 
 integer keys, 8 streaming passes over the row, each testing 16 candidate thresholds at once.
 The reference sorts the whole row. The PyTorch path (``filter_thresholds_torch``) sorts only the
 head that decides every threshold, ``topk`` of a width that grows until it does (a whole-row sort
-of a 32,000-entry row costs ~2 ms on one CPU thread). Every later stage reads a row through
+is far dearer than sorting the narrow head). Every later stage reads a row through
 ``scaled_tile_tl``, one vocabulary tile at a time (``vocab_block`` columns), so no program ever
 holds a whole row.
 """
