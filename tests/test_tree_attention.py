@@ -215,21 +215,6 @@ def test_split_context(backend, device, splits, dtype):
     check(batch, what=f"{splits} splits", num_splits=splits)
 
 
-def split_plan(batch: Batch, dtype, splits=4):
-    """The Triton plan of ``batch`` with its context split, its partials stored as the plan chooses."""
-    tokens = batch.q.shape[0]
-    with _backend.use_backend("triton"):
-        return plan_attention(batch.offsets, batch.prefix_lens, num_tokens=tokens, num_heads=batch.hq,
-                              cache_shape=batch.k.shape, dtype=dtype, tree_mask=batch.tree_mask,
-                              block_table=batch.block_table, num_splits=splits)  # fmt: skip
-
-
-def run_with_partials(batch: Batch, plan, part_dtype) -> torch.Tensor:
-    stored = dataclasses.replace(plan, part_out=torch.empty_like(plan.part_out, dtype=part_dtype))
-    with _backend.use_backend("triton"):
-        return tree_attention(batch.q, batch.k, batch.v, plan=stored, check=False)
-
-
 @pytest.mark.skipif(not _backend.triton_status()[0], reason="triton is not installed")
 def test_fp16_split_partials_add_little_error():
     # fp16 queries store their split partials in fp16 (partial_dtype, half the merge's bytes): against the
@@ -238,12 +223,17 @@ def test_fp16_split_partials_add_little_error():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     batch = Batch([300, 190], [random_tree(24), chain(8)], hq=4, hkv=2, d=64, dtype=torch.float16, device=device,
                   paged=True)  # fmt: skip
-    plan = split_plan(batch, torch.float16)
-    assert plan.part_out.dtype == torch.float16 and plan.part_lse.dtype == torch.float32
     ref = batch.oracle()[0]
     errors = {}
-    for part_dtype in (torch.float32, torch.float16, torch.bfloat16):
-        errors[part_dtype] = (run_with_partials(batch, plan, part_dtype).double().cpu() - ref).abs().mean().item()
+    with _backend.use_backend("triton"):
+        plan = plan_attention(batch.offsets, batch.prefix_lens, num_tokens=32, num_heads=4, cache_shape=batch.k.shape,
+                              dtype=torch.float16, tree_mask=batch.tree_mask, block_table=batch.block_table,
+                              num_splits=4)  # fmt: skip
+        assert plan.part_out.dtype == torch.float16 and plan.part_lse.dtype == torch.float32
+        for part_dtype in (torch.float32, torch.float16, torch.bfloat16):
+            stored = dataclasses.replace(plan, part_out=torch.empty_like(plan.part_out, dtype=part_dtype))
+            out = tree_attention(batch.q, batch.k, batch.v, plan=stored, check=False)
+            errors[part_dtype] = (out.double().cpu() - ref).abs().mean().item()
     assert errors[torch.float16] <= 1.5 * errors[torch.float32], errors
     assert errors[torch.bfloat16] > 3 * errors[torch.float32], errors  # the measure tells storage dtypes apart
 
