@@ -52,8 +52,10 @@ compile-matrix-triton36: install $(TRITON_OLD_DIR)/.installed
 	# the old Triton must be the one imported, not .venv's
 	PYTHONPATH=$(TRITON_OLD_DIR) $(PY) -c 'import triton; assert triton.__version__ == "$(subst triton==,,$(TRITON_OLD_PIN))", triton.__version__'
 	PYTHONPATH=$(TRITON_OLD_DIR) $(PY) bench/compile_matrix.py --out $(MATRIX_OUT)
-	# the fast launch path hands the driver what Triton 3.6's own dispatch would (tests/test_triton_dispatch.py)
+	# the fast launch path hands the driver what Triton 3.6's own dispatch would (tests/test_triton_dispatch.py), with
+	# the extension's launch key and with the Python one
 	PYTHONPATH=$(TRITON_OLD_DIR) $(PY) bench/dispatch_equivalence.py
+	SPECDEC_DISABLE_EXTENSION=1 PYTHONPATH=$(TRITON_OLD_DIR) $(PY) bench/dispatch_equivalence.py
 
 $(TRITON_OLD_DIR)/.installed:
 	rm -rf $(TRITON_OLD_DIR)

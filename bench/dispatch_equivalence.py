@@ -1,14 +1,15 @@
 """Launches through ``specdec.kernels.triton_dispatch`` reach the driver exactly as through Triton's own dispatch.
 
-Run as a script, in a process without TRITON_INTERPRET (``tests/test_triton_dispatch.py`` runs it with the
-installed Triton; ``make compile-matrix-triton36`` with Triton 3.6). Under ``stand_in_driver`` the
-kernels compile for sm_90 and every launch is recorded, not run. The same calls (verification, sampling, the
-model ops, attention, the K/V append and the rollback, at shapes and alignments Triton specialises differently)
-run twice in a row, first with ``SPECDEC_FAST_LAUNCH`` off, then on; the launches must be identical: the
-compiled kernel (its function handle and packed metadata), the grid, the stream and every argument. With it on,
-the second round must not enter Triton's own dispatch at all, and an attached launch hook must send every launch
-back through it. Prints one JSON line: the launches compared, the kernels, the specialisations compiled and the
-Triton dispatches in each round.
+Run as a script, in a process without TRITON_INTERPRET (``tests/test_triton_dispatch.py`` runs it with the installed
+Triton; ``make compile-matrix-triton36`` with Triton 3.6). Under ``stand_in_driver`` the kernels compile for sm_90
+and every launch is recorded, not run. The same calls (verification, sampling, the model ops, attention, the K/V
+append and the rollback, at shapes and alignments Triton specialises differently) run twice in a row, first with
+``SPECDEC_FAST_LAUNCH`` off, then on; the launches must be identical: the compiled kernel (its function handle and
+packed metadata), the grid, the stream and every argument. With it on, the second round must not enter Triton's own
+dispatch or its binder at all (every launch found by its launch key), and an attached launch hook must send every
+launch back through it. Prints one JSON line: the launches compared, the kernels, the specialisations compiled, the
+Triton dispatches in each round and the launch key in use ("extension" or, with SPECDEC_DISABLE_EXTENSION=1,
+"python").
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ TREE = [-1, 0, 0, 1, 1, 2, 3]
 
 
 def calls():
-    """Calls whose launches differ in specialisation: batch 1 and 2, an unaligned logits view, fp16 and fp32."""
+    """Calls whose launches differ in specialisation: batch 1 and 2, an unaligned logits view, fp16 and fp32; and in
+    launch key only."""
     gen = torch.Generator().manual_seed(0)
     i32 = dict(dtype=torch.int32)
     k, out = 3, []
@@ -83,6 +85,9 @@ def calls():
         out.append(partial(apply_rotary, qkv[:, :4], qkv[:, 4:6], torch.tensor([0, 5, 9]), freq))
         gate_up = torch.randn(3, 320, generator=gen).to(dtype)
         out.append(partial(silu_mul, gate_up, out=torch.empty(3, 160, dtype=dtype)))
+    # another width, specialised as 160 is (multiples of 16): a new launch key, the kernel already compiled
+    gate_up = torch.randn(3, 352, generator=gen)
+    out.append(partial(silu_mul, gate_up, out=torch.empty(3, 176)))
     return out + attention_and_cache_calls(gen) + sampling_calls(gen)
 
 
@@ -143,6 +148,14 @@ def main() -> None:
         return triton_run(self, *args, **kwargs)
 
     JITFunction.run = counted
+    binder_runs = [0]  # fast launches that ran Triton's binder: the first of each launch key
+    keep = triton_dispatch._keep
+
+    def counted_keep(*args):
+        binder_runs[0] += 1
+        keep(*args)
+
+    triton_dispatch._keep = counted_keep
     seen, rounds = {}, {}
     with torch.inference_mode(), stand_in_driver() as launches, triton_bodies():
         todo = calls()
@@ -150,10 +163,12 @@ def main() -> None:
             triton_dispatch._enabled = fast
             launches.clear()
             for round_ in (1, 2):
-                dispatches[0] = 0
+                dispatches[0] = binder_runs[0] = 0
                 for call in todo:
                     call()
                 rounds[f"{'fast' if fast else 'triton'} round {round_}"] = dispatches[0]
+                if fast:
+                    rounds[f"fast round {round_} binder"] = binder_runs[0]
             seen[fast] = [identity(launch) for launch in launches]
         hook_calls = []
         knobs.runtime.launch_enter_hook.add(hook_calls.append)
@@ -164,13 +179,16 @@ def main() -> None:
         finally:
             knobs.runtime.launch_enter_hook.remove(hook_calls.append)
     assert seen[True] == seen[False], "the fast path passed other launches than Triton's dispatch"
-    assert rounds["fast round 2"] == 0, rounds
+    assert rounds["fast round 2"] == 0 and rounds["fast round 2 binder"] == 0, rounds
+    assert rounds["fast round 1 binder"] > rounds["fast round 1"], "no new launch key found its kernel compiled"
     assert rounds["triton round 2"] == len(seen[False]) // 2, rounds
     assert len(hook_calls) == len(launches) == len(seen[False]) // 2, (len(hook_calls), len(launches))
     kernels = sorted({launch[0] for launch in seen[True]})
     compiled = {launch[3] for launch in seen[True]}  # the function handles: one per specialisation compiled
     assert len(compiled) > len(kernels), "no kernel was launched in two specialisations"
-    print(json.dumps(dict(launches=len(seen[True]), kernels=kernels, compiled=len(compiled), dispatches=rounds)))
+    key = "python" if triton_dispatch._launch_key() is triton_dispatch.python_launch_key else "extension"
+    print(json.dumps(dict(launches=len(seen[True]), kernels=kernels, compiled=len(compiled), dispatches=rounds,
+                          launch_key=key)))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 #include <Python.h>
 
 #include "controller.h"
+#include "launch_key.h"
 
 namespace {
 
@@ -16,6 +17,8 @@ PyMethodDef methods[] = {
      "Expected tokens per depth, as specdec.decoding.acceptance.AcceptanceModel.expected_tokens computes them."},
     {"observe_cost", specdec::observe_cost, METH_VARARGS,
      "A step's time learnt, as specdec.decoding.step_cost.StepCostModel.observe learns it."},
+    {"launch_key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(specdec::launch_key)), METH_FASTCALL,
+     "The key under which specdec.kernels.triton_dispatch keeps a compiled kernel, from a launch's arguments."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -82,7 +82,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"forced backend ({_backend.BACKEND_ENV}): {_backend.forced_backend()}")
     print(f"autotune ({tuning.AUTOTUNE_ENV}): {'on' if tuning.autotune_enabled() else 'off'}")
     fast = triton_dispatch.fast_launch_enabled()
-    print(f"fast launch ({triton_dispatch.FAST_LAUNCH_ENV}): {'on' if fast else 'off'}")
+    native = _backend.extension_function("launch_key") is not None
+    keys = "launch keys from specdec._C" if native else "launch keys in Python: specdec._C.launch_key unavailable"
+    print(f"fast launch ({triton_dispatch.FAST_LAUNCH_ENV}): {f'on ({keys})' if fast else 'off'}")
     print()
     width = max(len(name) for name, _, _ in _backend.backend_report())
     for name, available, why in _backend.backend_report():
