@@ -80,8 +80,6 @@ def attention_cases():
         for shape in shapes:
             cases[f"attention {model} {shape} bf16 paged"] = lambda m=model, s=shape: run(m, s, torch.bfloat16, True)
     for shape in ATTENTION_SHAPES:
-        if shape == "chain8-b1-split4":  # Triton 3.6's ptxas spills 4 bytes here on sm_90 (bench/RESULTS.md), open
-            continue
         cases[f"attention llama3-8b {shape} fp32 paged"] = lambda s=shape: run(LLAMA, s, torch.float32, True)
     for shape in ("decode-b8", "tree64-b4"):
         # every case above plans uniform queries (the grid maps tiles to requests); ragged batches search

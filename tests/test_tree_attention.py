@@ -582,7 +582,7 @@ def test_tile_choice_by_architecture_and_dtype():
     # always the first candidate of its architecture's tuning space
     assert tile_config(64 * 3, 3, 4, 128, 1)[:5] == (128, 32, 64, 128, 8)
     assert tile_config(64 * 3, 3, 4, 128, 1, hopper=False)[:4] == (128, 32, 16, 128)
-    assert tile_config(64 * 3, 3, 4, 128, 1, fp32=True)[:5] == (16, 4, 32, 128, 16)
+    assert tile_config(64 * 3, 3, 4, 128, 1, fp32=True)[:5] == (16, 4, 16, 128, 8)
     shapes = [(8, 8, 4, 128, False, True), (4096, 1, 8, 128, False, False), (64, 1, 8, 256, False, True),
               (1, 1, 4, 64, True, True), (256, 4, 4, 128, False, True), (256, 4, 4, 128, False, False)]  # fmt: skip
     for tokens, batch, group, d, fp32, hopper in shapes:

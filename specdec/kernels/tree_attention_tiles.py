@@ -54,9 +54,9 @@ _CHOICES_HOPPER_128 = ((64, 8, 3), (64, 8, 2), (32, 8, 3), (64, 8, 4))
 # with Triton 3.6, every 16-warp tile is capped at 128 registers and spills)
 _CHOICES_WIDE_HEAD = {16: ((32, 16, 3), (16, 8, 3), (32, 8, 2)), 64: ((16, 8, 3), (16, 8, 2))}
 # fp32 dots run on FMA units with twice the registers: 16 rows (one query token of a group of up to 16)
-# and one choice, spread over 16 warps (with 4 or 8 warps, or 16-wide steps, ptxas spills a few bytes on
-# sm_80 or sm_90 at some shape)
-_CHOICES_FP32 = {16: ((32, 16, 3),)}
+# and one choice, 16-wide KV steps over 8 warps in 2 stages, the one found clean at every shape, split or not
+# ((32, 16, 3) spilled in the chain's split tile on sm_90 with Triton 3.6; (16, 8, 3) on both with Triton 3.9)
+_CHOICES_FP32 = {16: ((16, 8, 2),)}
 
 
 def tile_choices(block_m: int, block_d: int, fp32: bool, hopper: bool = True) -> tuple[tuple[int, int, int], ...]:
