@@ -156,7 +156,11 @@ def row_invariant() -> bool:
 
 def select_backend(*tensors: torch.Tensor) -> str:
     """'triton' or 'torch' for an op whose inputs are ``tensors``."""
-    on_cuda = any(t is not None and t.is_cuda for t in tensors)
+    return backend_for(any(t is not None and t.is_cuda for t in tensors))
+
+
+def backend_for(on_cuda: bool) -> str:
+    """``select_backend``'s answer for inputs on CUDA (``on_cuda``) or on the CPU."""
     triton_ok, why = triton_status()
     forced = forced_backend()
     if forced == "torch":
