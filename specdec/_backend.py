@@ -7,7 +7,9 @@ Rules:
     interpreter, which is how kernels are tested on machines without a GPU.
 
 ``SPECDEC_BACKEND=triton|torch`` (or the ``use_backend`` context manager, which
-wins over the variable) forces one path; ``auto`` or unset applies the rules.
+wins over the variable) forces one path; ``auto`` or unset applies the rules. The
+variable is read once, at the first op call (reading the environment costs about a
+microsecond, every call); ``use_backend`` switches within a process.
 Nothing here compiles code or touches a GPU at import time.
 
 ``SPECDEC_ROW_INVARIANT=1`` (or ``set_row_invariant(True)``, which wins over the variable) makes the CPU's float32
@@ -42,6 +44,7 @@ MIN_TRITON = (3, 6)  # the oldest Triton the kernels support (torch 2.10 and 2.1
 TESTED_TRITON = "3.6 to 3.9"
 
 _forced = threading.local()
+_env_backend: str | None = None  # SPECDEC_BACKEND as read at the first op call
 _row_invariant: bool | None = None  # set_row_invariant's choice; None follows the variable
 _env_row_invariant: bool | None = None  # the variable as last read (None: read it at the next forward)
 
@@ -112,11 +115,17 @@ def extension_has_cuda() -> bool:
 
 
 def forced_backend() -> str:
-    """The backend forced by ``use_backend`` or ``SPECDEC_BACKEND`` ('auto' if none)."""
-    name = getattr(_forced, "name", None) or os.environ.get(BACKEND_ENV, "auto") or "auto"
-    if name not in BACKENDS:
-        raise ValueError(f"{BACKEND_ENV} must be one of {BACKENDS}, got {name!r}")
-    return name
+    """The backend forced by ``use_backend`` or ``SPECDEC_BACKEND`` ('auto' if none; the variable read once)."""
+    global _env_backend
+    name = getattr(_forced, "name", None)
+    if name:
+        return name
+    if _env_backend is None:
+        name = os.environ.get(BACKEND_ENV, "auto") or "auto"
+        if name not in BACKENDS:
+            raise ValueError(f"{BACKEND_ENV} must be one of {BACKENDS}, got {name!r}")
+        _env_backend = name
+    return _env_backend
 
 
 @contextlib.contextmanager
@@ -156,7 +165,10 @@ def row_invariant() -> bool:
 
 def select_backend(*tensors: torch.Tensor) -> str:
     """'triton' or 'torch' for an op whose inputs are ``tensors``."""
-    return backend_for(any(t is not None and t.is_cuda for t in tensors))
+    for t in tensors:
+        if t is not None and t.is_cuda:
+            return backend_for(True)
+    return backend_for(False)
 
 
 def backend_for(on_cuda: bool) -> str:

@@ -109,8 +109,22 @@ def test_bad_backend_name_is_refused(monkeypatch):
         with use_backend("cuda"):
             pass
     monkeypatch.setenv("SPECDEC_BACKEND", "fast")
+    monkeypatch.setattr(_backend, "_env_backend", None)  # (read once: as in a new process)
     with pytest.raises(ValueError, match="SPECDEC_BACKEND must be one of"):
         _backend.forced_backend()
+
+
+def test_backend_variable_is_read_once(monkeypatch):
+    monkeypatch.setattr(_backend, "_env_backend", None)
+    monkeypatch.setenv("SPECDEC_BACKEND", "torch")
+    assert _backend.forced_backend() == "torch"
+    monkeypatch.setenv("SPECDEC_BACKEND", "triton")
+    assert _backend.forced_backend() == "torch"
+    with use_backend("triton"):  # the context manager still switches
+        assert _backend.forced_backend() == "triton"
+    monkeypatch.setattr(_backend, "_env_backend", None)
+    monkeypatch.delenv("SPECDEC_BACKEND")
+    assert _backend.forced_backend() == "auto"
 
 
 def test_package_works_without_triton():
