@@ -110,16 +110,12 @@ def stand_in_driver() -> Iterator[list[Launch]]:
 
 @contextlib.contextmanager
 def triton_bodies() -> Iterator[None]:
-    """Every specdec op takes its Triton body inside the block, for CPU tensors too: ``select_backend`` does its work
-    for CUDA inputs and gives their answer (``use_backend`` refuses CPU tensors without the interpreter)."""
+    """Every specdec op takes its Triton body inside the block, for CPU tensors too: ``select_backend`` gives, and
+    decides as, its answer for CUDA inputs (``use_backend`` refuses CPU tensors without the interpreter)."""
     from specdec import _backend
 
-    def as_on_cuda(*tensors) -> str:
-        any(t is not None and t.is_cuda for t in tensors)  # (the scan of the inputs a GPU host pays)
-        return _backend.backend_for(on_cuda=True)
-
     select = _backend.select_backend
-    _backend.select_backend = as_on_cuda
+    _backend.select_backend = lambda *tensors: _backend.backend_for(on_cuda=True)  # (its scan of the inputs left out)
     try:
         yield
     finally:
