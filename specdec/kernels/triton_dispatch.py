@@ -13,14 +13,15 @@ launch of each launch key, and skips it for later ones. The key is made from the
 tensor's dtype and whether its address is a multiple of 16, an int's value, a float, a bool, a string or None
 by type and value), then the meta-parameters and the launch options by name and value. Equal keys mean equal
 specialisations in Triton's binder (the key is exact for tensors and finer for ints, so a new shape runs the
-binder once). A launch whose specialisation is new goes through ``kernel[grid]``, which compiles or finds the
-kernel; what it returns is kept under (device, specialisation, options, the knobs that change a compile), and
-under the launch key with the constexpr values Triton's binder places after the arguments. Later launches
-call that kernel's launcher directly, with the arguments Triton would pass and no hook metadata. Triton's own
-path runs instead when a launch hook or a pre-run hook is attached (profilers), for the interpreter's
-kernels, and when the installed Triton lacks what this relies on (its per-device binder, the compiled
-kernel's launcher; Triton 3.6 to 3.9 have them). What is skipped is the check that a kernel's globals did not
-change since its compile: specdec's kernels read module constants only.
+binder once; a launch without a key, an argument of another type, runs it every time). A launch whose
+specialisation is new goes through ``kernel[grid]``, which compiles or finds the kernel; what it returns is
+kept under (device, specialisation, options, the knobs that change a compile), and under the launch key with
+the constexpr values Triton's binder places after the arguments. Later launches call that kernel's launcher
+directly, with the arguments Triton would pass and no hook metadata. Triton's own path runs instead when a
+launch hook or a pre-run hook is attached (profilers), for the interpreter's kernels, and when the installed
+Triton lacks what this relies on (its per-device binder, the compiled kernel's launcher; Triton 3.6 to 3.9
+have them). What is skipped is the check that a kernel's globals did not change since its compile: specdec's
+kernels read module constants only.
 
 ``SPECDEC_FAST_LAUNCH=0`` keeps every launch on Triton's own path (``1`` or unset: this one; anything else
 is refused, naming the variable).
