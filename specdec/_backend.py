@@ -8,8 +8,8 @@ Rules:
 
 ``SPECDEC_BACKEND=triton|torch`` (or the ``use_backend`` context manager, which
 wins over the variable) forces one path; ``auto`` or unset applies the rules. The
-variable is read once, at the first op call (reading the environment costs about a
-microsecond, every call); ``use_backend`` switches within a process.
+variable is read once, at the first op call (a read of the environment on every call
+is host time each op would pay); ``use_backend`` switches within a process.
 Nothing here compiles code or touches a GPU at import time.
 
 ``SPECDEC_ROW_INVARIANT=1`` (or ``set_row_invariant(True)``, which wins over the variable) makes the CPU's float32
